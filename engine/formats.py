@@ -1,0 +1,133 @@
+"""Number formats used by FP8 and MX quantization.
+
+Each format is described by its bit layout; every derived number (max, min normal,
+min subnormal) is computed from that layout, so the table below is the spec and the
+values follow from it. `decode` turns raw codes into values with the same rules, which
+lets the tests check torch's own dtypes code by code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A small floating-point format: sign bit (optional), exponent bits, mantissa bits.
+
+    `finite_only`: no inf; the all-ones exponent is used for normal numbers, except the
+    codes listed as NaN (E4M3: only S.1111.111 is NaN; MX fp6/fp4: no NaN at all).
+    `ieee_like`: the all-ones exponent is inf (mantissa 0) or NaN, as in IEEE 754.
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    signed: bool
+    ieee_like: bool
+    has_nan: bool
+    torch_dtype: torch.dtype | None
+
+    @property
+    def bits(self) -> int:
+        return int(self.signed) + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def max_exponent(self) -> int:
+        """Unbiased exponent of the largest finite value ("emax" in the OCP MX spec)."""
+        top = (1 << self.exponent_bits) - 1
+        if self.ieee_like:
+            top -= 1
+        return top - self.bias
+
+    @property
+    def max(self) -> float:
+        mantissa_codes = 1 << self.mantissa_bits
+        top_mantissa = mantissa_codes - 1
+        if self.has_nan and not self.ieee_like and self.mantissa_bits > 0:
+            top_mantissa -= 1  # E4M3: the all-ones mantissa at the top exponent is NaN
+        if self.mantissa_bits == 0:  # E8M0: pure exponent, the top code is NaN
+            return 2.0 ** (self.max_exponent - int(self.has_nan))
+        return (1 + top_mantissa / mantissa_codes) * 2.0**self.max_exponent
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0 ** (1 - self.bias) if self.mantissa_bits else 2.0 ** (-self.bias)
+
+    @property
+    def min_subnormal(self) -> float | None:
+        if self.mantissa_bits == 0:
+            return None
+        return 2.0 ** (1 - self.bias - self.mantissa_bits)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Values (float64) of integer codes, by the format's rules alone."""
+        c = codes.to(torch.int64)
+        m_mask = (1 << self.mantissa_bits) - 1
+        e_mask = (1 << self.exponent_bits) - 1
+        mant = (c & m_mask).double()
+        exp = (c >> self.mantissa_bits) & e_mask
+        sign = ((c >> (self.exponent_bits + self.mantissa_bits)) & 1) if self.signed else torch.zeros_like(c)
+        if self.mantissa_bits == 0:
+            value = torch.pow(2.0, (exp - self.bias).double())
+        else:
+            frac = mant / (1 << self.mantissa_bits)
+            normal = (1 + frac) * torch.pow(2.0, (exp - self.bias).double())
+            subnormal = frac * 2.0 ** (1 - self.bias)
+            value = torch.where(exp == 0, subnormal, normal)
+        value = torch.where(sign == 1, -value, value)
+        if self.ieee_like:
+            top = exp == e_mask
+            value = torch.where(top & (mant == 0), torch.where(sign == 1, -math.inf, math.inf), value)
+            value = torch.where(top & (mant != 0), math.nan, value)
+        elif self.has_nan:
+            nan_code = (exp == e_mask) & ((c & m_mask) == m_mask)
+            value = torch.where(nan_code, math.nan, value)
+        return value
+
+
+E4M3 = FloatFormat("E4M3", 4, 3, 7, True, False, True, torch.float8_e4m3fn)
+E5M2 = FloatFormat("E5M2", 5, 2, 15, True, True, True, torch.float8_e5m2)
+E8M0 = FloatFormat("E8M0", 8, 0, 127, False, False, True, torch.float8_e8m0fnu)
+E2M1 = FloatFormat("E2M1", 2, 1, 1, True, False, False, None)  # torch has only the packed x2 dtype
+E2M3 = FloatFormat("E2M3", 2, 3, 1, True, False, False, None)
+E3M2 = FloatFormat("E3M2", 3, 2, 3, True, False, False, None)
+
+FORMATS: dict[str, FloatFormat] = {f.name: f for f in (E4M3, E5M2, E8M0, E2M1, E2M3, E3M2)}
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def format_of(dtype: torch.dtype) -> FloatFormat:
+    """The format behind an FP8 torch dtype."""
+    for fmt in FORMATS.values():
+        if fmt.torch_dtype == dtype:
+            return fmt
+    raise TypeError(f"dtype: expected one of {[str(f.torch_dtype) for f in FORMATS.values() if f.torch_dtype]}, got {dtype}")
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 element dtype (E4M3: 448, E5M2: 57344)."""
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    return format_of(dtype).max
+
+
+def format_table() -> str:
+    """A plain-text table of every format, for `python -m engine formats`."""
+    header = ("format", "bits", "exp", "mant", "bias", "max", "min normal", "min subnormal", "torch dtype")
+    rows = [header]
+    for f in FORMATS.values():
+        sub = f.min_subnormal
+        rows.append((
+            f.name, str(f.bits), str(f.exponent_bits), str(f.mantissa_bits), str(f.bias),
+            f"{f.max:g}", f"{f.min_normal:g}", "-" if sub is None else f"{sub:g}",
+            str(f.torch_dtype).replace("torch.", "") if f.torch_dtype else "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Pure functions on tensors: the reference (plain PyTorch) quantization math."""

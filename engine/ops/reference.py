@@ -1,0 +1,314 @@
+"""Plain-PyTorch quantization for every scheme: the executable spec.
+
+Every other backend (C++ for the CPU, Triton for CUDA) must give the same bits as these
+functions. They favour being obviously right over being fast. Conventions:
+
+* Inputs are fp32, bf16 or fp16 with any leading dims; they are read as 2D `[M, K]`,
+  M = prod(leading dims), K = last dim. Math happens in fp32.
+* "Rowwise" data has the input's shape. "Columnwise" data is what the wgrad/dgrad GEMMs
+  read: for per-tensor and block scaling it is the quantization of the transposed 2D
+  tensor, shape `[K, M]`; for MXFP8 it keeps the input's shape (32x1 blocks, not
+  transposed), as on NVIDIA hardware.
+* Casts saturate: values are clamped to the format's ±max before the round-to-nearest-even
+  cast, so inf becomes ±max and only NaN stays NaN.
+* amax propagates NaN (torch semantics), so a NaN in the input is visible in the scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.formats import fp8_max
+
+FLT_MAX = torch.finfo(torch.float32).max
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_128 = 128
+MX_BLOCK = 32
+E8M0_NAN = 0xFF
+E8M0_BIAS = 127
+
+
+# ----------------------------------------------------------------------------- helpers
+def check_input(x: torch.Tensor, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+
+
+def as_2d(x: torch.Tensor) -> torch.Tensor:
+    """View `x` as `[prod(leading dims), last dim]` (a scalar is `[1, 1]`)."""
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max(|x|) as a 1-element fp32 tensor; 0 for an empty tensor; NaN if x has NaN."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return x.abs().amax().float().reshape(1)
+
+
+def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast of an fp32 tensor to an FP8 dtype."""
+    limit = fp8_max(fp8_dtype)
+    return x.float().clamp(-limit, limit).to(fp8_dtype)
+
+
+def compute_scale(
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    force_pow_2_scales: bool = False,
+    amax_epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
+) -> torch.Tensor:
+    """Current-scaling rule: scale = fp8_max / max(amax, eps), elementwise over `amax`.
+
+    amax of 0, inf or NaN gives scale 1; a scale that overflows fp32 becomes
+    `value_for_inf`; power-of-2 scales clear the mantissa (round down).
+    """
+    a = amax.float()
+    a = torch.where(a < amax_epsilon, torch.full_like(a, amax_epsilon), a)
+    scale = torch.full_like(a, fp8_max(fp8_dtype)) / a
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
+    degenerate = (a == 0) | torch.isinf(a) | torch.isnan(a)
+    scale = torch.where(degenerate, torch.ones_like(scale), scale)
+    if force_pow_2_scales:
+        bits = scale.view(torch.int32) & torch.tensor(0x7F800000 | -0x80000000, dtype=torch.int32)
+        scale = bits.view(torch.float32)
+    return scale
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(scale, dtype=torch.float32) / scale.float()
+
+
+# -------------------------------------------------------------- per-tensor (delayed and current)
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """q = sat_rne(x * scale), same shape as x. `scale` is a 1-element fp32 tensor."""
+    check_input(x)
+    return cast_to_fp8(x.float() * scale.float().reshape(()), fp8_dtype)
+
+
+def transpose_2d(data: torch.Tensor) -> torch.Tensor:
+    """Columnwise layout of per-tensor data: the 2D view transposed, `[K, M]`, contiguous."""
+    return as_2d(data).t().contiguous()
+
+
+def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scale_inv.float().reshape(())).to(dtype)
+
+
+def quantize_current_scaling(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    force_pow_2_scales: bool = False,
+    amax_epsilon: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor scale from this tensor's own amax. Returns (data, scale_inv, amax)."""
+    check_input(x)
+    a = amax(x)
+    scale = compute_scale(a, fp8_dtype, force_pow_2_scales=force_pow_2_scales, amax_epsilon=amax_epsilon)
+    return quantize_per_tensor(x, scale, fp8_dtype), reciprocal(scale), a
+
+
+# ------------------------------------------------------------------------- float8 block scaling
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_block(
+    x2d: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    tile_rows: int,
+    tile_cols: int,
+    force_pow_2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2D tensor in tiles of `tile_rows x tile_cols`, one scale per tile.
+
+    Edge tiles are partial (the tensor is zero-padded for the amax, which zeros cannot
+    change). Returns (data `[M, K]`, scale_inv fp32 `[ceil(M/tile_rows), ceil(K/tile_cols)]`).
+    """
+    m, k = x2d.shape
+    tm, tk = _ceil_div(m, tile_rows), _ceil_div(k, tile_cols)
+    padded = _pad_to(x2d.float(), tm * tile_rows, tk * tile_cols)
+    tiles = padded.reshape(tm, tile_rows, tk, tile_cols)
+    tile_amax = tiles.abs().amax(dim=(1, 3)) if padded.numel() else torch.zeros(tm, tk)
+    scale = compute_scale(
+        tile_amax, fp8_dtype, force_pow_2_scales=force_pow_2_scales,
+        amax_epsilon=amax_epsilon, value_for_inf=value_for_inf,
+    )
+    q = cast_to_fp8(tiles * scale[:, None, :, None], fp8_dtype)
+    data = q.reshape(tm * tile_rows, tk * tile_cols)[:m, :k].contiguous()
+    return data, reciprocal(scale)
+
+
+def block_value_for_inf(dtype: torch.dtype) -> float:
+    """A tile scale that overflows fp32 becomes the input dtype's max (as TE does)."""
+    return torch.finfo(dtype).max
+
+
+def quantize_block_1d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, force_pow_2_scales: bool = True, amax_epsilon: float = 0.0,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along the last dim of the 2D view (rowwise): data `[M, K]`, scale_inv `[M, ceil(K/128)]`.
+
+    Columnwise: the same rule on the transposed tensor, i.e. 128x1 tiles of x running
+    along M: data `[K, M]`, scale_inv `[K, ceil(M/128)]`.
+    """
+    check_input(x)
+    x2d = as_2d(x)
+    if columnwise:
+        x2d = x2d.t()
+    return quantize_block(
+        x2d, fp8_dtype, tile_rows=1, tile_cols=BLOCK_128, force_pow_2_scales=force_pow_2_scales,
+        amax_epsilon=amax_epsilon, value_for_inf=block_value_for_inf(x.dtype),
+    )
+
+
+def quantize_block_2d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, force_pow_2_scales: bool = True, amax_epsilon: float = 0.0,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 tiles: data `[M, K]`, scale_inv `[ceil(M/128), ceil(K/128)]`.
+
+    Square tiles map onto themselves under transposition, so the columnwise form is
+    exactly the transpose of the rowwise data and scales (`[K, M]`, `[ceil(K/128), ceil(M/128)]`).
+    """
+    check_input(x)
+    data, scale_inv = quantize_block(
+        as_2d(x), fp8_dtype, tile_rows=BLOCK_128, tile_cols=BLOCK_128, force_pow_2_scales=force_pow_2_scales,
+        amax_epsilon=amax_epsilon, value_for_inf=block_value_for_inf(x.dtype),
+    )
+    if columnwise:
+        return data.t().contiguous(), scale_inv.t().contiguous()
+    return data, scale_inv
+
+
+def dequantize_block(
+    data: torch.Tensor, scale_inv: torch.Tensor, *, tile_rows: int, tile_cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of `quantize_block` on 2D data (each tile times its scale_inv)."""
+    m, k = data.shape
+    expanded = scale_inv.float().repeat_interleave(tile_rows, 0)[:m].repeat_interleave(tile_cols, 1)[:, :k]
+    return (data.float() * expanded).to(dtype)
+
+
+# ----------------------------------------------------------------------------------- MXFP8
+def check_mx_shape(x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> None:
+    """MX blocks never straddle a tensor edge: the blocked dims must be multiples of 32."""
+    m, k = as_2d(x).shape
+    if rowwise and k % MX_BLOCK:
+        raise ValueError(
+            f"MXFP8 rowwise needs the last dim to be a multiple of {MX_BLOCK} (1x32 blocks); got shape {tuple(x.shape)}"
+        )
+    if columnwise and m % MX_BLOCK:
+        raise ValueError(
+            f"MXFP8 columnwise needs the product of the leading dims to be a multiple of {MX_BLOCK} "
+            f"(32x1 blocks); got shape {tuple(x.shape)} (product {m})"
+        )
+
+
+def e8m0_rceil(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Shared exponent, hardware/TE rule: round d = amax * (1/fp8_max) up to a power of two.
+
+    Like TE, d is the fp32 product with the fp32 reciprocal of fp8_max (not a division).
+    The e8m0 code is d's biased exponent, plus one if d's mantissa is non-zero; a
+    subnormal d up to 2^-127 gives code 0; the largest code is 254; inf gives 254 and
+    NaN gives 255.
+    """
+    rcp = torch.tensor(1.0 / fp8_max(fp8_dtype), dtype=torch.float32, device=block_amax.device)
+    d = block_amax.float() * rcp
+    bits = d.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    exponent = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    code = exponent + round_up.to(torch.int64)
+    code = torch.where(torch.isinf(d), torch.full_like(code, 0xFE), code)
+    code = torch.where(torch.isnan(d), torch.full_like(code, E8M0_NAN), code)
+    return code.to(torch.uint8)
+
+
+def e8m0_floor(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Shared exponent, OCP MX v1.0 rule: floor(log2(amax)) - emax_elem, clamped to [-127, 127].
+
+    floor(log2(amax)) is read from amax's fp32 exponent bits (a zero or subnormal amax
+    counts as 2^-127, which the clamp makes code 0). inf or NaN amax gives NaN (255).
+    Elements that then exceed the format's max saturate.
+    """
+    from engine.formats import format_of
+
+    a = block_amax.float()
+    biased = (a.view(torch.int32).to(torch.int64) >> 23) & 0xFF
+    shared = (biased - E8M0_BIAS) - format_of(fp8_dtype).max_exponent
+    code = (shared.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS)
+    code = torch.where(torch.isfinite(a), code, torch.full_like(code, E8M0_NAN))
+    return code.to(torch.uint8)
+
+
+def e8m0_to_float(code: torch.Tensor) -> torch.Tensor:
+    """2^(code - 127) exactly as fp32 (code 0 is the subnormal 2^-127), NaN for 255."""
+    c = code.to(torch.int32)
+    normal = (c << 23).view(torch.float32)
+    value = torch.where(c == 0, torch.full_like(normal, 2.0**-127), normal)
+    return torch.where(c == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def e8m0_to_element_scale(code: torch.Tensor) -> torch.Tensor:
+    """The multiplier applied to elements before the cast: 2^(127 - code) exactly, NaN for 255."""
+    c = code.to(torch.int32)
+    value = e8m0_to_float((254 - c).clamp(0, 254))
+    return torch.where(c == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+SCALE_MODES = {"rceil": e8m0_rceil, "floor": e8m0_floor}
+
+
+def quantize_mxfp8(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, scale_mode: str = "rceil", columnwise: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 with E8M0 shared scales, blocks of 32.
+
+    Rowwise: 1x32 blocks along the last dim; data has x's shape, scales (uint8 E8M0 codes)
+    are `[M, K/32]`. Columnwise: 32x1 blocks along M, data still has x's shape (not
+    transposed), scales are `[M/32, K]`.
+    """
+    check_input(x)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {sorted(SCALE_MODES)}, got {scale_mode!r}")
+    check_mx_shape(x, rowwise=not columnwise, columnwise=columnwise)
+    x2d = as_2d(x).float()
+    if columnwise:
+        x2d = x2d.t()
+    rows, cols = x2d.shape
+    blocks = x2d.reshape(rows, cols // MX_BLOCK, MX_BLOCK)
+    block_amax = blocks.abs().amax(dim=2) if blocks.numel() else torch.zeros(rows, cols // MX_BLOCK)
+    codes = SCALE_MODES[scale_mode](block_amax, fp8_dtype)
+    q = cast_to_fp8(blocks * e8m0_to_element_scale(codes)[:, :, None], fp8_dtype).reshape(rows, cols)
+    if columnwise:
+        return q.t().contiguous().reshape(x.shape), codes.t().contiguous()
+    return q.reshape(x.shape), codes
+
+
+def dequantize_mxfp8(
+    data: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype, columnwise: bool = False
+) -> torch.Tensor:
+    """data * 2^(code - 127) per block; `columnwise` selects 32x1 blocks."""
+    d2 = as_2d(data)
+    factors = e8m0_to_float(scale)
+    if columnwise:
+        factors = factors.repeat_interleave(MX_BLOCK, 0)
+    else:
+        factors = factors.repeat_interleave(MX_BLOCK, 1)
+    return (d2.float() * factors).to(dtype).reshape(data.shape)

@@ -1,0 +1,50 @@
+"""MXFP8 (OCP MX): FP8 elements with one E8M0 scale (stored as uint8 codes) per 32 elements.
+
+* Rowwise: 1x32 blocks along the last dim; data `x.shape`, scale `[M, K/32]`.
+* Columnwise: 32x1 blocks along M; data `x.shape` (not transposed), scale `[M/32, K]`.
+
+Each usage is quantized from the high-precision tensor; neither can be made from the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.ops import reference as ref
+from engine.tensors.quantized import QuantizedTensor
+from engine.tensors.storage import BufferSpecs, QuantizedTensorBase, dims_2d
+
+
+class MXFP8TensorStorage(QuantizedTensorBase):
+    scheme = "MXFP8"
+
+    @classmethod
+    def buffer_specs(
+        cls, shape: torch.Size, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool, **extra: Any
+    ) -> BufferSpecs:
+        m, k = dims_2d(shape)
+        probe = torch.empty(shape, device="meta")
+        ref.check_mx_shape(probe, rowwise=rowwise, columnwise=columnwise)
+        specs: BufferSpecs = {}
+        if rowwise:
+            specs["rowwise_data"] = (tuple(shape), fp8_dtype)
+            specs["rowwise_scale_inv"] = ((m, k // ref.MX_BLOCK), torch.uint8)
+        if columnwise:
+            specs["columnwise_data"] = (tuple(shape), fp8_dtype)
+            specs["columnwise_scale_inv"] = ((m // ref.MX_BLOCK, k), torch.uint8)
+        return specs
+
+    def _view_columnwise(self, shape: torch.Size) -> torch.Tensor:
+        return self.columnwise_data.view(shape)
+
+    def _dequantize_rowwise(self, dtype: torch.dtype) -> torch.Tensor:
+        return ref.dequantize_mxfp8(self.rowwise_data, self.rowwise_scale_inv, dtype=dtype)
+
+    def _dequantize_columnwise(self, dtype: torch.dtype) -> torch.Tensor:
+        return ref.dequantize_mxfp8(self.columnwise_data, self.columnwise_scale_inv, dtype=dtype, columnwise=True)
+
+
+class MXFP8Tensor(QuantizedTensor):
+    storage_class = MXFP8TensorStorage

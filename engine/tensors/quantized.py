@@ -1,0 +1,254 @@
+"""QuantizedTensor: a torch.Tensor that holds a QuantizedTensorBase and behaves like its value.
+
+It has the nominal (high-precision) dtype and shape, so it can flow through autograd and
+be a Parameter, while its bytes are FP8 data plus scales. Ops it understands keep the
+data quantized (detach, clone, copy_, .to(device), views that keep the last dim, empty_like,
+per-tensor t()); any other op runs on the dequantized value, with a one-time warning
+per op, and in-place ops write their result back quantized.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
+
+aten = torch.ops.aten
+
+
+class QuantizedFallbackWarning(UserWarning):
+    """An op on a QuantizedTensor ran on its dequantized value (slow, high-precision path)."""
+
+
+class QuantizedTensor(torch.Tensor):
+    """Tensor subclass over one storage; subclasses name their `storage_class`."""
+
+    storage_class: type[QuantizedTensorBase] = QuantizedTensorBase
+    _qstorage: QuantizedTensorBase
+    _by_storage: dict[type, type[QuantizedTensor]] = {}
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        QuantizedTensor._by_storage[cls.storage_class] = cls
+
+    @staticmethod
+    def __new__(cls, storage: QuantizedTensorBase, requires_grad: bool = False) -> QuantizedTensor:
+        if not isinstance(storage, cls.storage_class):
+            raise TypeError(f"storage: expected {cls.storage_class.__name__}, got {type(storage).__name__}")
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, storage.shape, dtype=storage.nominal_dtype, device=storage.device, requires_grad=requires_grad
+        )
+        tensor._qstorage = storage
+        return tensor
+
+    @staticmethod
+    def wrap(storage: QuantizedTensorBase, requires_grad: bool = False) -> QuantizedTensor:
+        """The tensor class for this storage's scheme, around it."""
+        return QuantizedTensor._by_storage[type(storage)](storage, requires_grad=requires_grad)
+
+    # ------------------------------------------------------------------ the storage API, delegated
+    @property
+    def qstorage(self) -> QuantizedTensorBase:
+        return self._qstorage
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._qstorage.fp8_dtype
+
+    @property
+    def quantizer(self) -> Any:
+        return self._qstorage.quantizer
+
+    def update_usage(self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None) -> None:
+        self._qstorage.update_usage(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage)
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedTensor]:
+        tensors, _ = self._qstorage.prepare_for_saving()
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return self._qstorage.restore_from_saved(tensors)
+
+    def update_quantizer(self, quantizer: Any) -> None:
+        self._qstorage.update_quantizer(quantizer)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """The high-precision value; differentiable (the gradient passes straight through)."""
+        dtype = self.dtype if dtype is None else dtype
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self, dtype)
+        return self._qstorage.dequantize(dtype)
+
+    def quantize_(self, src: torch.Tensor, noop_flag: torch.Tensor | None = None) -> QuantizedTensor:
+        """Quantize `src` into this tensor's buffers with its quantizer (in place)."""
+        quantizer = self._qstorage.quantizer
+        if quantizer is None:
+            raise ValueError(f"quantize_: this {type(self).__name__} has no quantizer; call update_quantizer first")
+        quantizer.update_quantized(src, self, noop_flag=noop_flag)
+        return self
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        st = self._qstorage
+        usages = [u for u, on in (("rowwise", st.has_rowwise), ("columnwise", st.has_columnwise)) if on]
+        value = st.dequantize() if usages else "<emptied by prepare_for_saving>"
+        return f"{type(self).__name__}(fp8_dtype={st.fp8_dtype}, usages={usages}, data={value})"
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        from engine.tensors.serialization import rebuild_quantized_tensor
+
+        return rebuild_quantized_tensor, (self._qstorage.to_plain(), self.requires_grad)
+
+    # ------------------------------------------------------------------ dispatch
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return _fallback(func, args, kwargs)
+
+
+class _Dequantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.input_dtype = tensor.dtype
+        return tensor._qstorage.dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.input_dtype), None
+
+
+# ---------------------------------------------------------------------------------- handlers
+_HANDLERS: dict[Any, Callable[..., Any]] = {}
+
+
+def _handles(*ops: Any) -> Callable:
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            _HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def map_buffers(storage: QuantizedTensorBase, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensorBase:
+    """A storage whose buffers are fn(buffer); a buffer shared by two fields stays shared."""
+    done: dict[int, torch.Tensor] = {}
+    changes = {}
+    for name, t in storage.buffers().items():
+        if t is not None and id(t) not in done:
+            done[id(t)] = fn(t)
+        changes[name] = None if t is None else done[id(t)]
+    return storage.replace(**changes)
+
+
+@_handles(aten.detach.default, aten.alias.default)
+def _detach(self: QuantizedTensor) -> QuantizedTensor:
+    return QuantizedTensor.wrap(self._qstorage.replace())
+
+
+@_handles(aten.clone.default)
+def _clone(self: QuantizedTensor, memory_format: Any = None) -> QuantizedTensor:
+    return QuantizedTensor.wrap(map_buffers(self._qstorage, torch.clone))
+
+
+@_handles(aten.copy_.default)
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    if not isinstance(dst, QuantizedTensor):
+        dst.copy_(src.dequantize(), non_blocking=non_blocking)
+        return dst
+    if not isinstance(src, QuantizedTensor):
+        return dst.quantize_(src)
+    if type(src) is not type(dst) or src.shape != dst.shape:
+        raise ValueError(
+            f"copy_: can copy a {type(src).__name__} of shape {tuple(src.shape)} only into the same kind and shape; "
+            f"got {type(dst).__name__} of shape {tuple(dst.shape)}"
+        )
+    d, s = dst._qstorage, src._qstorage
+    for name in BUFFER_FIELDS:
+        mine, theirs = getattr(d, name), getattr(s, name)
+        if theirs is None:
+            setattr(d, name, None)
+        elif mine is not None and mine.shape == theirs.shape and mine.dtype == theirs.dtype:
+            mine.copy_(theirs, non_blocking=non_blocking)
+        else:
+            setattr(d, name, theirs.clone())
+    return dst
+
+
+@_handles(aten._to_copy.default)
+def _to_copy(self: QuantizedTensor, **kwargs: Any) -> torch.Tensor:
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    if dtype is not None and dtype != self.dtype:
+        out = self._qstorage.dequantize(dtype)
+        return out if device is None else out.to(device)
+    target = self.device if device is None else torch.device(device)
+    return QuantizedTensor.wrap(map_buffers(self._qstorage, lambda t: t.to(target, copy=True)))
+
+
+def _infer_shape(size: Any, numel: int) -> torch.Size:
+    size = list(size)
+    if -1 in size:
+        known = 1
+        for s in size:
+            if s != -1:
+                known *= s
+        size[size.index(-1)] = numel // known if known else 0
+    return torch.Size(size)
+
+
+@_handles(aten.view.default, aten._unsafe_view.default)
+def _view(self: QuantizedTensor, size: Any) -> Any:
+    shape = _infer_shape(size, self.numel())
+    viewed = self._qstorage.view(shape)
+    return NotImplemented if viewed is None else QuantizedTensor.wrap(viewed)
+
+
+@_handles(aten.t.default)
+def _transpose(self: QuantizedTensor) -> Any:
+    transposed = self._qstorage.transpose()
+    return NotImplemented if transposed is None else QuantizedTensor.wrap(transposed)
+
+
+@_handles(aten.empty_like.default)
+def _empty_like(self: QuantizedTensor, **kwargs: Any) -> Any:
+    if kwargs.get("dtype") not in (None, self.dtype):
+        return torch.empty(self.shape, dtype=kwargs["dtype"], device=kwargs.get("device") or self.device)
+    return QuantizedTensor.wrap(self._qstorage.empty_like(self.shape, device=kwargs.get("device")))
+
+
+@_handles(aten.new_empty.default)
+def _new_empty(self: QuantizedTensor, size: Any, **kwargs: Any) -> Any:
+    if kwargs.get("dtype") not in (None, self.dtype):
+        return torch.empty(size, dtype=kwargs["dtype"], device=kwargs.get("device") or self.device)
+    return QuantizedTensor.wrap(self._qstorage.empty_like(torch.Size(size), device=kwargs.get("device")))
+
+
+def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run `func` on dequantized values; write the result back into a mutated quantized self."""
+    warnings.warn(
+        f"{func} has no quantized implementation; it runs on the dequantized (high-precision) tensor",
+        QuantizedFallbackWarning,
+        stacklevel=3,
+    )
+    plain_args, plain_kwargs = tree_map_only(QuantizedTensor, lambda t: t._qstorage.dequantize(), (args, kwargs))
+    out = func(*plain_args, **plain_kwargs)
+    schema_args = func._schema.arguments
+    mutated = [
+        i for i, a in enumerate(schema_args[: len(args)])
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(args[i], QuantizedTensor)
+    ]
+    for i in mutated:
+        args[i].quantize_(plain_args[i])
+    if mutated and mutated[0] == 0:
+        return args[0]
+    return out
