@@ -13,11 +13,20 @@ def _formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info(args: argparse.Namespace) -> int:
+    from engine.device import format_device_info
+
+    print(format_device_info())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="FP8 and MX low-precision training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     formats = commands.add_parser("formats", help="print the table of number formats (bits, bias, range)")
     formats.set_defaults(run=_formats)
+    info = commands.add_parser("info", help="print the GPU / NVML status and which FP8 recipes can run")
+    info.set_defaults(run=_info)
     return parser
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.distributed import all_reduce_max
 from engine.ops import reference as ref
 from engine.quantizers.base import (
     Buffers, Quantizer, check_bool, check_epsilon, check_fp8_dtype, dtype_name, per_tensor_buffers,
@@ -45,9 +46,13 @@ class Float8Quantizer(Quantizer):
     def state(self) -> dict[str, torch.Tensor]:
         return {"scale": self.scale.detach().clone(), "amax": self.amax.detach().clone()}
 
-    def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
-        current = ref.amax(x).to(self.amax.device).reshape(self.amax.shape)
+    def record_amax(self, x: torch.Tensor) -> None:
+        """amax = max(amax, max|x|), in place (also used alone, for calibration)."""
+        current = ref.amax(x.detach()).to(self.amax.device).reshape(self.amax.shape)
         self.amax.copy_(torch.maximum(self.amax, current))
+
+    def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
+        self.record_amax(x)
         data = ref.quantize_per_tensor(x, self.scale, self.fp8_dtype)
         scale_inv = ref.reciprocal(self.scale).reshape(1).to(x.device)
         return per_tensor_buffers(data, scale_inv, rowwise=rowwise, columnwise=columnwise)
@@ -75,9 +80,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def _reduced_amax(self, x: torch.Tensor) -> torch.Tensor:
         amax = ref.amax(x)
-        group = self.amax_reduction_group
-        if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        if self.amax_reduction_group is not None:
+            all_reduce_max([amax], self.amax_reduction_group)
         return amax
 
     def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:

@@ -1,0 +1,187 @@
+"""fp8_autocast and fp8_model_init: the one place in `engine` with global state.
+
+`fp8_autocast` says which recipe the modules run under. Delayed-scaling state that a
+module used inside it is updated at two moments, as in Transformer Engine:
+
+* forward slots (input, weight, output) when the outermost `fp8_autocast` exits;
+* backward slots (grad_output, grad_input) when the backward of the first module that
+  ran in that autocast finishes - by then every other module's backward has run.
+
+Before each update the recorded amaxes of all those states are all-reduced (MAX) in one
+collective over `fp8_group` (default: the world), when torch.distributed is initialised,
+the group has more than one rank, and the recipe's `reduce_amax` is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from engine.distributed import all_reduce_max
+from engine.recipes import DelayedScaling, Recipe, RecipeState
+
+
+@dataclass
+class AutocastStep:
+    """What one outermost fp8_autocast collected: the states to update after it."""
+
+    group: dist.ProcessGroup | None
+    forward_states: dict[int, RecipeState] = field(default_factory=dict)
+    backward_states: dict[int, RecipeState] = field(default_factory=dict)
+    backward_done: bool = False
+
+
+@dataclass
+class _AutocastState:
+    enabled: bool = False
+    calibrating: bool = False
+    recipe: Recipe | None = None
+    group: dist.ProcessGroup | None = None
+    depth: int = 0
+    step: AutocastStep | None = None
+    model_init_enabled: bool = False
+    model_init_recipe: Recipe | None = None
+    preserve_high_precision_init_val: bool = False
+
+
+_STATE = _AutocastState()
+
+
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+def _check_recipe(recipe: Any) -> Recipe:
+    if recipe is None:
+        return DelayedScaling()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe: expected an engine.recipes.Recipe or None, got {type(recipe).__name__}")
+    return recipe
+
+
+@contextlib.contextmanager
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    recipe: Recipe | None = None,
+    fp8_group: dist.ProcessGroup | None = None,
+) -> Iterator[None]:
+    """Run engine modules inside in FP8 under `recipe` (default: DelayedScaling()).
+
+    `calibrating=True` with `enabled=False` runs in high precision while recording
+    amaxes, so the first FP8 step starts from calibrated delayed scales. Nesting is
+    allowed; the outer settings come back on exit.
+    """
+    _check_flag(enabled, "enabled")
+    _check_flag(calibrating, "calibrating")
+    recipe = _check_recipe(recipe)
+    if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
+        raise TypeError(f"fp8_group: expected a torch.distributed.ProcessGroup or None, got {type(fp8_group).__name__}")
+    saved = (_STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group)
+    _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = enabled, calibrating, recipe, fp8_group
+    if _STATE.depth == 0:
+        _STATE.step = AutocastStep(group=fp8_group)
+    _STATE.depth += 1
+    try:
+        yield
+    finally:
+        _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = saved
+        _STATE.depth -= 1
+        if _STATE.depth == 0:
+            step, _STATE.step = _STATE.step, None
+            update_states(list(step.forward_states.values()), step.group)
+
+
+def is_fp8_enabled() -> bool:
+    return _STATE.enabled
+
+
+def is_calibrating() -> bool:
+    return _STATE.calibrating
+
+
+def get_recipe() -> Recipe:
+    """The recipe of the innermost fp8_autocast (DelayedScaling() outside any)."""
+    return _STATE.recipe if _STATE.recipe is not None else DelayedScaling()
+
+
+def get_fp8_group() -> dist.ProcessGroup | None:
+    return _STATE.group
+
+
+def update_states(states: list[RecipeState], group: dist.ProcessGroup | None) -> None:
+    """All-reduce the amaxes recorded by delayed-scaling states (one collective), then update them."""
+    delayed = [s for s in states if s.needs_update]
+    reduced = [s.current_amax for s in delayed if s.recipe.reduce_amax]
+    all_reduce_max(reduced, group)
+    for s in delayed:
+        s.update()
+
+
+def register_forward_state(state: RecipeState) -> None:
+    """A module used `state` in forward: update it when the outermost fp8_autocast exits."""
+    if _STATE.step is None:
+        raise RuntimeError("register_forward_state: called outside fp8_autocast")
+    if state.needs_update:
+        _STATE.step.forward_states[id(state)] = state
+
+
+def register_backward_state(state: RecipeState) -> AutocastStep | None:
+    """A module will use `state` in backward. Returns the step to finish if it is the first such module.
+
+    The module that gets a step back calls `finish_backward(step)` at the end of its
+    backward; all others get None.
+    """
+    step = _STATE.step
+    if step is None:
+        raise RuntimeError("register_backward_state: called outside fp8_autocast")
+    first = not step.backward_states
+    step.backward_states.setdefault(id(state), state)
+    return step if first else None
+
+
+def finish_backward(step: AutocastStep) -> None:
+    """Update the backward states of `step` (once, however often it is called)."""
+    if step.backward_done:
+        return
+    step.backward_done = True
+    update_states([s for s in step.backward_states.values() if s.needs_update], step.group)
+
+
+@contextlib.contextmanager
+def fp8_model_init(
+    enabled: bool = True, recipe: Recipe | None = None, preserve_high_precision_init_val: bool = False
+) -> Iterator[None]:
+    """Parameters that engine modules create inside are stored quantized (FP8 primary weights).
+
+    With `preserve_high_precision_init_val`, each keeps a CPU copy of its initial
+    high-precision value (see `engine.parameters.get_high_precision_init_val`).
+    """
+    _check_flag(enabled, "enabled")
+    _check_flag(preserve_high_precision_init_val, "preserve_high_precision_init_val")
+    recipe = _check_recipe(recipe)
+    saved = (_STATE.model_init_enabled, _STATE.model_init_recipe, _STATE.preserve_high_precision_init_val)
+    _STATE.model_init_enabled, _STATE.model_init_recipe = enabled, recipe
+    _STATE.preserve_high_precision_init_val = preserve_high_precision_init_val
+    try:
+        yield
+    finally:
+        (_STATE.model_init_enabled, _STATE.model_init_recipe, _STATE.preserve_high_precision_init_val) = saved
+
+
+def is_fp8_model_init() -> bool:
+    return _STATE.model_init_enabled
+
+
+def model_init_recipe() -> Recipe:
+    return _STATE.model_init_recipe if _STATE.model_init_recipe is not None else DelayedScaling()
+
+
+def preserve_high_precision_init_val() -> bool:
+    return _STATE.preserve_high_precision_init_val

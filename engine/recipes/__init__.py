@@ -1,0 +1,18 @@
+"""Recipes: which quantizer each GEMM operand gets, and how scales evolve."""
+
+from engine.recipes.base import Recipe, RecipeState
+from engine.recipes.block import Float8BlockScaling
+from engine.recipes.current import Float8CurrentScaling
+from engine.recipes.delayed import DelayedScaling, DelayedScalingState
+from engine.recipes.format import Format
+from engine.recipes.mxfp8 import MXFP8BlockScaling
+from engine.recipes.roles import BACKWARD_ROLES, FORWARD_ROLES, Role
+
+RECIPES: dict[str, type[Recipe]] = {
+    cls.name: cls for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)
+}
+
+__all__ = [
+    "BACKWARD_ROLES", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES", "Float8BlockScaling",
+    "Float8CurrentScaling", "Format", "MXFP8BlockScaling", "RECIPES", "Recipe", "RecipeState", "Role",
+]

@@ -1,0 +1,53 @@
+"""Float8 block scaling (DeepSeek-V3): 1x128 tiles for activations and gradients, 128x128 for weights."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import model_validator
+
+from engine.quantizers import Float8BlockQuantizer, Quantizer
+from engine.recipes.base import PerRoleRecipe
+from engine.recipes.format import Format
+from engine.recipes.roles import Role
+
+BlockDim = Literal[1, 2]
+
+
+class Float8BlockScaling(PerRoleRecipe):
+    """Per-tile scales, power-of-2 unless `use_f32_scales`. No GEMM may pair two 2D-tiled operands."""
+
+    name: ClassVar[str] = "block"
+
+    fp8_format: Format = Format.E4M3
+    use_f32_scales: bool = False
+    x_block_scaling_dim: BlockDim = 1
+    w_block_scaling_dim: BlockDim = 2
+    grad_block_scaling_dim: BlockDim = 1
+
+    @model_validator(mode="after")
+    def _no_2d_by_2d(self) -> Float8BlockScaling:
+        gemms = {
+            "fprop (x, w)": (self.x_block_scaling_dim, self.w_block_scaling_dim),
+            "dgrad (grad, w)": (self.grad_block_scaling_dim, self.w_block_scaling_dim),
+            "wgrad (grad, x)": (self.grad_block_scaling_dim, self.x_block_scaling_dim),
+        }
+        both_2d = [name for name, dims in gemms.items() if dims == (2, 2)]
+        if both_2d:
+            raise ValueError(f"2D x 2D block-scaled GEMMs are not supported; {', '.join(both_2d)} would pair two "
+                             "128x128-tiled operands: make one of them 1 (1x128 tiles)")
+        return self
+
+    def block_dim_for(self, role: Role) -> int:
+        if role is Role.WEIGHT:
+            return self.w_block_scaling_dim
+        if role is Role.INPUT:
+            return self.x_block_scaling_dim
+        if role is Role.GRAD_OUTPUT:
+            return self.grad_block_scaling_dim
+        return 1  # output / grad_input: produced tensors, quantized only when a consumer asks
+
+    def make_quantizer(self, role: Role) -> Quantizer:
+        return Float8BlockQuantizer(
+            self.dtype_for(role), block_scaling_dim=self.block_dim_for(role), force_pow_2_scales=not self.use_f32_scales
+        )

@@ -1,0 +1,32 @@
+"""Format: which FP8 dtype forward tensors and gradients use."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+
+class Format(str, Enum):
+    """E4M3 everywhere, or HYBRID: E4M3 forward (input, weight, output) and E5M2 gradients.
+
+    E5M2 is listed so that asking for it fails with a clear message: its 2 mantissa bits
+    are too coarse for weights and activations, so no recipe accepts it.
+    """
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+    E5M2 = "E5M2"
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
+
+    def __repr__(self) -> str:
+        return f"Format.{self.name}"
+
+    __str__ = __repr__
