@@ -1,0 +1,198 @@
+"""general_gemm: out = op(A) @ op(B)^T on quantized operands, with fp32 accumulation.
+
+`op(t)` is the 2D value of t (its rowwise data) or, with `*_transposed=True`, its
+transpose (its columnwise data). The three GEMMs of a linear layer are then:
+
+    fprop  y  = x  @ W^T   general_gemm(x, W)
+    dgrad  dx = dy @ W     general_gemm(dy, W, b_transposed=True)
+    wgrad  dW = dy^T @ x   general_gemm(dy, x, a_transposed=True, b_transposed=True)
+
+CPU (exact emulation, fast): every FP8 value is exact in bf16, and so is an FP8 value
+times a power of two. So per-tensor operands are upcast to bf16 and run as one GEMM
+with the product of the two scales folded into `addmm`'s alpha; MXFP8 and power-of-2
+block-scaled operands are dequantized to bf16 exactly and run as one GEMM; fp32 block
+scales are applied per 128-wide K block to fp32 partial sums (as DeepSeek-V3 does).
+bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an fp32 GEMM.
+
+CUDA: per-tensor pairs go to `torch._scaled_mm`; block and MX pairs run the emulation
+(with a one-time warning) until the installed torch's block-scaled GEMMs are wired in.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from engine.ops import reference as ref
+from engine.tensors.blockwise import Float8BlockwiseTensorStorage
+from engine.tensors.float8 import Float8TensorStorage
+from engine.tensors.mxfp8 import MXFP8TensorStorage
+from engine.tensors.quantized import QuantizedTensor
+from engine.tensors.storage import QuantizedTensorBase
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """One side of out = A @ B^T, K-major: `data` is [rows, K] FP8 with scales along K.
+
+    `scale_inv` is [1] (per tensor), or one scale per tile of `tile_rows x tile_cols`
+    (block: fp32, MX: uint8 E8M0 codes), shaped [ceil(rows/tile_rows), ceil(K/tile_cols)].
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    kind: str  # "tensor" | "block" | "mx"
+    tile_rows: int = 1
+    tile_cols: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    def tile_scales(self) -> torch.Tensor:
+        """fp32 scale_inv per tile (E8M0 codes decoded)."""
+        return ref.e8m0_to_float(self.scale_inv) if self.kind == "mx" else self.scale_inv.float()
+
+    def has_pow2_scales(self) -> bool:
+        if self.kind == "mx":
+            return True
+        bits = self.scale_inv.float().view(torch.int32)
+        return bool(((bits & 0x7FFFFF) == 0).all())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kind == "tensor":
+            return (self.data.float() * self.scale_inv.float()).to(dtype)
+        return ref.dequantize_block(self.data, self.tile_scales(), tile_rows=self.tile_rows,
+                                    tile_cols=self.tile_cols, dtype=dtype)
+
+
+def _storage(t: QuantizedTensor | QuantizedTensorBase, name: str) -> QuantizedTensorBase:
+    if isinstance(t, QuantizedTensor):
+        return t.qstorage
+    if isinstance(t, QuantizedTensorBase):
+        return t
+    raise TypeError(f"{name}: expected a quantized tensor (engine.QuantizedTensor or its storage), "
+                    f"got {type(t).__name__}")
+
+
+def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, name: str = "a") -> GemmOperand:
+    """The K-major operand for op(t): rowwise data, or columnwise data when `transposed`."""
+    st = _storage(t, name)
+    usage = "columnwise" if transposed else "rowwise"
+    data = st.columnwise_data if transposed else st.rowwise_data
+    scale_inv = st.columnwise_scale_inv if transposed else st.rowwise_scale_inv
+    if data is None:
+        raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
+                         f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
+    if isinstance(st, Float8TensorStorage):
+        return GemmOperand(ref.as_2d(data), scale_inv, "tensor")
+    if isinstance(st, Float8BlockwiseTensorStorage):
+        tile_rows = 1 if st.block_scaling_dim == 1 else ref.BLOCK_128
+        return GemmOperand(ref.as_2d(data), scale_inv, "block", tile_rows, ref.BLOCK_128)
+    if isinstance(st, MXFP8TensorStorage):
+        data2d = ref.as_2d(data)
+        if transposed:  # 32x1 blocks along M, stored untransposed: read them as [K, M] with scales [K, M/32]
+            return GemmOperand(data2d.t(), scale_inv.t(), "mx", 1, ref.MX_BLOCK)
+        return GemmOperand(data2d, scale_inv, "mx", 1, ref.MX_BLOCK)
+    raise TypeError(f"{name}: no GEMM for {type(st).__name__}")
+
+
+def _check_pair(a: GemmOperand, b: GemmOperand) -> None:
+    if a.kind != b.kind:
+        raise TypeError(f"general_gemm: cannot pair a {a.kind}-scaled operand with a {b.kind}-scaled one")
+    if a.k != b.k:
+        raise ValueError(f"general_gemm: inner dims differ: A is [{a.rows}, {a.k}], B is [{b.rows}, {b.k}]")
+    if a.kind == "block" and a.tile_rows > 1 and b.tile_rows > 1:
+        raise ValueError("general_gemm: 2D x 2D block-scaled GEMMs are not supported (one operand must be 1x128)")
+
+
+def _per_k_block(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
+    """fp32 out with block scales applied to each 128-wide K block's fp32 partial product."""
+    sa = a.tile_scales().repeat_interleave(a.tile_rows, 0)[: a.rows]  # [rows_a, kb]
+    sb = b.tile_scales().repeat_interleave(b.tile_rows, 0)[: b.rows]
+    out = torch.zeros(a.rows, b.rows, dtype=torch.float32, device=a.data.device)
+    for kb, start in enumerate(range(0, a.k, a.tile_cols)):
+        stop = min(start + a.tile_cols, a.k)
+        partial = a.data[:, start:stop].float() @ b.data[:, start:stop].float().t()
+        out.addcmul_(partial, sa[:, kb : kb + 1] * sb[:, kb].unsqueeze(0))
+    return out
+
+
+def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    if a.kind == "tensor":
+        alpha = float(a.scale_inv.float().item() * b.scale_inv.float().item())
+        lhs, rhs = a.data.to(gemm_dtype), b.data.to(gemm_dtype)
+    elif a.has_pow2_scales() and b.has_pow2_scales():
+        alpha = 1.0
+        lhs, rhs = a.dequantize(gemm_dtype), b.dequantize(gemm_dtype)
+    else:
+        out = _per_k_block(a, b)
+        if bias is not None:
+            out += bias.float()
+        return out.to(out_dtype)
+    if bias is None:
+        out = torch.empty(a.rows, b.rows, dtype=gemm_dtype, device=a.data.device)
+        out = torch.addmm(out, lhs, rhs.t(), beta=0, alpha=alpha)
+    else:
+        out = torch.addmm(bias.to(gemm_dtype).expand(a.rows, b.rows), lhs, rhs.t(), alpha=alpha)
+    return out.to(out_dtype)
+
+
+def _scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per-tensor FP8 GEMM on the GPU: torch._scaled_mm wants B column-major, so pass b.data.t()."""
+    return torch._scaled_mm(
+        a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv.float().reshape(()),
+        scale_b=b.scale_inv.float().reshape(()), bias=None if bias is None else bias.to(out_dtype),
+        out_dtype=out_dtype,
+    )
+
+
+def _warn_emulating_on_gpu(kind: str) -> None:
+    warnings.warn(f"general_gemm: {kind}-scaled GEMMs run through the emulation path on CUDA (slow)",
+                  RuntimeWarning, stacklevel=3)
+
+
+def general_gemm(
+    a: QuantizedTensor | QuantizedTensorBase,
+    b: QuantizedTensor | QuantizedTensorBase,
+    *,
+    a_transposed: bool = False,
+    b_transposed: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """out[M, N] = op(a)[M, K] @ op(b)[N, K]^T (+ bias[N]); with `accumulate`, added into `out` (fp32)."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
+    lhs = gemm_operand(a, transposed=a_transposed, name="a")
+    rhs = gemm_operand(b, transposed=b_transposed, name="b")
+    _check_pair(lhs, rhs)
+    if bias is not None and tuple(bias.shape) != (rhs.rows,):
+        raise ValueError(f"bias: expected shape ({rhs.rows},), got {tuple(bias.shape)}")
+    if accumulate:
+        if out is None or out.dtype != torch.float32 or tuple(out.shape) != (lhs.rows, rhs.rows):
+            got = None if out is None else f"{out.dtype} {tuple(out.shape)}"
+            raise ValueError(f"out: accumulate=True needs an fp32 out of shape ({lhs.rows}, {rhs.rows}), got {got}")
+        out_dtype = torch.float32
+    if lhs.data.is_cuda and lhs.kind == "tensor":
+        result = _scaled_mm(lhs, rhs, out_dtype, bias)
+    else:
+        if lhs.data.is_cuda:
+            _warn_emulating_on_gpu(lhs.kind)
+        result = _emulated(lhs, rhs, out_dtype, bias)
+    if out is None:
+        return result
+    if accumulate:
+        return out.add_(result)
+    return out.copy_(result)
