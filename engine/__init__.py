@@ -2,6 +2,7 @@
 
 from engine import formats, recipes
 from engine.autocast import fp8_autocast, fp8_model_init
+from engine.modules import LayerNormLinear, LayerNormMLP, Linear
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from engine.quantizers import (
     Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, Quantizer,
@@ -14,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Float8BlockQuantizer", "Float8BlockwiseTensor", "Float8CurrentScalingQuantizer", "Float8Quantizer",
-    "Float8Tensor", "MXFP8Quantizer", "MXFP8Tensor", "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
+    "Float8Tensor", "LayerNormLinear", "LayerNormMLP", "Linear", "MXFP8Quantizer", "MXFP8Tensor", "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
     "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "recipes",
 ]

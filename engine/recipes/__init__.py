@@ -6,6 +6,7 @@ from engine.recipes.current import Float8CurrentScaling
 from engine.recipes.delayed import DelayedScaling, DelayedScalingState
 from engine.recipes.format import Format
 from engine.recipes.mxfp8 import MXFP8BlockScaling
+from engine.recipes.plain import recipe_from_plain, recipe_to_plain
 from engine.recipes.roles import BACKWARD_ROLES, FORWARD_ROLES, Role
 
 RECIPES: dict[str, type[Recipe]] = {
@@ -15,4 +16,5 @@ RECIPES: dict[str, type[Recipe]] = {
 __all__ = [
     "BACKWARD_ROLES", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES", "Float8BlockScaling",
     "Float8CurrentScaling", "Format", "MXFP8BlockScaling", "RECIPES", "Recipe", "RecipeState", "Role",
+    "recipe_from_plain", "recipe_to_plain",
 ]

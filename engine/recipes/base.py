@@ -78,5 +78,13 @@ class RecipeState:
         self.roles = roles
         self.quantizers = quantizers
 
+    @property
+    def num_gemms(self) -> int:
+        return len(self.roles) // roles_per_gemm(self.forward)
+
+    def slot(self, role: Role, gemm: int = 0) -> int:
+        """Index of (role, gemm) in `quantizers` (and in delayed-scaling state columns)."""
+        return slot_index(role, gemm, forward=self.forward, num_gemms=self.num_gemms)
+
     def quantizer(self, role: Role, gemm: int = 0) -> Quantizer:
-        return self.quantizers[slot_index(role, gemm, forward=self.forward, num_gemms=len(self.roles) // roles_per_gemm(self.forward))]
+        return self.quantizers[self.slot(role, gemm)]

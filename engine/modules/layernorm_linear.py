@@ -1,0 +1,64 @@
+"""LayerNormLinear: a LayerNorm (or RMSNorm) followed by a Linear whose GEMMs run in FP8."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.modules.base import FP8Module
+from engine.modules.linear import InitMethod, check_features, check_input, linear_parameters
+from engine.modules.linear_function import LinearFunction
+from engine.modules.normalization import check_eps, check_normalization, norm_parameters, normalize
+
+
+class LayerNormLinear(FP8Module):
+    """norm(x) W^T + b. The norm runs in high precision; its output is quantized for the GEMM.
+
+    `return_layernorm_output=True` also returns the norm's output (e.g. for a residual).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        return_layernorm_output: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        return_bias: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = check_features(in_features, "in_features")
+        self.out_features = check_features(out_features, "out_features")
+        self.eps = check_eps(eps)
+        self.normalization = check_normalization(normalization)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.return_bias = return_bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        dtype = params_dtype or torch.get_default_dtype()
+        self.layer_norm_weight, ln_bias = norm_parameters(
+            in_features, normalization=normalization, zero_centered_gamma=zero_centered_gamma, dtype=dtype,
+            device=device)
+        self.register_parameter("layer_norm_bias", ln_bias)
+        self.weight, b = linear_parameters(self, in_features, out_features, bias=bias, dtype=dtype, device=device,
+                                           init_method=init_method, gemm=0)
+        self.register_parameter("bias", b)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+        check_input(inp, self.in_features, type(self).__name__)
+        (args,) = self._prepare(inp.device, is_first_microbatch)
+        ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
+                           eps=self.eps, zero_centered_gamma=self.zero_centered_gamma)
+        self._calibrate(args, ln_out, self.weight)
+        out = LinearFunction.apply(ln_out, self.weight, None if self.return_bias else self.bias, args)
+        outputs = (out,) + ((self.bias,) if self.return_bias else ()) + ((ln_out,) if self.return_layernorm_output else ())
+        return outputs if len(outputs) > 1 else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, normalization={self.normalization}, "
+                f"eps={self.eps}, bias={self.bias is not None}")
