@@ -29,7 +29,8 @@ def check_fp8_dtype(fp8_dtype: Any) -> torch.dtype:
 
 
 def check_epsilon(amax_epsilon: Any) -> float:
-    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float)) or not amax_epsilon >= 0:
+    if (isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float))
+            or not (0 <= amax_epsilon < float("inf"))):
         raise ValueError(f"amax_epsilon: expected a finite number >= 0, got {amax_epsilon!r}")
     return float(amax_epsilon)
 
@@ -93,15 +94,18 @@ class Quantizer(ABC):
     def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
         """The four buffers (None for a usage not asked for) of x quantized by this scheme."""
 
-    def _checked_buffers(self, x: torch.Tensor) -> Buffers:
-        ref.check_input(x, "x")
-        if not (self.rowwise_usage or self.columnwise_usage):
+    def _check_usages(self, rowwise: bool, columnwise: bool) -> None:
+        if not (rowwise or columnwise):
             raise ValueError(f"{type(self).__name__}: both usages are off; set_usage(rowwise=True) or columnwise")
-        return self.compute_buffers(x.detach(), rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
+
+    def _checked_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
+        ref.check_input(x, "x")
+        self._check_usages(rowwise, columnwise)
+        return self.compute_buffers(x.detach(), rowwise=rowwise, columnwise=columnwise)
 
     def quantize_storage(self, x: torch.Tensor) -> QuantizedTensorBase:
         """x quantized, as a bare storage."""
-        buffers = self._checked_buffers(x)
+        buffers = self._checked_buffers(x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
         return self.storage_class(shape=x.shape, nominal_dtype=x.dtype, fp8_dtype=self.fp8_dtype, quantizer=self,
                                   **self.storage_kwargs(), **buffers)
 
@@ -109,6 +113,7 @@ class Quantizer(ABC):
         self, x: torch.Tensor, *, out: QuantizedTensor | QuantizedTensorBase | None = None
     ) -> QuantizedTensor | QuantizedTensorBase:
         """x quantized: into `out` if given, else a new tensor (a storage if `internal`)."""
+        ref.check_input(x, "x")
         if out is not None:
             return self.update_quantized(x, out)
         if self.internal:
@@ -126,7 +131,11 @@ class Quantizer(ABC):
         *,
         noop_flag: torch.Tensor | None = None,
     ) -> QuantizedTensor | QuantizedTensorBase:
-        """Quantize src into dst's buffers in place (skipped when noop_flag is non-zero)."""
+        """Quantize src into dst's buffers in place (skipped when noop_flag is non-zero).
+
+        dst keeps the usages it holds (the quantizer's, if it holds none) and takes the
+        quantizer's settings (fp8 dtype, block dim) and the quantizer itself.
+        """
         if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
             return dst
         storage = dst._qstorage if isinstance(dst, QuantizedTensor) else dst
@@ -134,7 +143,14 @@ class Quantizer(ABC):
             raise TypeError(f"dst: expected a {self.storage_class.__name__} (or its tensor), got {type(storage).__name__}")
         if tuple(src.shape) != tuple(storage.shape):
             raise ValueError(f"src: expected shape {tuple(storage.shape)} (the shape of dst), got {tuple(src.shape)}")
-        fresh = self._checked_buffers(src)
+        rowwise, columnwise = storage.has_rowwise, storage.has_columnwise
+        if not (rowwise or columnwise):
+            rowwise, columnwise = self.rowwise_usage, self.columnwise_usage
+        fresh = self._checked_buffers(src, rowwise=rowwise, columnwise=columnwise)
+        storage.fp8_dtype = self.fp8_dtype
+        for key, value in self.storage_kwargs().items():
+            setattr(storage, key, value)
+        storage.quantizer = self
         for name in BUFFER_FIELDS:
             new, old = fresh[name], getattr(storage, name)
             if new is None:
@@ -154,6 +170,7 @@ class Quantizer(ABC):
         requires_grad: bool = False,
     ) -> QuantizedTensor | QuantizedTensorBase:
         """Uninitialised quantized tensor with this quantizer's usages."""
+        self._check_usages(self.rowwise_usage, self.columnwise_usage)
         storage = self.storage_class.empty(
             shape, nominal_dtype=dtype, fp8_dtype=self.fp8_dtype, device=device, rowwise=self.rowwise_usage,
             columnwise=self.columnwise_usage, quantizer=self, **self.storage_kwargs(),
@@ -177,11 +194,13 @@ def quantizer_from_plain(plain: dict[str, Any]) -> Quantizer:
     """Inverse of `Quantizer.to_plain`; malformed input raises ValueError."""
     if not isinstance(plain, dict) or plain.get("quantizer_class") not in Quantizer._by_name:
         raise ValueError(f"quantizer state: expected a dict naming one of {sorted(Quantizer._by_name)}, got {plain!r}")
+    from engine.tensors.serialization import parse_dtype
+
     kwargs = dict(plain)
     cls = Quantizer._by_name[kwargs.pop("quantizer_class")]
     for key, value in list(kwargs.items()):
-        if key.endswith("dtype") and isinstance(value, str):
-            kwargs[key] = getattr(torch, value)
+        if key.endswith("dtype"):
+            kwargs[key] = parse_dtype(value, key)
     try:
         return cls(**kwargs)
     except TypeError as err:

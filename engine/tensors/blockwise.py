@@ -80,7 +80,7 @@ class Float8BlockwiseTensorStorage(QuantizedTensorBase):
         tr, tc = self.tile
         out_t = ref.dequantize_block(self.columnwise_data, self.columnwise_scale_inv,
                                      tile_rows=tr, tile_cols=tc, dtype=dtype)
-        return out_t.t().reshape(self.shape)
+        return out_t.t().contiguous().view(self.shape)
 
 
 class Float8BlockwiseTensor(QuantizedTensor):

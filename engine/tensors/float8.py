@@ -44,7 +44,7 @@ class Float8TensorStorage(QuantizedTensorBase):
 
     def _dequantize_columnwise(self, dtype: torch.dtype) -> torch.Tensor:
         value_t = ref.dequantize_per_tensor(self.columnwise_data, self.columnwise_scale_inv, dtype)
-        return value_t.t().reshape(self.shape)
+        return value_t.t().contiguous().view(self.shape)
 
     def view(self, shape: torch.Size) -> QuantizedTensorBase | None:
         """Any view of the rowwise data; the columnwise copy is kept only if the last dim stays."""

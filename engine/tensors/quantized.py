@@ -3,8 +3,10 @@
 It has the nominal (high-precision) dtype and shape, so it can flow through autograd and
 be a Parameter, while its bytes are FP8 data plus scales. Ops it understands keep the
 data quantized (detach, clone, copy_, .to(device), views that keep the last dim, empty_like,
-per-tensor t()); any other op runs on the dequantized value, with a one-time warning
-per op, and in-place ops write their result back quantized.
+per-tensor t()); any other op runs on the dequantized value with a QuantizedFallbackWarning
+(Python shows it once per op and call site), and ops that write into a quantized tensor
+(in place or `out=`) quantize their result back into it. An optimizer's in-place updates of
+FP8 weights (add_, mul_, lerp_, addcdiv_, ...) take that path without a warning.
 """
 
 from __future__ import annotations
@@ -174,6 +176,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             f"got {type(dst).__name__} of shape {tuple(dst.shape)}"
         )
     d, s = dst._qstorage, src._qstorage
+    d.fp8_dtype = s.fp8_dtype
+    for key, value in s.extra_metadata().items():
+        setattr(d, key, value)
     for name in BUFFER_FIELDS:
         mine, theirs = getattr(d, name), getattr(s, name)
         if theirs is None:
@@ -233,22 +238,39 @@ def _new_empty(self: QuantizedTensor, size: Any, **kwargs: Any) -> Any:
     return QuantizedTensor.wrap(self._qstorage.empty_like(torch.Size(size), device=kwargs.get("device")))
 
 
+# In-place updates an optimizer makes to FP8 primary weights: no faster path exists, so they run on
+# the dequantized value and are quantized back without a warning.
+QUANTIZED_UPDATES = frozenset({
+    aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar,
+    aten.div_.Tensor, aten.div_.Scalar, aten.addcdiv_.default, aten.addcmul_.default, aten.lerp_.Scalar,
+    aten.lerp_.Tensor, aten.zero_.default, aten.fill_.Scalar,
+})
+
+
+def _mutated_arguments(func: Any, args: tuple, kwargs: dict) -> list[tuple[int | str, QuantizedTensor]]:
+    """(position or keyword, tensor) of every quantized argument that `func` writes to (self of x_, out=)."""
+    found = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        key: int | str = i if i < len(args) else a.name
+        value = args[key] if isinstance(key, int) else kwargs.get(key)
+        if isinstance(value, QuantizedTensor):
+            found.append((key, value))
+    return found
+
+
 def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Run `func` on dequantized values; write the result back into a mutated quantized self."""
-    warnings.warn(
-        f"{func} has no quantized implementation; it runs on the dequantized (high-precision) tensor",
-        QuantizedFallbackWarning,
-        stacklevel=3,
-    )
+    """Run `func` on dequantized values; quantize the result back into any quantized tensor it mutates."""
+    if func not in QUANTIZED_UPDATES:
+        warnings.warn(
+            f"{func} has no quantized implementation; it runs on the dequantized (high-precision) tensor",
+            QuantizedFallbackWarning,
+            stacklevel=3,
+        )
     plain_args, plain_kwargs = tree_map_only(QuantizedTensor, lambda t: t._qstorage.dequantize(), (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
-    schema_args = func._schema.arguments
-    mutated = [
-        i for i, a in enumerate(schema_args[: len(args)])
-        if a.alias_info is not None and a.alias_info.is_write and isinstance(args[i], QuantizedTensor)
-    ]
-    for i in mutated:
-        args[i].quantize_(plain_args[i])
-    if mutated and mutated[0] == 0:
-        return args[0]
-    return out
+    mutated = _mutated_arguments(func, args, kwargs)
+    for key, tensor in mutated:
+        tensor.quantize_(plain_args[key] if isinstance(key, int) else plain_kwargs[key])
+    return mutated[0][1] if len(mutated) == 1 else out

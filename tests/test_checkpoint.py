@@ -1,0 +1,165 @@
+"""Checkpoints: scaling state in _extra_state as plain data, weights_only loads, loads across recipes."""
+
+import io
+
+import pytest
+import torch
+
+import engine
+from engine.autocast import fp8_autocast, fp8_model_init
+from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from engine.tensors import Float8Tensor, MXFP8Tensor, QuantizedTensor
+
+RECIPES = [DelayedScaling(amax_history_len=8), Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = engine.LayerNormLinear(64, 96)
+        self.proj = engine.Linear(96, 64)
+        self.mlp = engine.LayerNormMLP(64, 128, activation="swiglu")
+
+    def forward(self, x):
+        return self.mlp(self.proj(self.qkv(x)) + x)
+
+
+def train(model, recipe, steps, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        x = torch.randn(2, 32, 64)
+        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def next_output(model, recipe):
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(99))
+    with fp8_autocast(recipe=recipe):
+        return model(x)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_resume_under_the_same_recipe_is_bit_exact(recipe):
+    torch.manual_seed(0)
+    model = TinyModel()
+    train(model, recipe, steps=3)
+    state = roundtrip(model.state_dict())
+    torch.manual_seed(1)
+    fresh = TinyModel()
+    fresh.load_state_dict(state)
+    assert torch.equal(next_output(fresh, recipe), next_output(model, recipe))
+
+
+def test_extra_state_is_plain_data_with_the_delayed_scaling_state():
+    model = TinyModel()
+    recipe = DelayedScaling(amax_history_len=8, margin=1)
+    train(model, recipe, steps=2)
+    extra = model.state_dict()["proj._extra_state"]
+    assert extra["recipe"] == {"name": "delayed", "fields": {
+        "fp8_format": "HYBRID", "margin": 1, "amax_history_len": 8, "amax_compute_algo": "max",
+        "scaling_factor_compute_algo": None, "reduce_amax": True}}
+    assert torch.equal(extra["forward"]["scale"], model.proj._fwd_state.scale)
+    assert torch.equal(extra["backward"]["amax_history"], model.proj._bwd_state.amax_history)
+    assert extra["forward"]["amax_history"].shape == (8, 3)
+    current = TinyModel()
+    train(current, Float8CurrentScaling(use_power_2_scales=True), steps=1)
+    extra = current.state_dict()["proj._extra_state"]
+    assert set(extra) == {"version", "recipe"} and extra["recipe"]["fields"]["use_power_2_scales"] is True
+
+
+@pytest.mark.parametrize("target", [MXFP8BlockScaling(), Float8BlockScaling(), None], ids=lambda r: getattr(r, "name", "bf16"))
+def test_a_delayed_checkpoint_loads_under_another_recipe_or_none(target):
+    model = TinyModel()
+    train(model, DelayedScaling(amax_history_len=8), steps=2)
+    state = roundtrip(model.state_dict())
+    fresh = TinyModel()
+    fresh.load_state_dict(state)
+    if target is None:  # high precision: the FP8 state is simply not used
+        x = torch.randn(2, 32, 64)
+        assert torch.equal(fresh(x), model(x))
+        return
+    with pytest.warns(UserWarning, match=r"saved under DelayedScaling\(.*loaded under " + type(target).__name__):
+        out = next_output(fresh, target)
+    with fp8_autocast(enabled=False):
+        want = fresh(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(99)))
+    assert ((out - want).norm() / want.norm()).item() < 0.2
+
+
+def test_fp8_primary_weights_are_requantized_for_another_recipe():
+    with fp8_model_init(recipe=DelayedScaling()):
+        model = TinyModel()
+    assert isinstance(model.proj.weight, Float8Tensor)
+    train(model, DelayedScaling(), steps=1)
+    state = roundtrip(model.state_dict())
+    with fp8_model_init(recipe=DelayedScaling()):
+        fresh = TinyModel()
+    fresh.load_state_dict(state)
+    weight_object = fresh.proj.weight
+    before = fresh.proj.weight.dequantize().clone()
+    with pytest.warns(UserWarning, match="requantized"):
+        next_output(fresh, MXFP8BlockScaling())
+    assert fresh.proj.weight is weight_object  # the optimizer's Parameter object survives
+    assert isinstance(fresh.proj.weight, MXFP8Tensor) and isinstance(fresh.proj.weight, torch.nn.Parameter)
+    assert ((fresh.proj.weight.dequantize() - before).norm() / before.norm()).item() < 2.0**-4
+
+
+def test_fp8_weights_load_into_a_high_precision_model_and_back():
+    with fp8_model_init(recipe=Float8CurrentScaling()):
+        fp8_model = TinyModel()
+    plain = TinyModel()
+    plain.load_state_dict(roundtrip(fp8_model.state_dict()))
+    assert not isinstance(plain.proj.weight, QuantizedTensor)
+    assert torch.equal(plain.proj.weight, fp8_model.proj.weight.dequantize())
+    with fp8_model_init(recipe=Float8CurrentScaling()):
+        again = TinyModel()
+    again.load_state_dict(plain.state_dict())
+    assert isinstance(again.proj.weight, QuantizedTensor)
+    assert torch.equal(again.proj.weight.dequantize(), plain.proj.weight)  # FP8 values requantize exactly
+
+
+def test_a_plain_torch_linear_checkpoint_loads():
+    torch_linear = torch.nn.Linear(64, 96)
+    linear = engine.Linear(64, 96)
+    linear.load_state_dict(roundtrip(torch_linear.state_dict()))
+    x = torch.randn(4, 64)
+    assert torch.equal(linear(x), torch_linear(x))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"version": 99, "recipe": None}, "version"),
+    ("not a dict", "expected a dict"),
+    ({"version": 1, "recipe": {"name": "nope", "fields": {}}}, "recipe"),
+    ({"version": 1, "recipe": {"name": "delayed", "fields": {"margin": -1}}}, "invalid"),
+    ({"version": 1, "recipe": {"name": "delayed", "fields": {}}, "forward": {"scale": 1}}, "forward"),
+])
+def test_malformed_extra_state_is_a_clear_error(bad, match):
+    linear = engine.Linear(64, 96)
+    state = linear.state_dict()
+    state["_extra_state"] = bad
+    with pytest.raises(ValueError, match=match):
+        linear.load_state_dict(state)
+        with fp8_autocast(recipe=DelayedScaling()):
+            linear(torch.randn(4, 64))
+
+
+def test_delayed_state_with_the_wrong_number_of_slots_is_a_clear_error():
+    train_model = TinyModel()
+    train(train_model, DelayedScaling(amax_history_len=8), steps=1)
+    state = train_model.proj.state_dict()
+    state["_extra_state"]["forward"]["scale"] = torch.ones(6)
+    linear = engine.Linear(96, 64)
+    linear.load_state_dict(state)
+    with pytest.raises(ValueError, match="slots"):
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
+            linear(torch.randn(4, 96))
