@@ -40,8 +40,8 @@ class FloatFormat:
     def max_exponent(self) -> int:
         """Unbiased exponent of the largest finite value ("emax" in the OCP MX spec)."""
         top = (1 << self.exponent_bits) - 1
-        if self.ieee_like:
-            top -= 1
+        if self.ieee_like or (self.has_nan and self.mantissa_bits == 0):
+            top -= 1  # the all-ones exponent is inf/NaN (IEEE-like) or the NaN code (E8M0)
         return top - self.bias
 
     @property
@@ -50,8 +50,8 @@ class FloatFormat:
         top_mantissa = mantissa_codes - 1
         if self.has_nan and not self.ieee_like and self.mantissa_bits > 0:
             top_mantissa -= 1  # E4M3: the all-ones mantissa at the top exponent is NaN
-        if self.mantissa_bits == 0:  # E8M0: pure exponent, the top code is NaN
-            return 2.0 ** (self.max_exponent - int(self.has_nan))
+        if self.mantissa_bits == 0:  # E8M0: pure exponent
+            return 2.0**self.max_exponent
         return (1 + top_mantissa / mantissa_codes) * 2.0**self.max_exponent
 
     @property

@@ -3,6 +3,8 @@ validation, autograd transparency and plain-data round trips."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -342,9 +344,9 @@ def test_make_empty_then_fill_matches_reference(kind):
     assert_buffers_equal(t.qstorage.buffers(), reference_buffers(kind, x))
 
 
-def test_make_empty_mx_rejects_bad_shape():
-    with pytest.raises(ValueError, match=r"\(64, 48\)"):
-        MXFP8Quantizer(E4M3).make_empty((64, 48))
+def test_make_empty_mx_partial_blocks_have_ceil_scale_shapes():
+    t = MXFP8Quantizer(E4M3).make_empty((40, 48))
+    assert t.qstorage.rowwise_scale_inv.shape == (40, 2) and t.qstorage.columnwise_scale_inv.shape == (2, 48)
 
 
 def test_set_usage(kind):
@@ -447,21 +449,24 @@ def test_non_tensor_input(internal):
 
 
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
-def test_mx_shape_must_be_multiple_of_32(mode):
-    with pytest.raises(ValueError, match=r"\(64, 48\)"):  # K = 48 for rowwise
-        MXFP8Quantizer(E4M3, scale_mode=mode)(torch.ones(64, 48))
-    with pytest.raises(ValueError, match=r"\(48, 64\)"):  # M = 48 for columnwise
-        MXFP8Quantizer(E4M3, scale_mode=mode)(torch.ones(48, 64))
-    with pytest.raises(ValueError, match=r"\(3, 8, 64\)"):  # M = 24
-        MXFP8Quantizer(E4M3, scale_mode=mode, rowwise=False)(torch.ones(3, 8, 64))
-    # each usage checks only its own blocked dim
-    x = make_input((48, 64))
-    t = MXFP8Quantizer(E4M3, scale_mode=mode, columnwise=False)(x)
-    assert torch.equal(bits(t.qstorage.rowwise_data), bits(ref.quantize_mxfp8(x, E4M3, scale_mode=mode)[0]))
-    x = make_input((64, 48))
-    t = MXFP8Quantizer(E4M3, scale_mode=mode, rowwise=False)(x)
-    assert torch.equal(bits(t.qstorage.columnwise_data),
-                       bits(ref.quantize_mxfp8(x, E4M3, scale_mode=mode, columnwise=True)[0]))
+@pytest.mark.parametrize("shape", [(64, 48), (48, 64), (3, 8, 40), (1, 5)])
+def test_mx_partial_blocks_quantize_like_zero_padding(mode, shape):
+    """A dim that is not a multiple of 32 ends in a partial block: the result is that of zero padding."""
+    x = make_input(shape)
+    t = MXFP8Quantizer(E4M3, scale_mode=mode)(x)
+    m, k = math.prod(shape[:-1]), shape[-1]
+    mp, kp = -(-m // 32) * 32, -(-k // 32) * 32
+    padded = torch.zeros(mp, kp)
+    padded[:m, :k] = x.reshape(m, k)
+    row_data, row_codes = ref.quantize_mxfp8(padded, E4M3, scale_mode=mode)
+    col_data, col_codes = ref.quantize_mxfp8(padded, E4M3, scale_mode=mode, columnwise=True)
+    st = t.qstorage
+    assert torch.equal(bits(st.rowwise_data.reshape(m, k)), bits(row_data[:m, :k]))
+    assert torch.equal(st.rowwise_scale_inv, row_codes[:m])
+    assert torch.equal(bits(st.columnwise_data.reshape(m, k)), bits(col_data[:m, :k]))
+    assert torch.equal(st.columnwise_scale_inv, col_codes[:, :k])
+    assert torch.equal(t.dequantize(), ref.dequantize_mxfp8(row_data, row_codes, dtype=torch.float32)[:m, :k]
+                       .reshape(shape))
 
 
 def test_both_usages_off(kind):

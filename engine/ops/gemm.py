@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.ops import backend as ops
 from engine.ops import reference as ref
 from engine.tensors.blockwise import Float8BlockwiseTensorStorage
 from engine.tensors.float8 import Float8TensorStorage
@@ -130,7 +131,7 @@ def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torc
     gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     if a.kind == "tensor":
         alpha = float(a.scale_inv.float().item() * b.scale_inv.float().item())
-        lhs, rhs = a.data.to(gemm_dtype), b.data.to(gemm_dtype)
+        lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
     elif a.has_pow2_scales() and b.has_pow2_scales():
         alpha = 1.0
         lhs, rhs = a.dequantize(gemm_dtype), b.dequantize(gemm_dtype)

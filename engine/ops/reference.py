@@ -97,6 +97,15 @@ def transpose_2d(data: torch.Tensor) -> torch.Tensor:
     return as_2d(data).t().contiguous()
 
 
+def cast_transpose(
+    x2d: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool = True, columnwise: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per-tensor cast of a 2D tensor: (data [M, K] if rowwise, data^T [K, M] if columnwise, amax [1])."""
+    check_input(x2d, "x2d")
+    data = quantize_per_tensor(x2d, scale, fp8_dtype)
+    return (data if rowwise else None), (data.t().contiguous() if columnwise else None), amax(x2d)
+
+
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (data.float() * scale_inv.float().reshape(())).to(dtype)
 
@@ -206,18 +215,9 @@ def dequantize_block(
 
 
 # ----------------------------------------------------------------------------------- MXFP8
-def check_mx_shape(x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> None:
-    """MX blocks never straddle a tensor edge: the blocked dims must be multiples of 32."""
-    m, k = as_2d(x).shape
-    if rowwise and k % MX_BLOCK:
-        raise ValueError(
-            f"MXFP8 rowwise needs the last dim to be a multiple of {MX_BLOCK} (1x32 blocks); got shape {tuple(x.shape)}"
-        )
-    if columnwise and m % MX_BLOCK:
-        raise ValueError(
-            f"MXFP8 columnwise needs the product of the leading dims to be a multiple of {MX_BLOCK} "
-            f"(32x1 blocks); got shape {tuple(x.shape)} (product {m})"
-        )
+def mx_blocks(count: int) -> int:
+    """Number of 32-element blocks along a dim of `count` elements (the last one may be partial)."""
+    return -(-count // MX_BLOCK)
 
 
 def e8m0_rceil(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -281,24 +281,26 @@ def quantize_mxfp8(
     """MXFP8 with E8M0 shared scales, blocks of 32.
 
     Rowwise: 1x32 blocks along the last dim; data has x's shape, scales (uint8 E8M0 codes)
-    are `[M, K/32]`. Columnwise: 32x1 blocks along M, data still has x's shape (not
-    transposed), scales are `[M/32, K]`.
+    are `[M, ceil(K/32)]`. Columnwise: 32x1 blocks along M, data still has x's shape (not
+    transposed), scales are `[ceil(M/32), K]`. A dim that is not a multiple of 32 ends in
+    a partial block, whose scale comes from the elements it has (the same as zero padding).
     """
     check_input(x)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {sorted(SCALE_MODES)}, got {scale_mode!r}")
-    check_mx_shape(x, rowwise=not columnwise, columnwise=columnwise)
     x2d = as_2d(x).float()
     if columnwise:
         x2d = x2d.t()
     rows, cols = x2d.shape
-    blocks = x2d.reshape(rows, cols // MX_BLOCK, MX_BLOCK)
-    block_amax = blocks.abs().amax(dim=2) if blocks.numel() else torch.zeros(rows, cols // MX_BLOCK)
+    nblocks = mx_blocks(cols)
+    blocks = _pad_to(x2d, rows, nblocks * MX_BLOCK).reshape(rows, nblocks, MX_BLOCK)
+    block_amax = blocks.abs().amax(dim=2) if blocks.numel() else torch.zeros(rows, nblocks)
     codes = SCALE_MODES[scale_mode](block_amax, fp8_dtype)
-    q = cast_to_fp8(blocks * e8m0_to_element_scale(codes)[:, :, None], fp8_dtype).reshape(rows, cols)
+    q = cast_to_fp8(blocks * e8m0_to_element_scale(codes)[:, :, None], fp8_dtype)
+    q = q.reshape(rows, nblocks * MX_BLOCK)[:, :cols]
     if columnwise:
         return q.t().contiguous().reshape(x.shape), codes.t().contiguous()
-    return q.reshape(x.shape), codes
+    return q.contiguous().reshape(x.shape), codes
 
 
 def dequantize_mxfp8(
@@ -308,7 +310,12 @@ def dequantize_mxfp8(
     d2 = as_2d(data)
     factors = e8m0_to_float(scale)
     if columnwise:
-        factors = factors.repeat_interleave(MX_BLOCK, 0)
+        factors = factors.repeat_interleave(MX_BLOCK, 0)[: d2.shape[0]]
     else:
-        factors = factors.repeat_interleave(MX_BLOCK, 1)
+        factors = factors.repeat_interleave(MX_BLOCK, 1)[:, : d2.shape[1]]
     return (d2.float() * factors).to(dtype).reshape(data.shape)
+
+
+def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
+    """FP8 values as bf16 (exact: every E4M3 and E5M2 value is a bf16 value)."""
+    return data.to(torch.bfloat16)

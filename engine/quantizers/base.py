@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.formats import FP8_DTYPES
+from engine.ops import backend as ops
 from engine.ops import reference as ref
 from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
@@ -207,14 +208,19 @@ def quantizer_from_plain(plain: dict[str, Any]) -> Quantizer:
         raise ValueError(f"quantizer state for {cls.__name__} is malformed: {err}") from err
 
 
-def per_tensor_buffers(data: torch.Tensor, scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
-    """Buffers of a per-tensor FP8 value: one scale_inv shared by both usages."""
-    return {
-        "rowwise_data": data if rowwise else None,
+def per_tensor_buffers(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool
+) -> tuple[Buffers, torch.Tensor]:
+    """x cast with one scale (one pass: rowwise data, its 2D transpose, amax). Returns (buffers, amax)."""
+    data, data_t, amax = ops.cast_transpose(ref.as_2d(x), scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
+    scale_inv = ref.reciprocal(scale).reshape(1).to(x.device)  # one tensor shared by both usages
+    buffers = {
+        "rowwise_data": None if data is None else data.view(x.shape),
         "rowwise_scale_inv": scale_inv if rowwise else None,
-        "columnwise_data": ref.transpose_2d(data) if columnwise else None,
+        "columnwise_data": data_t,
         "columnwise_scale_inv": scale_inv if columnwise else None,
     }
+    return buffers, amax
 
 
 def dtype_name(dtype: torch.dtype) -> str:

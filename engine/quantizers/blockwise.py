@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from engine.ops import backend as ops
 from engine.ops import reference as ref
 from engine.tensors.storage import BUFFER_FIELDS
 from engine.quantizers.base import Buffers, Quantizer, check_bool, check_epsilon, check_fp8_dtype, dtype_name
@@ -35,19 +36,21 @@ class Float8BlockQuantizer(Quantizer):
         return {"block_scaling_dim": self.block_scaling_dim}
 
     def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
-        opts = {"force_pow_2_scales": self.force_pow_2_scales, "amax_epsilon": self.amax_epsilon}
+        x2d = ref.as_2d(x)
+        opts = {"tile_cols": ref.BLOCK_128, "force_pow_2_scales": self.force_pow_2_scales,
+                "amax_epsilon": self.amax_epsilon, "value_for_inf": ref.block_value_for_inf(x.dtype)}
         out: Buffers = dict.fromkeys(BUFFER_FIELDS)
         if self.block_scaling_dim == 2:
-            data, scale_inv = ref.quantize_block_2d(x, self.fp8_dtype, **opts)
+            data, scale_inv = ops.quantize_block(x2d, self.fp8_dtype, tile_rows=ref.BLOCK_128, **opts)
             if rowwise:
                 out["rowwise_data"], out["rowwise_scale_inv"] = data.view(x.shape), scale_inv
             if columnwise:  # square tiles: the columnwise form is the exact transpose
                 out["columnwise_data"], out["columnwise_scale_inv"] = data.t().contiguous(), scale_inv.t().contiguous()
             return out
         if rowwise:
-            data, out["rowwise_scale_inv"] = ref.quantize_block_1d(x, self.fp8_dtype, **opts)
+            data, out["rowwise_scale_inv"] = ops.quantize_block(x2d, self.fp8_dtype, tile_rows=1, **opts)
             out["rowwise_data"] = data.view(x.shape)
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = ref.quantize_block_1d(
-                x, self.fp8_dtype, columnwise=True, **opts)
+        if columnwise:  # 1x128 tiles of the transposed tensor
+            out["columnwise_data"], out["columnwise_scale_inv"] = ops.quantize_block(
+                x2d.t(), self.fp8_dtype, tile_rows=1, **opts)
         return out

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import all_reduce_max
+from engine.ops import backend as ops
 from engine.ops import reference as ref
 from engine.quantizers.base import (
     Buffers, Quantizer, check_bool, check_epsilon, check_fp8_dtype, dtype_name, per_tensor_buffers,
@@ -46,16 +47,15 @@ class Float8Quantizer(Quantizer):
     def state(self) -> dict[str, torch.Tensor]:
         return {"scale": self.scale.detach().clone(), "amax": self.amax.detach().clone()}
 
-    def record_amax(self, x: torch.Tensor) -> None:
+    def record_amax(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
         """amax = max(amax, max|x|), in place (also used alone, for calibration)."""
-        current = ref.amax(x.detach()).to(self.amax.device).reshape(self.amax.shape)
-        self.amax.copy_(torch.maximum(self.amax, current))
+        current = ops.amax(x.detach()) if amax is None else amax
+        self.amax.copy_(torch.maximum(self.amax, current.to(self.amax.device).reshape(self.amax.shape)))
 
     def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
-        self.record_amax(x)
-        data = ref.quantize_per_tensor(x, self.scale, self.fp8_dtype)
-        scale_inv = ref.reciprocal(self.scale).reshape(1).to(x.device)
-        return per_tensor_buffers(data, scale_inv, rowwise=rowwise, columnwise=columnwise)
+        buffers, amax = per_tensor_buffers(x, self.scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise)
+        self.record_amax(x, amax)
+        return buffers
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -79,7 +79,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
                 "amax_epsilon": self.amax_epsilon}
 
     def _reduced_amax(self, x: torch.Tensor) -> torch.Tensor:
-        amax = ref.amax(x)
+        amax = ops.amax(x)
         if self.amax_reduction_group is not None:
             all_reduce_max([amax], self.amax_reduction_group)
         return amax
@@ -87,5 +87,5 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
         scale = ref.compute_scale(self._reduced_amax(x), self.fp8_dtype,
                                   force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
-        data = ref.quantize_per_tensor(x, scale, self.fp8_dtype)
-        return per_tensor_buffers(data, ref.reciprocal(scale), rowwise=rowwise, columnwise=columnwise)
+        buffers, _ = per_tensor_buffers(x, scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise)
+        return buffers

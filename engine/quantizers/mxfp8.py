@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from engine.ops import backend as ops
 from engine.ops import reference as ref
 from engine.tensors.storage import BUFFER_FIELDS
 from engine.quantizers.base import Buffers, Quantizer, check_fp8_dtype, dtype_name
@@ -31,11 +32,10 @@ class MXFP8Quantizer(Quantizer):
         return {"fp8_dtype": dtype_name(self.fp8_dtype), "scale_mode": self.scale_mode}
 
     def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
-        ref.check_mx_shape(x, rowwise=rowwise, columnwise=columnwise)
         out: Buffers = dict.fromkeys(BUFFER_FIELDS)
         if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = ref.quantize_mxfp8(x, self.fp8_dtype, scale_mode=self.scale_mode)
+            out["rowwise_data"], out["rowwise_scale_inv"] = ops.quantize_mxfp8(x, self.fp8_dtype, scale_mode=self.scale_mode)
         if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = ref.quantize_mxfp8(
+            out["columnwise_data"], out["columnwise_scale_inv"] = ops.quantize_mxfp8(
                 x, self.fp8_dtype, scale_mode=self.scale_mode, columnwise=True)
         return out

@@ -1,7 +1,8 @@
 """MXFP8 (OCP MX): FP8 elements with one E8M0 scale (stored as uint8 codes) per 32 elements.
 
-* Rowwise: 1x32 blocks along the last dim; data `x.shape`, scale `[M, K/32]`.
-* Columnwise: 32x1 blocks along M; data `x.shape` (not transposed), scale `[M/32, K]`.
+* Rowwise: 1x32 blocks along the last dim; data `x.shape`, scale `[M, ceil(K/32)]`.
+* Columnwise: 32x1 blocks along M; data `x.shape` (not transposed), scale `[ceil(M/32), K]`.
+* A dim that is not a multiple of 32 ends in a partial block (as if zero padded).
 
 Each usage is quantized from the high-precision tensor; neither can be made from the other.
 """
@@ -25,15 +26,13 @@ class MXFP8TensorStorage(QuantizedTensorBase):
         cls, shape: torch.Size, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool, **extra: Any
     ) -> BufferSpecs:
         m, k = dims_2d(shape)
-        probe = torch.empty(shape, device="meta")
-        ref.check_mx_shape(probe, rowwise=rowwise, columnwise=columnwise)
         specs: BufferSpecs = {}
         if rowwise:
             specs["rowwise_data"] = (tuple(shape), fp8_dtype)
-            specs["rowwise_scale_inv"] = ((m, k // ref.MX_BLOCK), torch.uint8)
+            specs["rowwise_scale_inv"] = ((m, ref.mx_blocks(k)), torch.uint8)
         if columnwise:
             specs["columnwise_data"] = (tuple(shape), fp8_dtype)
-            specs["columnwise_scale_inv"] = ((m // ref.MX_BLOCK, k), torch.uint8)
+            specs["columnwise_scale_inv"] = ((ref.mx_blocks(m), k), torch.uint8)
         return specs
 
     def _view_columnwise(self, shape: torch.Size) -> torch.Tensor:

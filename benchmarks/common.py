@@ -1,0 +1,35 @@
+"""Timing helpers shared by the benchmarks: medians of repeated runs, printed as plain tables."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def median_seconds(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2, min_time: float = 0.0) -> float:
+    """Median wall time of fn() over `repeat` runs (after `warmup` untimed runs).
+
+    With `min_time`, each sample loops fn() until it has run that long, for calls of a few µs.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+        samples.append(elapsed / calls)
+    return statistics.median(samples)
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
