@@ -1,5 +1,5 @@
 # make test: create .venv from scratch, install everything, run the test suite.
-# make demo: the main job (for now: the table of number formats).
+# make demo: the main job: a small GPT trained in bf16 and under each FP8 recipe, compared.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m engine formats
+	$(PY) -m engine train
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     formats.set_defaults(run=_formats)
     info = commands.add_parser("info", help="print the GPU / NVML status and which FP8 recipes can run")
     info.set_defaults(run=_info)
+    from engine.train.cli import add_parser as add_train_parser
+
+    add_train_parser(commands)
     return parser
 
 

@@ -1,0 +1,106 @@
+"""`python -m engine train`: the same GPT trained in bf16 and under each recipe, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from engine.train.data import load_corpus
+from engine.train.model import GPTConfig
+from engine.train.report import format_table, write_outputs
+from engine.train.run import RUN_NAMES, RunConfig, train, train_to_file
+
+
+def _recipe_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUN_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(RUN_NAMES)}; got {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("train", help="train a small GPT in bf16 and under each FP8 recipe and compare",
+                            description=__doc__)
+    p.add_argument("--recipes", type=_recipe_list, default=list(RUN_NAMES),
+                   help=f"runs to make, comma separated (default: {','.join(RUN_NAMES)})")
+    p.add_argument("--steps", type=_positive, default=300, help="optimizer steps per run (default 300)")
+    p.add_argument("--d-model", type=_positive, default=128, help="model width (default 128)")
+    p.add_argument("--layers", type=_positive, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq-len", type=_positive, default=128, help="tokens (bytes) per sequence (default 128)")
+    p.add_argument("--batch-size", type=_positive, default=16, help="sequences per step (default 16)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--eval-every", type=_positive, default=50, help="steps between validation passes (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
+    p.add_argument("--data", default=None, help="a text file or folder to train on (default: Python's stdlib sources)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/<timestamp>)")
+    p.add_argument("--resume", default=None, metavar="CKPT", help="continue training from a checkpoint of a run")
+    p.add_argument("--recipe", default=None, choices=RUN_NAMES, help="with --resume: the recipe to continue under")
+    p.add_argument("--in-process", action="store_true",
+                   help="run everything in this process (faster start; peak RSS is then cumulative)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+
+
+def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
+    model = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
+    common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+              "eval_every": args.eval_every, "seed": args.seed, "out_dir": str(out_dir),
+              "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10)}
+    if args.resume is not None:
+        if args.recipe is None:
+            raise ValueError("--resume needs --recipe: the recipe (or bf16) to continue under")
+        if not Path(args.resume).is_file():
+            raise ValueError(f"--resume: no checkpoint at {args.resume}")
+        return [RunConfig(recipe=args.recipe, resume=args.resume, **common)]
+    if args.recipe is not None:
+        raise ValueError("--recipe goes with --resume; to choose runs use --recipes")
+    return [RunConfig(recipe=name, **common) for name in args.recipes]
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        configs = _configs(args, out_dir)
+        corpus = load_corpus(args.data)
+    except (ValueError, ValidationError) as err:
+        raise SystemExit(f"engine train: {err}") from None
+    print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} validation bytes")
+    print(f"model: {configs[0].model.model_dump()}, {configs[0].steps} steps of "
+          f"{configs[0].batch_size}x{configs[0].model.seq_len} tokens; output: {out_dir}")
+    results = []
+    for cfg in configs:
+        if args.in_process:
+            results.append(train(cfg, corpus))
+            continue
+        result_path = out_dir / f"{cfg.recipe}.json"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        process = multiprocessing.get_context("spawn").Process(
+            target=train_to_file, args=(cfg.model_dump_json(), corpus, str(result_path)))
+        process.start()
+        process.join()
+        if process.exitcode != 0:
+            raise SystemExit(f"engine train: the {cfg.recipe} run failed (exit code {process.exitcode})")
+        results.append(json.loads(result_path.read_text()))
+    print()
+    print(format_table(results))
+    paths = write_outputs(results, out_dir)
+    print(f"\nwrote {paths['png']}, {paths['json']}, {paths['csv']} and a checkpoint per run "
+          f"(resume with --resume {results[0]['checkpoint']} --recipe <name>)")
+    return 0

@@ -1,0 +1,84 @@
+"""A small byte-level GPT built from engine modules - the whole model in one page.
+
+Each block is attention (LayerNormLinear for QKV, torch's scaled_dot_product_attention,
+Linear for the output projection) and an MLP (LayerNormMLP), both with residuals. The
+embeddings, final norm and LM head stay in high precision, as is usual for FP8 training.
+Parameters are fp32 (master weights); activations run in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+import engine
+
+VOCAB_SIZE = 256  # bytes
+
+
+class GPTConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    d_model: int = Field(128, ge=8)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    seq_len: int = Field(128, ge=2)
+    ffn_mult: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        return self
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = engine.LayerNormLinear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = engine.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, width // self.n_heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = engine.LayerNormMLP(cfg.d_model, cfg.ffn_mult * cfg.d_model, activation="gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = torch.nn.Embedding(VOCAB_SIZE, cfg.d_model)
+        self.pos_emb = torch.nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = torch.nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = torch.nn.LayerNorm(cfg.d_model)
+        self.head = torch.nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False)
+        for emb in (self.tok_emb, self.pos_emb):
+            torch.nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) for every position of a [batch, seq] byte tensor."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = (self.tok_emb(tokens) + self.pos_emb(positions)).to(torch.bfloat16)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x.float()))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-byte cross-entropy over a [batch, seq + 1] window."""
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), tokens[:, 1:].reshape(-1))

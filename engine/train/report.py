@@ -1,0 +1,73 @@
+"""The demo's outputs: a table of the runs against bf16, the loss curves as PNG, JSON and CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.train.run import BASELINE
+
+COLUMNS = ["recipe", "train loss", "val loss", "val gap vs bf16 %", "tokens/s", "speed vs bf16",
+           "peak RSS MiB", "saved act. MiB", "saved act. vs bf16"]
+
+
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    base = next((r for r in results if r["recipe"] == BASELINE), None)
+    rows = []
+    for r in results:
+        gap = "" if base is None else f"{100 * (r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2f}"
+        speed = "" if base is None else f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}"
+        act = "" if base is None else f"{r['saved_activation_bytes'] / base['saved_activation_bytes']:.2f}"
+        rows.append([r["recipe"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}", gap,
+                     f"{r['tokens_per_second']:.0f}", speed, f"{r['peak_rss_bytes'] / 2**20:.0f}",
+                     f"{r['saved_activation_bytes'] / 2**20:.1f}", act])
+    return rows
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    rows = [COLUMNS, *table_rows(results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot_losses(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        first = r["steps"][0]
+        losses = r["train_losses"]
+        window = max(1, len(losses) // 30)
+        smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+                  for i in range(len(losses))]
+        ax_train.plot(range(first, first + len(losses)), smooth, label=r["recipe"], linewidth=1.2)
+        steps, vals = zip(*r["val_losses"])
+        ax_val.plot(steps, vals, marker="o", markersize=3, label=r["recipe"], linewidth=1.2)
+    ax_train.set(title="train loss (moving average)", xlabel="step", ylabel="cross-entropy (nats/byte)")
+    ax_val.set(title="validation loss", xlabel="step")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(results: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
+    """results.json, results.csv (the table) and losses.png in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "csv": out_dir / "results.csv", "png": out_dir / "losses.png"}
+    paths["json"].write_text(json.dumps(results, indent=1))
+    with paths["csv"].open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows(table_rows(results))
+    plot_losses(results, paths["png"])
+    return paths

@@ -1,0 +1,158 @@
+"""One training run of the demo GPT under one recipe (or bf16), with its measurements.
+
+Every run with the same seed sees the same initial weights and the same batches in the
+same order, so runs differ only in how their GEMMs are quantized.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+import engine
+from engine.recipes import RECIPES, Recipe
+from engine.train.data import Corpus, batch_at
+from engine.train.model import GPT, GPTConfig
+
+BASELINE = "bf16"
+RUN_NAMES = (BASELINE, *RECIPES)
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    recipe: str = BASELINE
+    model: GPTConfig = GPTConfig()
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(2e-3, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(8, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/latest"
+    resume: str | None = None
+    progress: bool = True
+
+
+def make_recipe(name: str) -> Recipe | None:
+    """None for the bf16 baseline, else the named recipe with its defaults."""
+    if name == BASELINE:
+        return None
+    if name not in RECIPES:
+        raise ValueError(f"recipe: expected one of {list(RUN_NAMES)}, got {name!r}")
+    return RECIPES[name]()
+
+
+def learning_rate(cfg: RunConfig, step: int, total: int) -> float:
+    """Linear warmup, then cosine decay to a tenth."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def evaluate(model: GPT, corpus: Corpus, cfg: RunConfig, recipe: Recipe | None) -> float:
+    """Mean loss over fixed validation windows (the same for every run)."""
+    losses = []
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            tokens = batch_at(corpus.val, i, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed + 1)
+            with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+                losses.append(model.loss(tokens).item())
+    return sum(losses) / len(losses)
+
+
+def saved_activation_bytes(model: GPT, tokens: torch.Tensor, recipe: Recipe | None) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward over one forward pass."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model.loss(tokens)
+    loss.backward()  # keep delayed-scaling bookkeeping consistent
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
+    """Train, evaluate, checkpoint; returns the run's numbers as plain data."""
+    recipe = make_recipe(cfg.recipe)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    start = 0
+    if cfg.resume is not None:
+        checkpoint = torch.load(cfg.resume, weights_only=True)
+        if GPTConfig(**checkpoint["model_config"]) != cfg.model:
+            raise ValueError(f"--resume: {cfg.resume} holds a model {checkpoint['model_config']}, "
+                             f"not {cfg.model.model_dump()}")
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start = int(checkpoint["step"])
+    end = start + cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.model.seq_len
+    train_losses, val_losses, step_times = [], [], []
+    bar = tqdm(range(start, end), desc=f"{cfg.recipe:>7}", disable=not cfg.progress, dynamic_ncols=True)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step, end)
+        tokens = batch_at(corpus.train, step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
+        began = time.perf_counter()
+        with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model.loss(tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - began)
+        train_losses.append(loss.item())
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == end:
+            val_losses.append((step + 1, evaluate(model, corpus, cfg, recipe)))
+        timed = step_times[min(3, len(step_times) - 1):]
+        bar.set_postfix(loss=f"{train_losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(timed) / sum(timed):.0f}")
+    bar.close()
+    timed = step_times[min(3, len(step_times) - 1):]  # the first steps build states and warm caches
+    probe = batch_at(corpus.train, 0, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out_dir / f"{cfg.recipe}.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": end,
+                "model_config": cfg.model.model_dump(), "recipe": cfg.recipe, "seed": cfg.seed}, checkpoint_path)
+    last = train_losses[-min(10, len(train_losses)):]
+    return {
+        "recipe": cfg.recipe,
+        "resumed_from": cfg.resume,
+        "steps": [start + 1, end],
+        "train_losses": train_losses,
+        "val_losses": val_losses,
+        "final_train_loss": sum(last) / len(last),
+        "final_val_loss": val_losses[-1][1],
+        "tokens_per_second": tokens_per_step * len(timed) / sum(timed),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "saved_activation_bytes": saved_activation_bytes(model, probe, recipe),
+        "checkpoint": str(checkpoint_path),
+    }
+
+
+def train_to_file(cfg_json: str, corpus: Corpus, result_path: str) -> None:
+    """Entry point of a run in its own process (its peak RSS is its own)."""
+    torch.set_num_threads(torch.get_num_threads())
+    result = train(RunConfig.model_validate_json(cfg_json), corpus)
+    Path(result_path).write_text(json.dumps(result))
