@@ -187,7 +187,10 @@ def quantize_block(
     """Quantize ``x2d`` in ``tile_rows x tile_cols`` tiles (any positive sizes; 1x128 and 128x128
     are the recipes'). Returns (data ``[M, K]``, scale_inv fp32 ``[ceil(M/tile_rows), ceil(K/tile_cols)]``).
     """
-    reference.check_input(x2d, "x2d")
+    if not isinstance(x2d, torch.Tensor):
+        raise TypeError(f"x2d: expected a torch.Tensor, got {type(x2d).__name__}")
+    if x2d.dtype not in reference.HIGH_PRECISION_DTYPES:
+        x2d = x2d.float()  # like the reference, which computes on x2d.float() (its callers check the dtype)
     if x2d.dim() != 2:
         raise ValueError(f"x2d: expected a 2D tensor, got shape {tuple(x2d.shape)}")
     tile_rows, tile_cols = int(tile_rows), int(tile_cols)

@@ -32,9 +32,17 @@ The transpose
 -------------
 
 The program's ``[BLOCK_M, BLOCK_K]`` tile is quantized once; the rowwise codes are
-stored as is and the columnwise ones as ``tl.trans(q)`` into ``[K, M]``. On a GPU the
-compiler stages the transposed tile through shared memory, so both stores are
-coalesced. The input may be any strided 2D view (e.g. ``x.t()``); offsets are 64-bit.
+stored as is and the columnwise ones as ``tl.trans(q)`` into ``[K, M]``. On a GPU,
+Triton converts the transposed tile's layout (through shared memory) before storing,
+so that the writes of both outputs run along contiguous memory. The input may be any strided 2D view (e.g. ``x.t()``); offsets are 64-bit.
+
+NaN
+---
+
+A NaN input stays NaN (the integer cast maps it to ``0x7F | sign``). Its sign is taken
+from the input itself (``tl.where(x != x, x, x * scale)``): a CPU multiply returns the NaN
+operand, sign included, which is what the reference gives, while a GPU multiply returns
+a canonical positive NaN; the select makes both give the reference's bits.
 """
 
 from __future__ import annotations
@@ -107,8 +115,13 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as fp32 ``[1]``; NaN if x has a NaN; 0 for an empty tensor."""
-    reference.check_input(x)
+    """max|x| as fp32 ``[1]``; NaN if x has a NaN; 0 for an empty tensor.
+
+    fp32/bf16/fp16 run the kernel; other dtypes (which the quantizers never pass) get the
+    same definition with torch ops.
+    """
+    if x.dtype not in reference.HIGH_PRECISION_DTYPES:
+        return reference.amax(x)
     buf = _amax_buffer(x.device)
     flat = x.reshape(-1)
     if not flat.is_contiguous():

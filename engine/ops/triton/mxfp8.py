@@ -44,12 +44,15 @@ The element multiplier
 
 ``2^(127 - code)`` spans 2^127 (code 0) down to 2^-127 (code 254), which is an fp32
 *subnormal*: it is built from bits (``(254 - code) << 23``, or ``0x00400000`` for 2^-127),
-never from ``exp2``, and code 255 gives NaN, so a block whose amax is NaN comes out all
-NaN, as in the reference. Which NaN a product of two NaNs returns is up to the hardware
-(and, on CPUs, the operand order the compiler picked); the reference's CPU kernel returns
-the scale's positive NaN for every element, and a GPU its canonical positive NaN, so the
-kernel writes ``0x7F`` for every element of a NaN block explicitly. The multiply ``x * 2^(127 - code)`` is exact unless the product
-is an fp32 subnormal, and then it is rounded once, like the reference's.
+never from ``exp2``. The multiply ``x * 2^(127 - code)`` is exact unless the product is
+an fp32 subnormal, and then it is rounded once, like the reference's (GPUs: ``mul.f32``
+keeps subnormals; Triton does not flush them).
+
+Code 255 gives NaN, so a block whose amax is NaN comes out all NaN, as in the reference.
+Which NaN a product of two NaNs returns is up to the hardware (and, on CPUs, the operand
+order the compiler picked); the reference's CPU kernel returns the scale's positive NaN
+for every element, and a GPU its canonical positive NaN, so the kernel writes ``0x7F``
+for every element of a NaN block explicitly.
 """
 
 from __future__ import annotations
