@@ -5,13 +5,15 @@ functions. They favour being obviously right over being fast. Conventions:
 
 * Inputs are fp32, bf16 or fp16 with any leading dims; they are read as 2D `[M, K]`,
   M = prod(leading dims), K = last dim. Math happens in fp32.
-* "Rowwise" data has the input's shape. "Columnwise" data is what the wgrad/dgrad GEMMs
-  read: for per-tensor and block scaling it is the quantization of the transposed 2D
-  tensor, shape `[K, M]`; for MXFP8 it keeps the input's shape (32x1 blocks, not
+* "Rowwise" data is x quantized as it is laid out (per-tensor and MXFP8 functions keep
+  x's shape; block functions return the 2D view `[M, K]`). "Columnwise" data is what the
+  wgrad/dgrad GEMMs read: for per-tensor and block scaling it is the quantization of the
+  transposed 2D tensor, `[K, M]`; for MXFP8 it keeps x's shape (32x1 blocks, not
   transposed), as on NVIDIA hardware.
 * Casts saturate: values are clamped to the format's ±max before the round-to-nearest-even
   cast, so inf becomes ±max and only NaN stays NaN.
-* amax propagates NaN (torch semantics), so a NaN in the input is visible in the scale.
+* amax propagates NaN (torch semantics). A NaN amax gives per-tensor and block scales of 1
+  (the current-scaling rule) and the NaN E8M0 code 255 for an MX block.
 """
 
 from __future__ import annotations
@@ -249,6 +251,7 @@ def e8m0_floor(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     """
     from engine.formats import format_of
 
+    fp8_max(fp8_dtype)  # a TypeError naming fp8_dtype for anything but E4M3 / E5M2
     a = block_amax.float()
     biased = (a.view(torch.int32).to(torch.int64) >> 23) & 0xFF
     shared = (biased - E8M0_BIAS) - format_of(fp8_dtype).max_exponent
