@@ -20,6 +20,32 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = {"quantize": "bench_quantize", "gemm": "bench_gemm", "linear": "bench_linear"}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the scripts of benchmarks/ (they live in the source checkout, next to engine/)."""
+    import importlib
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not folder.is_dir():
+        raise SystemExit(f"engine bench: no benchmarks/ folder at {folder}; run it from a source checkout")
+    sys.path.insert(0, str(folder))
+    for name in args.which:
+        print(f"== {name}")
+        importlib.import_module(BENCHMARKS[name]).main(args.extra)
+        print()
+    return 0
+
+
+def _bench_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in BENCHMARKS for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(BENCHMARKS)}; got {text!r}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="FP8 and MX low-precision training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -27,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     formats.set_defaults(run=_formats)
     info = commands.add_parser("info", help="print the GPU / NVML status and which FP8 recipes can run")
     info.set_defaults(run=_info)
+    bench = commands.add_parser("bench", help="print benchmark tables (quantize GB/s, GEMM GFLOP/s, Linear step)")
+    bench.add_argument("which", nargs="?", type=_bench_list, default=list(BENCHMARKS),
+                       help=f"benchmarks to run, comma separated (default: {','.join(BENCHMARKS)})")
+    bench.add_argument("extra", nargs=argparse.REMAINDER,
+                       help="options passed to each benchmark script, e.g. `linear --shapes 16x256x256`")
+    bench.set_defaults(run=_bench)
     from engine.train.cli import add_parser as add_train_parser
 
     add_train_parser(commands)

@@ -74,6 +74,20 @@ class GemmOperand:
         return ref.dequantize_block(self.data, self.tile_scales(), tile_rows=self.tile_rows,
                                     tile_cols=self.tile_cols, dtype=dtype)
 
+    def dequantize_pow2_bf16(self) -> torch.Tensor:
+        """bf16 value of an operand with power-of-2 tile scales: exact, as a broadcast multiply.
+
+        An FP8 value times a power of two is a bf16 value (bf16 has fp32's exponent range),
+        so upcasting the data and multiplying by bf16 scales rounds nothing.
+        """
+        rows, k = self.data.shape
+        tr, tc = self.tile_rows, self.tile_cols
+        if rows % tr or k % tc:  # partial edge tiles: the general (slower) path, still exact
+            return self.dequantize(torch.bfloat16)
+        values = ops.fp8_to_bf16(self.data).view(rows // tr, tr, k // tc, tc)
+        scales = self.tile_scales().to(torch.bfloat16)
+        return (values * scales[:, None, :, None]).view(rows, k)
+
 
 def _storage(t: QuantizedTensor | QuantizedTensorBase, name: str) -> QuantizedTensorBase:
     if isinstance(t, QuantizedTensor):
@@ -134,7 +148,7 @@ def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torc
         lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
     elif a.has_pow2_scales() and b.has_pow2_scales():
         alpha = 1.0
-        lhs, rhs = a.dequantize(gemm_dtype), b.dequantize(gemm_dtype)
+        lhs, rhs = a.dequantize_pow2_bf16().to(gemm_dtype), b.dequantize_pow2_bf16().to(gemm_dtype)
     else:
         out = _per_k_block(a, b)
         if bias is not None:
