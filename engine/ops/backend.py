@@ -11,8 +11,8 @@ Contract (x2d is a 2D fp32/bf16/fp16 tensor; outputs are new contiguous tensors)
 * `cast_transpose(x2d, scale, fp8_dtype, *, rowwise, columnwise) -> (data [M,K] | None, data_t [K,M] | None, amax [1])`
 * `quantize_block(x2d, fp8_dtype, *, tile_rows, tile_cols, force_pow_2_scales, amax_epsilon, value_for_inf)
   -> (data [M,K], scale_inv fp32 [ceil(M/tile_rows), ceil(K/tile_cols)])`; x2d may be a transposed view.
-* `quantize_mxfp8(x, fp8_dtype, *, scale_mode, columnwise) -> (data x.shape, uint8 codes)`; kernels
-  may require the blocked dim to be a multiple of 32 (this module pads a partial last block).
+* `quantize_mxfp8(x, fp8_dtype, *, scale_mode, columnwise) -> (data x.shape, uint8 codes)`, a partial
+  last block where the blocked dim is not a multiple of 32.
 * `fp8_to_bf16(data) -> bf16 tensor of data's shape` (exact).
 """
 
@@ -94,20 +94,8 @@ def quantize_block(x2d: torch.Tensor, fp8_dtype: torch.dtype, **kw: Any) -> tupl
     return backend_for(x2d.device).quantize_block(x2d, fp8_dtype, **kw)
 
 
-def quantize_mxfp8(
-    x: torch.Tensor, fp8_dtype: torch.dtype, *, columnwise: bool = False, **kw: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernels take whole 32-blocks; a partial last block is quantized zero-padded and cut back."""
-    backend = backend_for(x.device)
-    x2d = reference.as_2d(x)
-    m, k = x2d.shape
-    if backend is reference or (k if not columnwise else m) % reference.MX_BLOCK == 0:
-        return backend.quantize_mxfp8(x, fp8_dtype, columnwise=columnwise, **kw)
-    pad_rows = reference.mx_blocks(m) * reference.MX_BLOCK - m if columnwise else 0
-    pad_cols = 0 if columnwise else reference.mx_blocks(k) * reference.MX_BLOCK - k
-    data, codes = backend.quantize_mxfp8(torch.nn.functional.pad(x2d, (0, pad_cols, 0, pad_rows)), fp8_dtype,
-                                         columnwise=columnwise, **kw)
-    return data[:m, :k].contiguous().view(x.shape), codes
+def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return backend_for(x.device).quantize_mxfp8(x, fp8_dtype, **kw)
 
 
 def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,387 @@
+// Torch glue for the kernels: argument checks, output allocation (or reuse of caller
+// buffers), splitting the work over OpenMP threads, and the choice between the AVX-512
+// and the portable kernels (CPUID at load time; `set_isa` overrides it for tests).
+#include <torch/extension.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define ENGINE_X86 1
+#endif
+
+#include "kernels.h"
+
+namespace engine_native {
+namespace {
+
+using at::Tensor;
+using c10::optional;
+
+// ------------------------------------------------------------------ kernel selection
+bool cpu_has_avx512() {
+#if defined(ENGINE_X86) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+std::atomic<const Kernels*> g_kernels{nullptr};  // nullptr: not chosen yet
+
+const Kernels& kernels() {
+  const Kernels* k = g_kernels.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    k = (cpu_has_avx512() && avx512_kernels()) ? avx512_kernels() : &portable_kernels();
+    g_kernels.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+std::string isa() { return kernels().name; }
+
+void set_isa(const std::string& name) {
+  if (name == "portable") {
+    g_kernels = &portable_kernels();
+  } else if (name == "avx512") {
+    TORCH_CHECK_VALUE(cpu_has_avx512() && avx512_kernels(), "set_isa: this CPU (or build) has no AVX-512 kernels");
+    g_kernels = avx512_kernels();
+  } else if (name == "auto") {
+    g_kernels = nullptr;
+  } else {
+    TORCH_CHECK_VALUE(false, "set_isa: expected 'auto', 'avx512' or 'portable', got '", name, "'");
+  }
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out{"portable"};
+  if (cpu_has_avx512() && avx512_kernels()) out.push_back("avx512");
+  return out;
+}
+
+// ------------------------------------------------------------------------- threading
+// The kernels follow the reference's default IEEE arithmetic: round-to-nearest (which the
+// AVX-512 rounding trick relies on) and subnormals kept (x * scale can be one, and FP8
+// subnormals come from them); torch.set_flush_denormal(True) sets FTZ/DAZ in MXCSR, so
+// each thread runs the kernels with the default MXCSR and restores its own afterwards.
+struct DefaultFpEnv {
+#ifdef ENGINE_X86
+  unsigned saved;
+  DefaultFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8000u | 0x6000u | 0x0040u)); }
+  ~DefaultFpEnv() { _mm_setcsr(saved); }
+#endif
+};
+
+// Calls f(begin, end, thread) on one contiguous chunk of [0, n) per thread, with at least
+// `grain` units per thread (small jobs stay on the calling thread).
+template <typename F>
+int parallel_chunks(int64_t n, int64_t grain, const F& f) {
+  const int64_t want = std::max<int64_t>(1, n / std::max<int64_t>(1, grain));
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), want));
+  if (threads <= 1 || omp_in_parallel()) {
+    DefaultFpEnv env;
+    if (n > 0) f(int64_t{0}, n, 0);
+    return 1;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    DefaultFpEnv env;
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b = n * t / nt, e = n * (t + 1) / nt;
+    if (b < e) f(b, e, static_cast<int>(t));
+  }
+  return threads;
+}
+
+// Max of per-thread amax keys.
+template <typename F>
+uint32_t parallel_max_key(int64_t n, int64_t grain, const F& f) {
+  std::vector<uint32_t> keys(static_cast<size_t>(omp_get_max_threads()) + 1, 0u);
+  parallel_chunks(n, grain, [&](int64_t b, int64_t e, int t) { keys[t] = std::max(keys[t], f(b, e)); });
+  return *std::max_element(keys.begin(), keys.end());
+}
+
+constexpr int64_t kElemGrain = 1 << 15;  // elements per thread below which threads cost more than they save
+
+// ------------------------------------------------------------------------- arguments
+InType in_type(const Tensor& x, const char* name) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return InType::F32;
+    case at::kBFloat16: return InType::BF16;
+    case at::kHalf: return InType::F16;
+    default:
+      TORCH_CHECK_TYPE(false, name, ": expected dtype float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+  return InType::F32;
+}
+
+Fp8Kind fp8_kind(int64_t kind) {
+  TORCH_CHECK_VALUE(kind == 0 || kind == 1, "fp8 kind: expected 0 (E4M3) or 1 (E5M2), got ", kind);
+  return kind == 0 ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
+}
+
+at::ScalarType fp8_dtype(Fp8Kind kind) {
+  return kind == Fp8Kind::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+void check_cpu(const Tensor& x, const char* name) {
+  TORCH_CHECK_VALUE(x.device().is_cpu(), name, ": the native kernels take CPU tensors, got ", x.device());
+}
+
+// A caller-provided output must match exactly; otherwise a new contiguous tensor.
+Tensor output(const optional<Tensor>& given, at::IntArrayRef shape, at::ScalarType dtype, const char* name) {
+  if (given.has_value()) {
+    const Tensor& t = *given;
+    check_cpu(t, name);
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, ", got ", t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, ": must be contiguous");
+    return t;
+  }
+  return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+// A 2D tensor as a row-major view, or nullopt when it is stored column-major (a
+// transposed view). Anything else is made contiguous by the caller.
+optional<Src> row_major(const Tensor& x) {
+  const int64_t R = x.size(0), C = x.size(1);
+  if (C == 1 || x.stride(1) == 1) return Src{x.data_ptr(), in_type(x, "x"), R == 1 ? C : x.stride(0)};
+  return c10::nullopt;
+}
+
+bool column_major(const Tensor& x) { return x.size(0) > 1 && x.size(1) > 1 && x.stride(0) == 1; }
+
+// --------------------------------------------------------------------------------- amax
+float amax_of(const Tensor& x) {
+  if (x.numel() == 0) return 0.0f;
+  Tensor flat = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+  const InType type = in_type(flat, "x");
+  const void* data = flat.data_ptr();
+  const Kernels& k = kernels();
+  const uint32_t key = parallel_max_key(flat.numel(), kElemGrain, [&](int64_t b, int64_t e) {
+    return k.amax_key(data, type, b, e);
+  });
+  return key_to_amax(key);
+}
+
+Tensor amax(const Tensor& x, const optional<Tensor>& out) {
+  check_cpu(x, "x");
+  in_type(x, "x");
+  Tensor result = output(out, {1}, at::kFloat, "out");
+  result.data_ptr<float>()[0] = amax_of(x);
+  return result;
+}
+
+// ------------------------------------------------------------------------ cast transpose
+using CastTransposeResult = std::tuple<optional<Tensor>, optional<Tensor>, Tensor>;
+
+CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t kind_i, bool rowwise, bool columnwise,
+                                   const optional<Tensor>& out_data, const optional<Tensor>& out_data_t,
+                                   const optional<Tensor>& out_amax) {
+  check_cpu(x_in, "x2d");
+  in_type(x_in, "x2d");
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x2d: expected a 2D tensor, got ", x_in.dim(), " dims");
+  const Fp8Kind kind = fp8_kind(kind_i);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  optional<Tensor> data, data_t;
+  if (rowwise) data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
+  if (columnwise) data_t = output(out_data_t, {K, M}, fp8_dtype(kind), "out_data_t");
+  Tensor amax_t = output(out_amax, {1}, at::kFloat, "out_amax");
+  const float scale = static_cast<float>(scale_d);
+
+  if (M * K == 0) {
+    amax_t.data_ptr<float>()[0] = 0.0f;
+    return {data, data_t, amax_t};
+  }
+  if (is_nan_f32(scale)) {
+    // x * NaN is the scale's NaN for every element (what torch computes), so the data is
+    // one NaN code; only the amax needs the input.
+    const uint8_t code = static_cast<uint8_t>(0x7F | ((f32_bits(scale) >> 24) & 0x80));
+    if (data) std::memset(bytes(*data), code, static_cast<size_t>(M * K));
+    if (data_t) std::memset(bytes(*data_t), code, static_cast<size_t>(M * K));
+    amax_t.data_ptr<float>()[0] = amax_of(x_in);
+    return {data, data_t, amax_t};
+  }
+
+  // A column-major x is the transpose of a row-major matrix: swap the roles of the outputs.
+  const bool swap = column_major(x_in);
+  Tensor x = x_in;
+  if (!swap && !row_major(x).has_value()) x = x.contiguous();
+  Src src = swap ? Src{x.data_ptr(), in_type(x, "x2d"), x.stride(1)} : *row_major(x);
+  const int64_t rows = swap ? K : M, cols = swap ? M : K;
+  uint8_t* out_row = swap ? (data_t ? bytes(*data_t) : nullptr) : (data ? bytes(*data) : nullptr);
+  uint8_t* out_col = swap ? (data ? bytes(*data) : nullptr) : (data_t ? bytes(*data_t) : nullptr);
+
+  const Kernels& k = kernels();
+  uint32_t key;
+  if (out_col == nullptr && src.ld == cols) {
+    // rowwise only on contiguous data: one flat pass
+    uint8_t* o = out_row;
+    key = parallel_max_key(rows * cols, kElemGrain, [&](int64_t b, int64_t e) {
+      if (o == nullptr) return k.amax_key(src.data, src.type, b, e);
+      return k.cast(src.data, src.type, b, e, scale, kind, o);
+    });
+  } else {
+    // Units of 64 rows x up to 1024 columns, all the row blocks of a column chunk in a
+    // row: the 1024 rows of data_t they write stay in the TLB (each row is a page apart).
+    const int64_t row_blocks = (rows + 63) / 64, col_chunks = (cols + 1023) / 1024;
+    key = parallel_max_key(row_blocks * col_chunks, std::max<int64_t>(1, kElemGrain / (64 * 1024)),
+                           [&](int64_t b, int64_t e) {
+                             uint32_t best = 0;
+                             for (int64_t u = b; u < e; ++u) {
+                               const int64_t r0 = (u % row_blocks) * 64, c0 = (u / row_blocks) * 1024;
+                               const int64_t r1 = std::min(rows, r0 + 64), c1 = std::min(cols, c0 + 1024);
+                               best = std::max(best, k.cast_transpose_region(src, rows, cols, r0, r1, c0, c1, scale,
+                                                                             kind, out_row, out_col));
+                             }
+                             return best;
+                           });
+  }
+  amax_t.data_ptr<float>()[0] = key_to_amax(key);
+  return {data, data_t, amax_t};
+}
+
+// ------------------------------------------------------------------------ block scaling
+std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, int64_t tile_rows, int64_t tile_cols,
+                                          bool pow2, double amax_epsilon, double value_for_inf,
+                                          const optional<Tensor>& out_data, const optional<Tensor>& out_scale_inv) {
+  check_cpu(x_in, "x2d");
+  in_type(x_in, "x2d");
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x2d: expected a 2D tensor, got ", x_in.dim(), " dims");
+  TORCH_CHECK_VALUE(tile_rows >= 1 && tile_cols >= 1, "tile_rows and tile_cols must be >= 1, got ", tile_rows, " and ",
+                    tile_cols);
+  const Fp8Kind kind = fp8_kind(kind_i);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const int64_t tm = (M + tile_rows - 1) / tile_rows, tk = (K + tile_cols - 1) / tile_cols;
+  Tensor data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
+  Tensor scale_inv = output(out_scale_inv, {tm, tk}, at::kFloat, "out_scale_inv");
+  if (M * K == 0) return {data, scale_inv};
+
+  const Fp8Format f = fp8_format(kind);
+  const ScaleRule rule{f.max, pow2, static_cast<float>(amax_epsilon), static_cast<float>(value_for_inf)};
+  const BlockParams p{tile_rows, tile_cols, rule, kind};
+  float* sinv = scale_inv.data_ptr<float>();
+  uint8_t* out = bytes(data);
+  // The vector kernels need every tile scale to be a positive normal number, which holds
+  // unless value_for_inf itself is not one.
+  const float vfi = p.rule.value_for_inf;
+  const bool normal_vfi = vfi >= 1.17549435e-38f && vfi <= 3.4028234663852886e38f;
+  const Kernels& kern = normal_vfi ? kernels() : portable_kernels();
+
+  if (column_major(x_in)) {
+    // x2d = y^T for a row-major y (A x B = K x M): tiles of x2d are transposed panels of y.
+    const Src src{x_in.data_ptr(), in_type(x_in, "x2d"), x_in.stride(1)};
+    const int64_t A = K, B = M;
+    // columns of y per panel: whole tiles, 128 KiB of input per 128 rows (long row
+    // segments to read; the panel and the next one, prefetched, stay in L2)
+    const int64_t target = std::min<int64_t>(1024, (128 * 1024 / 128) / x_in.element_size());
+    const int64_t width = tile_rows * std::max<int64_t>(1, target / tile_rows);
+    const Kernels& k = width <= 1024 ? kern : portable_kernels();
+    const int64_t a_panels = tk, b_panels = (B + width - 1) / width;
+    parallel_chunks(a_panels * b_panels, std::max<int64_t>(1, kElemGrain / (width * tile_cols)),
+                    [&](int64_t b, int64_t e, int) {
+                      for (int64_t u = b; u < e; ++u) {
+                        // all the row tiles of a column panel in a row: its rows of
+                        // scale_inv (one float per tile) fill up while in cache
+                        const int64_t a0 = (u % a_panels) * tile_cols, b0 = (u / a_panels) * width;
+                        k.block_transposed(src, A, B, p, a0, std::min(A, a0 + tile_cols), b0, std::min(B, b0 + width),
+                                           out, sinv);
+                      }
+                    });
+    return {data, scale_inv};
+  }
+  Tensor x = row_major(x_in).has_value() ? x_in : x_in.contiguous();
+  const Src src = *row_major(x);
+  const Kernels& k = kern;
+  parallel_chunks(tm * tk, std::max<int64_t>(1, kElemGrain / (tile_rows * tile_cols)), [&](int64_t b, int64_t e, int) {
+    k.block_rowwise(src, M, K, p, b, e, out, sinv);
+  });
+  return {data, scale_inv};
+}
+
+// --------------------------------------------------------------------------------- MXFP8
+std::tuple<Tensor, Tensor> quantize_mxfp8(const Tensor& x_in, int64_t kind_i, bool rceil, bool columnwise,
+                                          const optional<Tensor>& out_data, const optional<Tensor>& out_codes) {
+  check_cpu(x_in, "x");
+  in_type(x_in, "x");
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected the 2D view, got ", x_in.dim(), " dims");
+  const Fp8Kind kind = fp8_kind(kind_i);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  constexpr int64_t kBlock = 32;
+  const int64_t code_rows = columnwise ? (M + kBlock - 1) / kBlock : M;
+  const int64_t code_cols = columnwise ? K : (K + kBlock - 1) / kBlock;
+  Tensor data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
+  Tensor codes = output(out_codes, {code_rows, code_cols}, at::kByte, "out_scale");
+  if (M * K == 0) return {data, codes};
+
+  Tensor x = row_major(x_in).has_value() ? x_in : x_in.contiguous();
+  const Src src = *row_major(x);
+  const Kernels& k = kernels();
+  uint8_t* out = bytes(data);
+  uint8_t* c = bytes(codes);
+  if (!columnwise) {
+    parallel_chunks(M, std::max<int64_t>(1, kElemGrain / K), [&](int64_t b, int64_t e, int) {
+      k.mx_rowwise(src, M, K, kind, rceil, b, e, out, c);
+    });
+  } else {
+    constexpr int64_t kChunk = 512;  // columns per work unit
+    const int64_t chunks = (K + kChunk - 1) / kChunk;
+    parallel_chunks(code_rows * chunks, std::max<int64_t>(1, kElemGrain / (kBlock * kChunk)),
+                    [&](int64_t b, int64_t e, int) {
+                      for (int64_t u = b; u < e; ++u) {
+                        const int64_t br = u / chunks, c0 = (u % chunks) * kChunk;
+                        k.mx_colwise(src, M, K, kind, rceil, br, br + 1, c0, std::min(K, c0 + kChunk), out, c);
+                      }
+                    });
+  }
+  return {data, codes};
+}
+
+// --------------------------------------------------------------------------- fp8 -> bf16
+Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
+  check_cpu(data_in, "data");
+  const auto dt = data_in.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
+                   "data: expected dtype float8_e4m3fn or float8_e5m2, got ", dt);
+  const Fp8Kind kind = dt == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
+  Tensor data = data_in.contiguous();
+  Tensor result = output(out, data.sizes(), at::kBFloat16, "out");
+  const uint8_t* codes = static_cast<const uint8_t*>(data.data_ptr());
+  uint16_t* dst = static_cast<uint16_t*>(result.data_ptr());
+  const Kernels& k = kernels();
+  parallel_chunks(data.numel(), kElemGrain, [&](int64_t b, int64_t e, int) { k.fp8_to_bf16(codes, kind, b, e, dst); });
+  return result;
+}
+
+}  // namespace
+}  // namespace engine_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace engine_native;
+  namespace py = pybind11;
+  m.doc() = "engine's C++ CPU quantization kernels (see engine/ops/native.py)";
+  m.def("isa", &isa, "the kernel set in use: 'avx512' or 'portable'");
+  m.def("set_isa", &set_isa, py::arg("name"), "force 'avx512' or 'portable' ('auto' = CPUID)");
+  m.def("available_isas", &available_isas);
+  m.def("amax", &amax, py::arg("x"), py::arg("out") = py::none());
+  m.def("cast_transpose", &cast_transpose, py::arg("x2d"), py::arg("scale"), py::arg("kind"), py::arg("rowwise"),
+        py::arg("columnwise"), py::arg("out_data") = py::none(), py::arg("out_data_t") = py::none(),
+        py::arg("out_amax") = py::none());
+  m.def("quantize_block", &quantize_block, py::arg("x2d"), py::arg("kind"), py::arg("tile_rows"), py::arg("tile_cols"),
+        py::arg("force_pow_2_scales"), py::arg("amax_epsilon"), py::arg("value_for_inf"),
+        py::arg("out_data") = py::none(), py::arg("out_scale_inv") = py::none());
+  m.def("quantize_mxfp8", &quantize_mxfp8, py::arg("x2d"), py::arg("kind"), py::arg("rceil"), py::arg("columnwise"),
+        py::arg("out_data") = py::none(), py::arg("out_scale") = py::none());
+  m.def("fp8_to_bf16", &fp8_to_bf16, py::arg("data"), py::arg("out") = py::none());
+}

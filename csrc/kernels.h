@@ -1,0 +1,76 @@
+// The kernel interface shared by the portable and the AVX-512 implementations.
+//
+// Kernels work on raw pointers over a slice of the work (a range of elements, rows or
+// tiles) and never allocate or start threads: bindings.cpp checks arguments, allocates,
+// splits the work over OpenMP threads and picks the implementation for the CPU it runs on.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8_scalar.h"
+
+namespace engine_native {
+
+// A 2D row-major view: element (r, c) is at data[r * ld + c].
+struct Src {
+  const void* data;
+  InType type;
+  int64_t ld;
+};
+
+// Block scaling parameters (reference.compute_scale) plus the tile shape.
+struct BlockParams {
+  int64_t tile_rows;
+  int64_t tile_cols;
+  ScaleRule rule;
+  Fp8Kind kind;
+};
+
+struct Kernels {
+  const char* name;
+
+  // max |x| over the flat elements [begin, end), as an ordered key (see abs_key).
+  uint32_t (*amax_key)(const void* x, InType type, int64_t begin, int64_t end);
+
+  // out[i] = fp8(x[i] * scale) for the flat elements [begin, end); returns their amax key.
+  uint32_t (*cast)(const void* x, InType type, int64_t begin, int64_t end, float scale, Fp8Kind kind,
+                   uint8_t* out);
+
+  // Cast of the region rows [r0, r1) x cols [c0, c1) of the M x K matrix `x` (the caller
+  // keeps regions small, e.g. 64x64): writes out[r * K + c] when `out` is set and
+  // out_t[c * M + r] when `out_t` is set; returns the region's amax key.
+  uint32_t (*cast_transpose_region)(Src x, int64_t M, int64_t K, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                                    float scale, Fp8Kind kind, uint8_t* out, uint8_t* out_t);
+
+  // Block quantization of a row-major M x K matrix, tiles [t0, t1) of the row-major tile
+  // grid (ceil(M/tile_rows) x ceil(K/tile_cols)): data out[M x K], scale_inv[tile grid].
+  void (*block_rowwise)(Src x, int64_t M, int64_t K, const BlockParams& p, int64_t t0, int64_t t1, uint8_t* out,
+                        float* scale_inv);
+
+  // Block quantization of the transpose of a row-major A x B matrix `x` (the tensor the
+  // caller quantizes is x^T, B x A): out[B x A], scale_inv[ceil(B/tile_rows) x
+  // ceil(A/tile_cols)]. Handles the panel x rows [a0, a1) x cols [b0, b1); a0 is a multiple
+  // of tile_cols, b0 of tile_rows, a panel holds whole tiles except at the edges, and it
+  // is at most 1024 columns wide (the AVX-512 version's limit).
+  void (*block_transposed)(Src x, int64_t A, int64_t B, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0,
+                           int64_t b1, uint8_t* out, float* scale_inv);
+
+  // MXFP8, 1x32 blocks along rows of an M x K matrix, rows [r0, r1): data out[M x K],
+  // codes[M x ceil(K/32)]. rceil selects the scale rule (else floor).
+  void (*mx_rowwise)(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t r0, int64_t r1, uint8_t* out,
+                     uint8_t* codes);
+
+  // MXFP8, 32x1 blocks along columns, for the block-rows [br0, br1) and columns [c0, c1)
+  // (at most 512 columns): data out[M x K] (not transposed), codes[ceil(M/32) x K].
+  void (*mx_colwise)(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t br0, int64_t br1, int64_t c0,
+                     int64_t c1, uint8_t* out, uint8_t* codes);
+
+  // bf16 bits of the FP8 codes [begin, end).
+  void (*fp8_to_bf16)(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end, uint16_t* out);
+};
+
+// The portable implementation (any CPU) and the AVX-512 one (nullptr when it was not compiled in).
+const Kernels& portable_kernels();
+const Kernels* avx512_kernels();
+
+}  // namespace engine_native

@@ -1,0 +1,221 @@
+"""C++ CPU kernels: the backend of `engine.ops.backend` for CPU tensors.
+
+The extension is built from `csrc/` (next to the `engine` package) with
+`torch.utils.cpp_extension.load` the first time it is needed, and cached in torch's
+extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so
+later processes only load it. It needs a C++ compiler with OpenMP and `ninja`. If the
+build fails, `available()` is False and `why_unavailable()` says why; importing this
+module never raises.
+
+One build holds two versions of the kernels: a portable one (no `-march` flag: any
+x86-64 or other CPU) and an AVX-512 one (F/BW/DQ/VL/VBMI, compiled with a target
+pragma) chosen at run time by CPUID, so a cached build never runs instructions the CPU
+lacks. `isa()` tells which one runs; `use_isa("portable")` forces the portable one
+(tests compare both with the reference). `ENGINE_NATIVE_VERBOSE=1` shows the build.
+
+Every function gives the same bits as its `engine.ops.reference` counterpart, with the
+same signature plus optional preallocated outputs (`out_data=`, `out_data_t=`,
+`out_scale_inv=`, ...): a caller that reuses buffers avoids the page faults of a fresh
+large allocation, which cost more than the kernel. Given outputs must have exactly the
+shape and dtype of the result and be contiguous; they are filled and returned.
+
+Work is split over OpenMP threads (`torch.get_num_threads()`); the kernels run with
+round-to-nearest and without flush-to-zero whatever `torch.set_flush_denormal` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine.formats import fp8_max
+from engine.ops import reference
+
+EXTENSION_NAME = "engine_native"
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp")
+# -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
+# separately rounded fp32 operations.
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
+
+_FP8_KIND = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
+
+
+def _build() -> ModuleType:
+    """Compile (or load the cached build of) the extension."""
+    from torch.utils import cpp_extension
+
+    missing = [name for name in SOURCES if not (CSRC_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"C++ sources not found in {CSRC_DIR}: {', '.join(missing)}")
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(CSRC_DIR / name) for name in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        extra_include_paths=[str(CSRC_DIR)],
+        verbose=bool(os.environ.get("ENGINE_NATIVE_VERBOSE")),
+    )
+
+
+def _describe(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".strip()
+    lines = text.splitlines()
+    if len(lines) > 40:  # compiler output: keep the head and the tail
+        text = "\n".join(lines[:10] + ["..."] + lines[-25:])
+    return f"building the C++ extension {EXTENSION_NAME!r} failed: {text}"
+
+
+def _extension() -> ModuleType | None:
+    global _module, _error, build_seconds
+    if _module is None and _error is None:
+        with _lock:
+            if _module is None and _error is None:
+                start = time.perf_counter()
+                try:
+                    _module = _build()
+                except Exception as err:  # no compiler, no ninja, compile error, ...: report, never raise
+                    _error = _describe(err)
+                build_seconds = time.perf_counter() - start
+    return _module
+
+
+def available() -> bool:
+    """True when the extension is built (building it on the first call)."""
+    return _extension() is not None
+
+
+def why_unavailable() -> str:
+    """Why `available()` is False ('' when it is True)."""
+    _extension()
+    return _error or ""
+
+
+def _ext() -> ModuleType:
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError(f"engine's C++ kernels are unavailable: {_error}")
+    return ext
+
+
+def isa() -> str:
+    """The kernel set in use: 'avx512' or 'portable'."""
+    return _ext().isa()
+
+
+def available_isas() -> list[str]:
+    return list(_ext().available_isas())
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernels of `name` ('avx512', 'portable' or 'auto') inside the block."""
+    ext = _ext()
+    previous = ext.isa()
+    ext.set_isa(name)
+    try:
+        yield
+    finally:
+        ext.set_isa(previous)
+
+
+def _kind(fp8_dtype: torch.dtype) -> int:
+    fp8_max(fp8_dtype)  # TypeError for anything but E4M3 / E5M2, as the reference
+    return _FP8_KIND[fp8_dtype]
+
+
+# ----------------------------------------------------------------------------- contract
+def amax(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max(|x|) as a 1-element fp32 tensor; 0 for an empty tensor; NaN if x has NaN."""
+    if x.dtype not in reference.HIGH_PRECISION_DTYPES:
+        result = reference.amax(x)
+        return result if out is None else out.copy_(result)
+    return _ext().amax(x, out)
+
+
+def cast_transpose(
+    x2d: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    out_data: torch.Tensor | None = None,
+    out_data_t: torch.Tensor | None = None,
+    out_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """One pass over x2d [M, K]: (sat(x * scale) [M, K] if rowwise, its transpose [K, M] if columnwise, amax [1])."""
+    reference.check_input(x2d, "x2d")
+    kind = _kind(fp8_dtype)
+    scale_value = float(scale.float().reshape(()))
+    return _ext().cast_transpose(x2d, scale_value, kind, rowwise, columnwise, out_data, out_data_t, out_amax)
+
+
+def quantize_block(
+    x2d: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    tile_rows: int,
+    tile_cols: int,
+    force_pow_2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    value_for_inf: float = reference.FLT_MAX,
+    out_data: torch.Tensor | None = None,
+    out_scale_inv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per tile_rows x tile_cols tile: (data [M, K], scale_inv fp32 [ceil(M/tr), ceil(K/tc)]).
+
+    x2d may be a transposed view (the 1D columnwise case): it is read in tiles, never copied.
+    """
+    kind = _kind(fp8_dtype)
+    if x2d.dtype not in reference.HIGH_PRECISION_DTYPES:
+        x2d = x2d.float()  # the reference computes on x2d.float() too
+    return _ext().quantize_block(x2d, kind, int(tile_rows), int(tile_cols), bool(force_pow_2_scales),
+                                 float(amax_epsilon), float(value_for_inf), out_data, out_scale_inv)
+
+
+def quantize_mxfp8(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale_mode: str = "rceil",
+    columnwise: bool = False,
+    out_data: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8, blocks of 32: (data with x's shape, uint8 E8M0 codes [M, ceil(K/32)] or [ceil(M/32), K])."""
+    reference.check_input(x)
+    if scale_mode not in reference.SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {sorted(reference.SCALE_MODES)}, got {scale_mode!r}")
+    kind = _kind(fp8_dtype)
+    x2d = reference.as_2d(x)
+    out2d = None
+    if out_data is not None:
+        if out_data.shape != x.shape:
+            raise ValueError(f"out_data: expected shape {tuple(x.shape)}, got {tuple(out_data.shape)}")
+        if not out_data.is_contiguous():
+            raise ValueError("out_data: must be contiguous")
+        out2d = out_data.view(x2d.shape)
+    data, codes = _ext().quantize_mxfp8(x2d, kind, scale_mode == "rceil", columnwise, out2d, out_scale)
+    return (out_data if out_data is not None else data.view(x.shape)), codes
+
+
+def fp8_to_bf16(data: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 values as bf16 (exact), same shape. Other dtypes get the reference's plain cast."""
+    if data.dtype not in _FP8_KIND:
+        result = reference.fp8_to_bf16(data)
+        return result if out is None else out.copy_(result)
+    return _ext().fp8_to_bf16(data, out)
