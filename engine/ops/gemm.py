@@ -34,6 +34,8 @@ from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.storage import QuantizedTensorBase
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# 2^(code - 127) for every E8M0 code, as bf16 (exact: bf16 has fp32's exponent range; 255 is NaN)
+E8M0_TO_BF16 = ref.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class GemmOperand:
     kind: str  # "tensor" | "block" | "mx"
     tile_rows: int = 1
     tile_cols: int = 1
+    pow2_scales: bool | None = None  # known from the quantizer; None: look at the scales
 
     @property
     def rows(self) -> int:
@@ -65,6 +68,8 @@ class GemmOperand:
     def has_pow2_scales(self) -> bool:
         if self.kind == "mx":
             return True
+        if self.pow2_scales is not None:
+            return self.pow2_scales
         bits = self.scale_inv.float().view(torch.int32)
         return bool(((bits & 0x7FFFFF) == 0).all())
 
@@ -85,7 +90,10 @@ class GemmOperand:
         if rows % tr or k % tc:  # partial edge tiles: the general (slower) path, still exact
             return self.dequantize(torch.bfloat16)
         values = ops.fp8_to_bf16(self.data).view(rows // tr, tr, k // tc, tc)
-        scales = self.tile_scales().to(torch.bfloat16)
+        if self.kind == "mx":
+            scales = E8M0_TO_BF16.to(self.data.device)[self.scale_inv.long()]
+        else:
+            scales = self.scale_inv.to(torch.bfloat16)
         return (values * scales[:, None, :, None]).view(rows, k)
 
 
@@ -111,7 +119,8 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         return GemmOperand(ref.as_2d(data), scale_inv, "tensor")
     if isinstance(st, Float8BlockwiseTensorStorage):
         tile_rows = 1 if st.block_scaling_dim == 1 else ref.BLOCK_128
-        return GemmOperand(ref.as_2d(data), scale_inv, "block", tile_rows, ref.BLOCK_128)
+        pow2 = True if getattr(st.quantizer, "force_pow_2_scales", False) else None
+        return GemmOperand(ref.as_2d(data), scale_inv, "block", tile_rows, ref.BLOCK_128, pow2)
     if isinstance(st, MXFP8TensorStorage):
         data2d = ref.as_2d(data)
         if transposed:  # 32x1 blocks along M, stored untransposed: read them as [K, M] with scales [K, M/32]

@@ -49,9 +49,11 @@ class DelayedScaling(Recipe):
 def default_scale(amax: torch.Tensor, scale: torch.Tensor, max_value: float, margin: int) -> torch.Tensor:
     """(fp8_max / amax) / 2**margin; old scale where amax <= 0 or not finite; FLT_MAX where inf."""
     # a true fp32 division, as TE's CUDA kernel does (`scalar / tensor` in torch would multiply by a reciprocal)
-    new = (torch.full_like(amax, max_value) / amax) / (2.0**margin)
-    new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
-    return torch.where(torch.isinf(new), torch.full_like(new, FLT_MAX), new)
+    new = torch.full_like(amax, max_value).div_(amax)
+    if margin:
+        new.div_(2.0**margin)
+    new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale)
+    return new.clamp_max_(FLT_MAX)  # inf -> FLT_MAX; NaN cannot occur here
 
 
 class DelayedScalingState(RecipeState):
@@ -65,7 +67,7 @@ class DelayedScalingState(RecipeState):
         n = len(roles)
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
-        self.held = torch.zeros(n, dtype=torch.bool, device=device)
+        self.held: set[int] = set()
         dtype = recipe.fp8_format.forward_dtype if forward else recipe.fp8_format.backward_dtype
         self.fp8_max = fp8_max(dtype)
         quantizers = [
@@ -80,7 +82,7 @@ class DelayedScalingState(RecipeState):
 
     def hold(self, slot: int) -> None:
         """Leave this slot's history and scale as they are at the next update (a cached weight)."""
-        self.held[slot] = True
+        self.held.add(slot)
 
     def update(self) -> None:
         """Turn the history into the next scales (in place, so the quantizers see them)."""
@@ -99,10 +101,15 @@ class DelayedScalingState(RecipeState):
             new_scale = recipe.scaling_factor_compute_algo(amax, self.scale.clone(), self.fp8_max, recipe)
         rolled = torch.roll(history, -1, dims=0)
         rolled[0].zero_()
-        keep = self.held
-        history.copy_(torch.where(keep, history, rolled))
-        self.scale.copy_(torch.where(keep, self.scale, new_scale.to(self.scale)))
-        self.held.zero_()
+        new_scale = new_scale.to(self.scale)
+        if self.held:  # held slots keep their history and scale
+            keep = torch.zeros(self.scale.shape, dtype=torch.bool, device=self.scale.device)
+            keep[sorted(self.held)] = True
+            rolled = torch.where(keep, history, rolled)
+            new_scale = torch.where(keep, self.scale, new_scale)
+            self.held.clear()
+        history.copy_(rolled)
+        self.scale.copy_(new_scale)
 
     def record_amax(self, slot: int, x: torch.Tensor) -> None:
         """Record max|x| for one slot without quantizing (calibration)."""
