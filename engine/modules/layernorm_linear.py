@@ -7,10 +7,10 @@ import torch
 from engine.modules.base import FP8Module
 from engine.modules.linear import InitMethod, check_features, check_input, linear_parameters
 from engine.modules.linear_function import LinearFunction
-from engine.modules.normalization import check_eps, check_normalization, norm_parameters, normalize
+from engine.modules.normalization import NormalizedInput
 
 
-class LayerNormLinear(FP8Module):
+class LayerNormLinear(NormalizedInput, FP8Module):
     """norm(x) W^T + b. The norm runs in high precision; its output is quantized for the GEMM.
 
     `return_layernorm_output=True` also returns the norm's output (e.g. for a residual).
@@ -34,17 +34,11 @@ class LayerNormLinear(FP8Module):
         super().__init__()
         self.in_features = check_features(in_features, "in_features")
         self.out_features = check_features(out_features, "out_features")
-        self.eps = check_eps(eps)
-        self.normalization = check_normalization(normalization)
-        self.zero_centered_gamma = zero_centered_gamma
-        self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         dtype = params_dtype or torch.get_default_dtype()
-        self.layer_norm_weight, ln_bias = norm_parameters(
-            in_features, normalization=normalization, zero_centered_gamma=zero_centered_gamma, dtype=dtype,
-            device=device)
-        self.register_parameter("layer_norm_bias", ln_bias)
+        self._init_norm(in_features, eps=eps, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                        return_layernorm_output=return_layernorm_output, dtype=dtype, device=device)
         self.weight, b = linear_parameters(self, in_features, out_features, bias=bias, dtype=dtype, device=device,
                                            init_method=init_method, gemm=0)
         self.register_parameter("bias", b)
@@ -52,12 +46,10 @@ class LayerNormLinear(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         check_input(inp, self.in_features, type(self).__name__)
         (args,) = self._prepare(inp.device, is_first_microbatch)
-        ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
-                           eps=self.eps, zero_centered_gamma=self.zero_centered_gamma)
+        ln_out = self._normalize(inp)
         self._calibrate(args, ln_out, self.weight)
         out = LinearFunction.apply(ln_out, self.weight, None if self.return_bias else self.bias, args)
-        outputs = (out,) + ((self.bias,) if self.return_bias else ()) + ((ln_out,) if self.return_layernorm_output else ())
-        return outputs if len(outputs) > 1 else out
+        return self._outputs(out, self.bias, ln_out)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, normalization={self.normalization}, "

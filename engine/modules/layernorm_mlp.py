@@ -8,10 +8,10 @@ from engine.modules.activations import ACTIVATIONS, GATED, check_activation
 from engine.modules.base import FP8Module
 from engine.modules.linear import InitMethod, check_features, check_input, linear_parameters
 from engine.modules.linear_function import LinearFunction
-from engine.modules.normalization import check_eps, check_normalization, norm_parameters, normalize
+from engine.modules.normalization import NormalizedInput
 
 
-class LayerNormMLP(FP8Module):
+class LayerNormMLP(NormalizedInput, FP8Module):
     """The transformer MLP block. Gated activations (swiglu, geglu) make fc1 twice as wide."""
 
     num_gemms = 2
@@ -37,18 +37,12 @@ class LayerNormMLP(FP8Module):
         super().__init__()
         self.hidden_size = check_features(hidden_size, "hidden_size")
         self.ffn_hidden_size = check_features(ffn_hidden_size, "ffn_hidden_size")
-        self.eps = check_eps(eps)
-        self.normalization = check_normalization(normalization)
         self.activation = check_activation(activation)
-        self.zero_centered_gamma = zero_centered_gamma
-        self.return_layernorm_output = return_layernorm_output
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         dtype = params_dtype or torch.get_default_dtype()
-        self.layer_norm_weight, ln_bias = norm_parameters(
-            hidden_size, normalization=normalization, zero_centered_gamma=zero_centered_gamma, dtype=dtype,
-            device=device)
-        self.register_parameter("layer_norm_bias", ln_bias)
+        self._init_norm(hidden_size, eps=eps, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                        return_layernorm_output=return_layernorm_output, dtype=dtype, device=device)
         fc1_out = ffn_hidden_size * (2 if activation in GATED else 1)
         self.fc1_weight, fc1_bias = linear_parameters(self, hidden_size, fc1_out, bias=bias, dtype=dtype,
                                                       device=device, init_method=init_method, gemm=0)
@@ -60,15 +54,12 @@ class LayerNormMLP(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         check_input(inp, self.hidden_size, type(self).__name__)
         fc1_args, fc2_args = self._prepare(inp.device, is_first_microbatch)
-        ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
-                           eps=self.eps, zero_centered_gamma=self.zero_centered_gamma)
+        ln_out = self._normalize(inp)
         self._calibrate(fc1_args, ln_out, self.fc1_weight)
         hidden = ACTIVATIONS[self.activation](LinearFunction.apply(ln_out, self.fc1_weight, self.fc1_bias, fc1_args))
         self._calibrate(fc2_args, hidden, self.fc2_weight)
         out = LinearFunction.apply(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias, fc2_args)
-        outputs = (out,) + ((self.fc2_bias,) if self.return_bias else ()) + (
-            (ln_out,) if self.return_layernorm_output else ())
-        return outputs if len(outputs) > 1 else out
+        return self._outputs(out, self.fc2_bias, ln_out)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -44,3 +44,28 @@ def norm_parameters(
     if normalization == "LayerNorm":
         bias = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
     return weight, bias
+
+
+class NormalizedInput:
+    """What LayerNormLinear and LayerNormMLP share: a norm on the input, and their output tuple."""
+
+    def _init_norm(
+        self, size: int, *, eps: float, normalization: str, zero_centered_gamma: bool,
+        return_layernorm_output: bool, dtype: torch.dtype, device: torch.device | str | None,
+    ) -> None:
+        self.eps = check_eps(eps)
+        self.normalization = check_normalization(normalization)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.layer_norm_weight, ln_bias = norm_parameters(
+            size, normalization=normalization, zero_centered_gamma=zero_centered_gamma, dtype=dtype, device=device)
+        self.register_parameter("layer_norm_bias", ln_bias)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return normalize(x, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
+                         eps=self.eps, zero_centered_gamma=self.zero_centered_gamma)
+
+    def _outputs(self, out: torch.Tensor, bias: torch.Tensor | None, ln_out: torch.Tensor):
+        """out, plus the unadded bias (return_bias) and the norm's output (return_layernorm_output)."""
+        outputs = (out,) + ((bias,) if self.return_bias else ()) + ((ln_out,) if self.return_layernorm_output else ())
+        return outputs if len(outputs) > 1 else out

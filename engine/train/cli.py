@@ -39,7 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             description=__doc__)
     p.add_argument("--recipes", type=_recipe_list, default=list(RUN_NAMES),
                    help=f"runs to make, comma separated (default: {','.join(RUN_NAMES)})")
-    p.add_argument("--steps", type=_positive, default=300, help="optimizer steps per run (default 300)")
+    p.add_argument("--steps", type=_positive, default=500, help="optimizer steps per run (default 500)")
     p.add_argument("--d-model", type=_positive, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=_positive, default=4, help="transformer blocks (default 4)")
     p.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")

@@ -31,7 +31,7 @@ class RunConfig(BaseModel):
 
     recipe: str = BASELINE
     model: GPTConfig = GPTConfig()
-    steps: int = Field(300, ge=1)
+    steps: int = Field(500, ge=1)
     batch_size: int = Field(16, ge=1)
     lr: float = Field(2e-3, gt=0)
     warmup_steps: int = Field(30, ge=0)
