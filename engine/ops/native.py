@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -61,6 +63,9 @@ def _build() -> ModuleType:
     missing = [name for name in SOURCES if not (CSRC_DIR / name).is_file()]
     if missing:
         raise FileNotFoundError(f"C++ sources not found in {CSRC_DIR}: {', '.join(missing)}")
+    scripts = sysconfig.get_path("scripts")  # where pip put the `ninja` wheel's binary (e.g. .venv/bin)
+    if shutil.which("ninja") is None and scripts:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(CSRC_DIR / name) for name in SOURCES],
