@@ -58,6 +58,9 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return x.float().clamp(-limit, limit).to(fp8_dtype)
 
 
+_SIGN_AND_EXPONENT = -0x800000  # 0xFF800000 as int32: clearing the mantissa rounds down to a power of 2
+
+
 def compute_scale(
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -72,14 +75,13 @@ def compute_scale(
     `value_for_inf`; power-of-2 scales clear the mantissa (round down).
     """
     a = amax.float()
-    a = torch.where(a < amax_epsilon, torch.full_like(a, amax_epsilon), a)
-    scale = torch.full_like(a, fp8_max(fp8_dtype)) / a
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
-    degenerate = (a == 0) | torch.isinf(a) | torch.isnan(a)
-    scale = torch.where(degenerate, torch.ones_like(scale), scale)
+    if amax_epsilon > 0:
+        a = a.clamp_min(amax_epsilon)  # NaN stays NaN
+    scale = torch.full_like(a, fp8_max(fp8_dtype)).div_(a)  # a true division (not times 1/a)
+    scale = torch.where(scale == float("inf"), value_for_inf, scale)  # scale > 0: only +inf occurs
+    scale = torch.where(torch.isfinite(a) & (a != 0), scale, 1.0)  # amax 0, inf or NaN: scale 1
     if force_pow_2_scales:
-        bits = scale.view(torch.int32) & torch.tensor(0x7F800000 | -0x80000000, dtype=torch.int32)
-        scale = bits.view(torch.float32)
+        scale = (scale.view(torch.int32) & _SIGN_AND_EXPONENT).view(torch.float32)
     return scale
 
 
