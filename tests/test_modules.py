@@ -292,3 +292,27 @@ def test_token_counts_that_are_not_block_multiples(recipe):
     assert rel(out, want_out) < FWD_TOL
     for name in want:
         assert rel(got[name], want[name]) < BWD_TOL, name
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+def test_no_grad_forward_quantizes_only_what_fprop_reads(recipe, monkeypatch):
+    """Under torch.no_grad nothing is saved for backward, so no columnwise copies are made."""
+    from engine.quantizers import Quantizer
+
+    made = []
+    original = Quantizer.quantize_storage
+
+    def spy(self, x):
+        storage = original(self, x)
+        made.append((storage.has_rowwise, storage.has_columnwise))
+        return storage
+
+    monkeypatch.setattr(Quantizer, "quantize_storage", spy)
+    module = make("linear")
+    with torch.no_grad(), fp8_autocast(recipe=RECIPES[recipe]):
+        module(torch.randn(32, 64))
+    assert made == [(True, False), (True, False)]  # input, weight
+    made.clear()
+    with fp8_autocast(recipe=RECIPES[recipe]):
+        module(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert made[:2] == [(True, True), (True, True)]  # wgrad reads x columnwise, dgrad reads W columnwise

@@ -83,23 +83,24 @@ class FP8Module(torch.nn.Module):
     def _prepare(self, device: torch.device, is_first_microbatch: bool | None, gemm_count: int | None = None) -> list[LinearArgs]:
         """Per-GEMM arguments for this forward: FP8 or not, the states, and the autocast bookkeeping."""
         fp8, calibrating = autocast.is_fp8_enabled(), autocast.is_calibrating()
+        grad = torch.is_grad_enabled()
         if not fp8 and not calibrating:
-            return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+            return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
                     for _ in range(self.num_gemms)]
         recipe = autocast.get_recipe()
         if calibrating and not fp8 and not isinstance(recipe, DelayedScaling):
-            return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+            return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
                     for _ in range(self.num_gemms)]
         if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
             self._build_states(recipe, device)
         autocast.register_forward_state(self._fwd_state)
         step = None
-        if fp8 and torch.is_grad_enabled():
+        if fp8 and grad:
             step = autocast.register_backward_state(self._bwd_state)
         return [
             LinearArgs(fp8=fp8, fwd=self._fwd_state, bwd=self._bwd_state, gemm=g, cache=self._weight_caches[g],
                        is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                       backward_step=step if g == 0 else None)
+                       backward_step=step if g == 0 else None, grad_enabled=grad)
             for g in range(self.num_gemms)
         ]
 

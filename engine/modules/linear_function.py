@@ -41,6 +41,7 @@ class LinearArgs:
     is_first_microbatch: bool | None = None
     fuse_wgrad_accumulation: bool = False
     backward_step: AutocastStep | None = None
+    grad_enabled: bool = True  # grad mode at the call (inside forward it is always off)
 
 
 def without(storage: QuantizedTensorBase, usage: str) -> QuantizedTensorBase:
@@ -84,7 +85,8 @@ class LinearFunction(torch.autograd.Function):
         ctx.args, ctx.inp_shape, ctx.inp_dtype = args, inp.shape, inp.dtype
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
         ctx.weight_ref = weight if args.fuse_wgrad_accumulation else None
-        need_wgrad, need_dgrad = weight.requires_grad, inp.requires_grad
+        need_dgrad = args.grad_enabled and ctx.needs_input_grad[0]
+        need_wgrad = args.grad_enabled and ctx.needs_input_grad[1]
         if not args.fp8:
             w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
             w = w.to(inp.dtype)
