@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from engine.ops import reference
+from engine.ops.triton.tiles import load_tile
 from engine.ops.triton.fp8_bits import abs_bits, fp8_params, fp32_to_fp8_bits
 
 # %%
@@ -74,17 +75,7 @@ def _cast_transpose_kernel(
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # a 1D grid (no 65535 limit on the second grid dim), tiles in row-major order
-    pid = tl.program_id(0)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    pid_m = pid // tiles_k
-    pid_k = pid % tiles_k
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x, offs_m, offs_k, mask = load_tile(x_ptr, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     scale = tl.load(scale_ptr)
     y = x * scale
     y = tl.where(x != x, x, y)  # a NaN input keeps its sign (as on CPUs; GPUs return a canonical NaN)

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from engine.ops import reference
+from engine.ops.triton.tiles import load_tile
 from engine.ops.triton.fp8_bits import abs_bits, f32_bits, fp8_params, fp32_to_fp8_bits
 
 MX_BLOCK: tl.constexpr = tl.constexpr(reference.MX_BLOCK)
@@ -112,15 +113,9 @@ def _mxfp8_kernel(
     MAN_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, EMAX: tl.constexpr,
     FLOOR: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    x, offs_m, offs_k, mask = load_tile(x_ptr, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     tiles_k = tl.cdiv(K, BLOCK_K)
-    pid_m = pid // tiles_k
-    pid_k = pid % tiles_k
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    pid_m, pid_k = tl.program_id(0) // tiles_k, tl.program_id(0) % tiles_k  # for the scale offsets
 
     if COLUMNWISE:
         # 32x1 blocks: [BLOCK_M/32, 32, BLOCK_K], reduce over the middle axis
