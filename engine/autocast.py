@@ -151,7 +151,7 @@ def finish_backward(step: AutocastStep) -> None:
     if step.backward_done:
         return
     step.backward_done = True
-    update_states([s for s in step.backward_states.values() if s.needs_update], step.group)
+    update_states(list(step.backward_states.values()), step.group)
 
 
 @contextlib.contextmanager

@@ -44,9 +44,13 @@ class FP8Module(torch.nn.Module):
             return make_parameter(value, None)
         if self._fwd_state is None:
             self._build_states(autocast.model_init_recipe(), value.device)
+        return make_parameter(value, self._primary_weight_quantizer(gemm))
+
+    def _primary_weight_quantizer(self, gemm: int):
+        """This module's weight quantizer, set to make both usages (fprop and dgrad read an FP8 weight)."""
         quantizer = self._fwd_state.quantizer(Role.WEIGHT, gemm)
         quantizer.set_usage(rowwise=True, columnwise=True)
-        return make_parameter(value, quantizer)
+        return quantizer
 
     # ------------------------------------------------------------------ recipe states
     def _build_states(self, recipe: Recipe, device: torch.device) -> None:
@@ -68,8 +72,7 @@ class FP8Module(torch.nn.Module):
             param = getattr(self, name, None)  # None while __init__ is still creating the weights
             if not isinstance(param, QuantizedTensor):
                 continue
-            quantizer = self._fwd_state.quantizer(Role.WEIGHT, gemm)
-            quantizer.set_usage(rowwise=True, columnwise=True)
+            quantizer = self._primary_weight_quantizer(gemm)
             if param.qstorage.quantizer is not None and param.qstorage.quantizer.config() == quantizer.config():
                 param.update_quantizer(quantizer)
                 continue
@@ -80,15 +83,13 @@ class FP8Module(torch.nn.Module):
                 fresh = torch.nn.Parameter(quantizer.quantize(param.dequantize()), requires_grad=param.requires_grad)
             torch.utils.swap_tensors(param, fresh)  # keeps the Parameter object the optimizer holds
 
-    def _prepare(self, device: torch.device, is_first_microbatch: bool | None, gemm_count: int | None = None) -> list[LinearArgs]:
+    def _prepare(self, device: torch.device, is_first_microbatch: bool | None) -> list[LinearArgs]:
         """Per-GEMM arguments for this forward: FP8 or not, the states, and the autocast bookkeeping."""
         fp8, calibrating = autocast.is_fp8_enabled(), autocast.is_calibrating()
         grad = torch.is_grad_enabled()
-        if not fp8 and not calibrating:
-            return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
-                    for _ in range(self.num_gemms)]
         recipe = autocast.get_recipe()
-        if calibrating and not fp8 and not isinstance(recipe, DelayedScaling):
+        # high precision, unless calibrating delayed scaling (which records amaxes while running in it)
+        if not fp8 and not (calibrating and isinstance(recipe, DelayedScaling)):
             return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
                     for _ in range(self.num_gemms)]
         if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
@@ -115,9 +116,9 @@ class FP8Module(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self) -> dict[str, Any]:
         """Plain data: the recipe (name and fields) and, for delayed scaling, scales and amax histories."""
-        state: dict[str, Any] = {"version": EXTRA_STATE_VERSION, "recipe": None}
         if self._recipe is None and self._pending_extra_state is not None:
-            return self._pending_extra_state
+            return self._pending_extra_state  # loaded but not run yet: pass it on unchanged
+        state: dict[str, Any] = {"version": EXTRA_STATE_VERSION, "recipe": None}
         if self._recipe is not None:
             state["recipe"] = recipe_to_plain(self._recipe)
             if self._fwd_state.needs_update:

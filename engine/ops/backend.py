@@ -38,12 +38,19 @@ def forced_backend() -> str | None:
     return name
 
 
-def _native() -> ModuleType | None:
+def _native_or_reason() -> tuple[ModuleType | None, str]:
+    """The C++ kernels' module when they built, else None and why not."""
     try:
         from engine.ops import native
-    except ImportError:
-        return None
-    return native if native.available() else None
+    except ImportError as err:
+        return None, f"engine.ops.native cannot be imported: {err}"
+    if native.available():
+        return native, ""
+    return None, native.why_unavailable()
+
+
+def _native() -> ModuleType | None:
+    return _native_or_reason()[0]
 
 
 def _triton() -> ModuleType:
@@ -68,18 +75,10 @@ def _choose(device_type: str, forced: str | None) -> ModuleType:
     if native is not None:
         return native
     if forced == "native":
-        raise RuntimeError(f"ENGINE_BACKEND=native, but the C++ kernels are unavailable: {_why_native_unavailable()}")
+        raise RuntimeError(f"ENGINE_BACKEND=native, but the C++ kernels are unavailable: {_native_or_reason()[1]}")
     warnings.warn("engine: the C++ CPU kernels are unavailable; quantization runs the slow reference path "
-                  f"({_why_native_unavailable()})", RuntimeWarning, stacklevel=4)
+                  f"({_native_or_reason()[1]})", RuntimeWarning, stacklevel=4)
     return reference
-
-
-def _why_native_unavailable() -> str:
-    try:
-        from engine.ops import native
-    except ImportError as err:
-        return f"engine.ops.native cannot be imported: {err}"
-    return native.why_unavailable()
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

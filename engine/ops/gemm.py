@@ -30,7 +30,7 @@ from engine.ops import reference as ref
 from engine.tensors.blockwise import Float8BlockwiseTensorStorage
 from engine.tensors.float8 import Float8TensorStorage
 from engine.tensors.mxfp8 import MXFP8TensorStorage
-from engine.tensors.quantized import QuantizedTensor
+from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import QuantizedTensorBase
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,18 +97,9 @@ class GemmOperand:
         return (values * scales[:, None, :, None]).view(rows, k)
 
 
-def _storage(t: QuantizedTensor | QuantizedTensorBase, name: str) -> QuantizedTensorBase:
-    if isinstance(t, QuantizedTensor):
-        return t.qstorage
-    if isinstance(t, QuantizedTensorBase):
-        return t
-    raise TypeError(f"{name}: expected a quantized tensor (engine.QuantizedTensor or its storage), "
-                    f"got {type(t).__name__}")
-
-
 def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, name: str = "a") -> GemmOperand:
     """The K-major operand for op(t): rowwise data, or columnwise data when `transposed`."""
-    st = _storage(t, name)
+    st = storage_of(t, name)
     usage = "columnwise" if transposed else "rowwise"
     data = st.columnwise_data if transposed else st.rowwise_data
     scale_inv = st.columnwise_scale_inv if transposed else st.rowwise_scale_inv
@@ -153,7 +144,7 @@ def _per_k_block(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
 def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     if a.kind == "tensor":
-        alpha = float(a.scale_inv.float().item() * b.scale_inv.float().item())
+        alpha = (a.scale_inv.float() * b.scale_inv.float()).item()  # one sync; rounds the exact product once
         lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
     elif a.has_pow2_scales() and b.has_pow2_scales():
         alpha = 1.0

@@ -18,6 +18,8 @@ functions. They favour being obviously right over being fast. Conventions:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.formats import fp8_max
@@ -42,7 +44,7 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
     """View `x` as `[prod(leading dims), last dim]` (a scalar is `[1, 1]`)."""
     if x.dim() == 0:
         return x.reshape(1, 1)
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit rows: a last dim of 0 is fine
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ def cast_transpose(
     """Per-tensor cast of a 2D tensor: (data [M, K] if rowwise, data^T [K, M] if columnwise, amax [1])."""
     check_input(x2d, "x2d")
     data = quantize_per_tensor(x2d, scale, fp8_dtype)
-    return (data if rowwise else None), (data.t().contiguous() if columnwise else None), amax(x2d)
+    return (data if rowwise else None), (transpose_2d(data) if columnwise else None), amax(x2d)
 
 
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from engine.formats import FP8_DTYPES
 from engine.ops import backend as ops
 from engine.ops import reference as ref
-from engine.tensors.quantized import QuantizedTensor
+from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
 
 Buffers = dict[str, torch.Tensor | None]
@@ -139,7 +139,7 @@ class Quantizer(ABC):
         """
         if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
             return dst
-        storage = dst._qstorage if isinstance(dst, QuantizedTensor) else dst
+        storage = storage_of(dst, "dst")
         if type(storage) is not self.storage_class:
             raise TypeError(f"dst: expected a {self.storage_class.__name__} (or its tensor), got {type(storage).__name__}")
         if tuple(src.shape) != tuple(storage.shape):

@@ -118,6 +118,16 @@ class QuantizedTensor(torch.Tensor):
         return _fallback(func, args, kwargs)
 
 
+def storage_of(t: Any, name: str) -> QuantizedTensorBase:
+    """The storage behind a QuantizedTensor, or the storage itself; TypeError naming `name` otherwise."""
+    if isinstance(t, QuantizedTensor):
+        return t._qstorage
+    if isinstance(t, QuantizedTensorBase):
+        return t
+    raise TypeError(f"{name}: expected a quantized tensor (engine.QuantizedTensor or its storage), "
+                    f"got {type(t).__name__}")
+
+
 class _Dequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
