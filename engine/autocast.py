@@ -1,4 +1,7 @@
-"""fp8_autocast and fp8_model_init: the one place in `engine` with global state.
+"""fp8_autocast and fp8_model_init: the one place in `engine` with ambient state, kept per thread.
+
+Like `torch.autocast`, the settings belong to the thread that entered the context: a
+thread that never entered `fp8_autocast` runs in high precision whatever other threads do.
 
 `fp8_autocast` says which recipe the modules run under. Delayed-scaling state that a
 module used inside it is updated at two moments, as in Transformer Engine:
@@ -15,12 +18,14 @@ the group has more than one rank, and the recipe's `reduce_amax` is on.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from engine.checks import check_bool
 from engine.distributed import all_reduce_max
 from engine.recipes import DelayedScaling, Recipe, RecipeState
 
@@ -35,26 +40,22 @@ class AutocastStep:
     backward_done: bool = False
 
 
-@dataclass
-class _AutocastState:
-    enabled: bool = False
-    calibrating: bool = False
-    recipe: Recipe | None = None
-    group: dist.ProcessGroup | None = None
-    depth: int = 0
-    step: AutocastStep | None = None
-    model_init_enabled: bool = False
-    model_init_recipe: Recipe | None = None
-    preserve_high_precision_init_val: bool = False
+class _AutocastState(threading.local):
+    """The settings of the innermost fp8_autocast / fp8_model_init of the current thread."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.calibrating = False
+        self.recipe: Recipe | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.depth = 0
+        self.step: AutocastStep | None = None
+        self.model_init_enabled = False
+        self.model_init_recipe: Recipe | None = None
+        self.preserve_high_precision_init_val = False
 
 
-_STATE = _AutocastState()
-
-
-def _check_flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {value!r}")
-    return value
+_STATE = _AutocastState()  # one instance, a separate set of attributes per thread
 
 
 def _check_recipe(recipe: Any) -> Recipe:
@@ -78,8 +79,8 @@ def fp8_autocast(
     amaxes, so the first FP8 step starts from calibrated delayed scales. Nesting is
     allowed; the outer settings come back on exit.
     """
-    _check_flag(enabled, "enabled")
-    _check_flag(calibrating, "calibrating")
+    check_bool(enabled, "enabled")
+    check_bool(calibrating, "calibrating")
     recipe = _check_recipe(recipe)
     if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
         raise TypeError(f"fp8_group: expected a torch.distributed.ProcessGroup or None, got {type(fp8_group).__name__}")
@@ -163,8 +164,8 @@ def fp8_model_init(
     With `preserve_high_precision_init_val`, each keeps a CPU copy of its initial
     high-precision value (see `engine.parameters.get_high_precision_init_val`).
     """
-    _check_flag(enabled, "enabled")
-    _check_flag(preserve_high_precision_init_val, "preserve_high_precision_init_val")
+    check_bool(enabled, "enabled")
+    check_bool(preserve_high_precision_init_val, "preserve_high_precision_init_val")
     recipe = _check_recipe(recipe)
     saved = (_STATE.model_init_enabled, _STATE.model_init_recipe, _STATE.preserve_high_precision_init_val)
     _STATE.model_init_enabled, _STATE.model_init_recipe = enabled, recipe
