@@ -139,9 +139,9 @@ def test_block_and_mx_settings_reach_the_quantizers():
 def spec_update(history, scale, algo, margin, fp8_max):
     """The update rule of NUMERICS.md on Python lists (history: rows of floats, row 0 first)."""
     n = len(scale)
-    if algo == "max":  # NaN-propagating, like torch.max
-        column = [[row[i] for row in history] for i in range(n)]
-        amax = [math.nan if any(map(math.isnan, c)) else max(c) for c in column]
+    history = [[v if math.isfinite(v) else 0.0 for v in row] for row in history]  # NaN/inf amaxes are dropped
+    if algo == "max":
+        amax = [max(row[i] for row in history) for i in range(n)]
     elif algo == "most_recent":
         amax = list(history[0])
     else:
@@ -166,7 +166,8 @@ def mean_of_two_most_recent(history):
 
 
 # amaxes seen per step by the three forward slots; powers of two keep fp32 and Python floats equal.
-# They include 0 (keep the scale), inf and NaN (keep the scale) and a tiny amax whose scale overflows.
+# They include 0 (keep the scale), inf and NaN (dropped from the history) and a tiny amax whose scale
+# overflows.
 AMAX_SEQUENCE = [
     (1.0, 2.0, 0.5), (4.0, 0.0, 0.25), (0.5, 8.0, 2.0), (2.0, 2.0, 2.0), (16.0, 0.125, 1.0),
     (0.25, float("inf"), 4.0), (1.0, 1.0, 1.0), (2.0**-140, 4.0, 0.5), (8.0, float("nan"), 0.5),
