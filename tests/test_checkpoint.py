@@ -159,7 +159,5 @@ def test_delayed_state_with_the_wrong_number_of_slots_is_a_clear_error():
     state = train_model.proj.state_dict()
     state["_extra_state"]["forward"]["scale"] = torch.ones(6)
     linear = engine.Linear(96, 64)
-    linear.load_state_dict(state)
-    with pytest.raises(ValueError, match="slots"):
-        with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
-            linear(torch.randn(4, 96))
+    with pytest.raises(ValueError, match=r"_extra_state\['forward'\]\['scale'\].*slots"):
+        linear.load_state_dict(state)  # at load, not at the first forward

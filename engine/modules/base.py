@@ -17,7 +17,9 @@ import torch
 from engine import autocast
 from engine.modules.linear_function import LinearArgs, WeightCache
 from engine.parameters import make_parameter
-from engine.recipes import DelayedScaling, Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain
+from engine.recipes import (
+    BACKWARD_ROLES, FORWARD_ROLES, DelayedScaling, Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain,
+)
 from engine.tensors import QuantizedTensor
 
 EXTRA_STATE_VERSION = 1
@@ -54,6 +56,12 @@ class FP8Module(torch.nn.Module):
 
     # ------------------------------------------------------------------ recipe states
     def _build_states(self, recipe: Recipe, device: torch.device) -> None:
+        # states and requantized weights outlive this call: never make them inference tensors, or the
+        # first training step after an eval under torch.inference_mode() could not update them
+        with torch.inference_mode(False):
+            self._build_states_now(recipe, device)
+
+    def _build_states_now(self, recipe: Recipe, device: torch.device) -> None:
         old_recipe, old_fwd, old_bwd = self._recipe, self._fwd_state, self._bwd_state
         self._recipe = recipe
         self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device)
@@ -127,10 +135,11 @@ class FP8Module(torch.nn.Module):
         return state
 
     def set_extra_state(self, state: Any) -> None:
+        """Validate a saved state now (whether or not this module has run); apply it when states exist."""
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
-        _check_extra_state(state, type(self).__name__)
-        if state["recipe"] is None:
+        recipe = check_extra_state(state, self.num_gemms)
+        if recipe is None:
             return
         self._pending_extra_state = state
         if self._recipe is not None:
@@ -149,30 +158,65 @@ class FP8Module(torch.nn.Module):
             _copy_delayed(state[key]["scale"], state[key]["amax_history"], s)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        except ValueError as err:  # name the key the bad extra state came from
+            raise ValueError(f"{prefix}{err}") from None
         missing_keys = args[2] if len(args) > 2 else kwargs.get("missing_keys")
         key = prefix + "_extra_state"
         if key not in state_dict and missing_keys is not None and key in missing_keys:
             missing_keys.remove(key)  # a checkpoint of a plain torch module has no FP8 state: that is fine
 
 
-def _check_extra_state(state: Any, owner: str) -> None:
+def check_extra_state(state: Any, num_gemms: int) -> Recipe | None:
+    """The saved recipe, after checking every part of a saved `_extra_state`; ValueError naming the bad key."""
     if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION or "recipe" not in state:
-        raise ValueError(f"{owner}._extra_state: expected a dict with version {EXTRA_STATE_VERSION} and a recipe, "
+        raise ValueError(f"_extra_state: expected a dict with version {EXTRA_STATE_VERSION} and a recipe, "
                          f"got {state!r:.200}")
-    for key in ("forward", "backward"):
-        if key in state:
-            part = state[key]
-            if not (isinstance(part, dict) and isinstance(part.get("scale"), torch.Tensor)
-                    and isinstance(part.get("amax_history"), torch.Tensor)):
-                raise ValueError(f"{owner}._extra_state[{key!r}]: expected {{'scale': tensor, 'amax_history': tensor}}")
+    unknown = set(state) - {"version", "recipe", "forward", "backward"}
+    if unknown:
+        raise ValueError(f"_extra_state: unknown keys {sorted(unknown)}")
+    if state["recipe"] is None:
+        return None
+    try:
+        recipe = recipe_from_plain(state["recipe"])
+    except ValueError as err:
+        raise ValueError(f"_extra_state['recipe']: {err}") from None
+    delayed = isinstance(recipe, DelayedScaling)
+    for key, slots in (("forward", len(FORWARD_ROLES) * num_gemms), ("backward", len(BACKWARD_ROLES) * num_gemms)):
+        if delayed != (key in state):
+            raise ValueError(f"_extra_state[{key!r}]: a {recipe.name} recipe's state "
+                             f"{'needs' if delayed else 'has no'} {key} scaling state")
+        if delayed:
+            _check_delayed_part(state[key], f"_extra_state[{key!r}]", slots)
+    return recipe
+
+
+def _check_delayed_part(part: Any, where: str, slots: int) -> None:
+    """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0."""
+    if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
+        raise ValueError(f"{where}: expected {{'scale': tensor, 'amax_history': tensor}}, got {part!r:.200}")
+    scale, history = part["scale"], part["amax_history"]
+    for name, t, shape in (("scale", scale, f"[{slots}]"), ("amax_history", history, f"[rows, {slots}]")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or type(t) is not torch.Tensor:
+            raise ValueError(f"{where}[{name!r}]: expected a float32 tensor {shape}, got {_describe(t)}")
+    if tuple(scale.shape) != (slots,):
+        raise ValueError(f"{where}['scale']: expected shape ({slots},) for this module's {slots} slots, "
+                         f"got {tuple(scale.shape)} (a state saved from another kind of module?)")
+    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != slots:
+        raise ValueError(f"{where}['amax_history']: expected shape (rows >= 1, {slots}), got {tuple(history.shape)}")
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(f"{where}['scale']: every scale must be finite and > 0, got {scale.tolist()}")
+    if not bool((torch.isfinite(history) & (history >= 0)).all()):
+        raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0")
+
+
+def _describe(t: Any) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _copy_delayed(scale: torch.Tensor, history: torch.Tensor, state: RecipeState) -> None:
     """Load a saved scale and amax history into a delayed-scaling state (history rows that fit)."""
-    if scale.shape != state.scale.shape or history.dim() != 2 or history.shape[1] != state.scale.shape[0]:
-        raise ValueError(f"_extra_state: scale {tuple(scale.shape)} / amax_history {tuple(history.shape)} do not fit "
-                         f"a state of {state.scale.shape[0]} slots")
     state.scale.copy_(scale)
     rows = min(history.shape[0], state.amax_history.shape[0])
     state.amax_history.zero_()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.modules.base import FP8Module
-from engine.modules.linear import InitMethod, check_features, check_input, linear_parameters
-from engine.modules.linear_function import LinearFunction
+from engine.checks import check_params_dtype
+from engine.modules.linear import InitMethod, check_features, check_input, check_layer_flags, linear_parameters
+from engine.modules.linear_function import linear
 from engine.modules.normalization import NormalizedInput
 
 
@@ -34,9 +35,11 @@ class LayerNormLinear(NormalizedInput, FP8Module):
         super().__init__()
         self.in_features = check_features(in_features, "in_features")
         self.out_features = check_features(out_features, "out_features")
+        check_layer_flags(bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                          zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output)
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype = check_params_dtype(params_dtype)
         self._init_norm(in_features, eps=eps, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                         return_layernorm_output=return_layernorm_output, dtype=dtype, device=device)
         self.weight, b = linear_parameters(self, in_features, out_features, bias=bias, dtype=dtype, device=device,
@@ -44,11 +47,11 @@ class LayerNormLinear(NormalizedInput, FP8Module):
         self.register_parameter("bias", b)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.in_features, type(self).__name__)
+        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch)
         (args,) = self._prepare(inp.device, is_first_microbatch)
         ln_out = self._normalize(inp)
         self._calibrate(args, ln_out, self.weight)
-        out = LinearFunction.apply(ln_out, self.weight, None if self.return_bias else self.bias, args)
+        out = linear(ln_out, self.weight, None if self.return_bias else self.bias, args)
         return self._outputs(out, self.bias, ln_out)
 
     def extra_repr(self) -> str:

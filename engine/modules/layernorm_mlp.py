@@ -6,8 +6,9 @@ import torch
 
 from engine.modules.activations import ACTIVATIONS, GATED, check_activation
 from engine.modules.base import FP8Module
-from engine.modules.linear import InitMethod, check_features, check_input, linear_parameters
-from engine.modules.linear_function import LinearFunction
+from engine.checks import check_params_dtype
+from engine.modules.linear import InitMethod, check_features, check_input, check_layer_flags, linear_parameters
+from engine.modules.linear_function import linear
 from engine.modules.normalization import NormalizedInput
 
 
@@ -38,9 +39,11 @@ class LayerNormMLP(NormalizedInput, FP8Module):
         self.hidden_size = check_features(hidden_size, "hidden_size")
         self.ffn_hidden_size = check_features(ffn_hidden_size, "ffn_hidden_size")
         self.activation = check_activation(activation)
+        check_layer_flags(bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                          zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output)
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype = check_params_dtype(params_dtype)
         self._init_norm(hidden_size, eps=eps, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                         return_layernorm_output=return_layernorm_output, dtype=dtype, device=device)
         fc1_out = ffn_hidden_size * (2 if activation in GATED else 1)
@@ -52,13 +55,13 @@ class LayerNormMLP(NormalizedInput, FP8Module):
         self.register_parameter("fc2_bias", fc2_bias)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.hidden_size, type(self).__name__)
+        check_input(inp, self.hidden_size, type(self).__name__, is_first_microbatch)
         fc1_args, fc2_args = self._prepare(inp.device, is_first_microbatch)
         ln_out = self._normalize(inp)
         self._calibrate(fc1_args, ln_out, self.fc1_weight)
-        hidden = ACTIVATIONS[self.activation](LinearFunction.apply(ln_out, self.fc1_weight, self.fc1_bias, fc1_args))
+        hidden = ACTIVATIONS[self.activation](linear(ln_out, self.fc1_weight, self.fc1_bias, fc1_args))
         self._calibrate(fc2_args, hidden, self.fc2_weight)
-        out = LinearFunction.apply(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias, fc2_args)
+        out = linear(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias, fc2_args)
         return self._outputs(out, self.fc2_bias, ln_out)
 
     def extra_repr(self) -> str:

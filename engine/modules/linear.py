@@ -7,8 +7,9 @@ from typing import Callable
 
 import torch
 
+from engine.checks import check_bool, check_optional_bool, check_params_dtype
 from engine.modules.base import FP8Module
-from engine.modules.linear_function import LinearFunction
+from engine.modules.linear_function import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -19,13 +20,20 @@ def check_features(value: int, name: str) -> int:
     return value
 
 
-def check_input(inp: torch.Tensor, features: int, owner: str) -> None:
+def check_input(inp: torch.Tensor, features: int, owner: str, is_first_microbatch: bool | None = None) -> None:
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{owner}: inp must be a torch.Tensor, got {type(inp).__name__}")
     if inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"{owner}: inp must be float32, bfloat16 or float16, got {inp.dtype}")
     if inp.dim() < 1 or inp.shape[-1] != features:
         raise ValueError(f"{owner}: inp's last dim must be {features}, got shape {tuple(inp.shape)}")
+    check_optional_bool(is_first_microbatch, "is_first_microbatch")
+
+
+def check_layer_flags(**flags: bool) -> None:
+    """Constructor switches (bias, return_bias, fuse_wgrad_accumulation, ...) must be bools."""
+    for name, value in flags.items():
+        check_bool(value, name)
 
 
 def init_linear(weight: torch.Tensor, bias: torch.Tensor | None, init_method: InitMethod | None) -> None:
@@ -74,19 +82,20 @@ class Linear(FP8Module):
         super().__init__()
         self.in_features = check_features(in_features, "in_features")
         self.out_features = check_features(out_features, "out_features")
+        check_layer_flags(bias=bias, return_bias=return_bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype = check_params_dtype(params_dtype)
         self.weight, b = linear_parameters(self, in_features, out_features, bias=bias, dtype=dtype,
                                            device=device, init_method=init_method, gemm=0)
         self.register_parameter("bias", b)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.in_features, type(self).__name__)
+        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch)
         (args,) = self._prepare(inp.device, is_first_microbatch)
         self._calibrate(args, inp, self.weight)
         bias = None if self.return_bias else self.bias
-        out = LinearFunction.apply(inp, self.weight, bias, args)
+        out = linear(inp, self.weight, bias, args)
         return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:

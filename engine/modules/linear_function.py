@@ -56,10 +56,12 @@ def quantize_weight(weight: torch.Tensor, args: LinearArgs, need_columnwise: boo
         if need_columnwise and not storage.has_columnwise:
             storage.update_usage(columnwise_usage=True)
         return storage
-    if args.is_first_microbatch is False and args.cache.value is not None:
+    cached = args.cache.value
+    if args.is_first_microbatch is False and cached is not None and (cached.has_columnwise or not need_columnwise):
         if args.fwd.needs_update:
             args.fwd.hold(args.fwd.slot(Role.WEIGHT, args.gemm))  # nothing new was seen for this weight
-        return args.cache.value
+        return cached
+    # no cache yet, or one made without gradients (no columnwise data): quantize afresh with the same scale
     quantizer = args.fwd.quantizer(Role.WEIGHT, args.gemm)
     quantizer.set_usage(rowwise=True, columnwise=need_columnwise)
     storage = quantizer.quantize_storage(weight)
@@ -74,6 +76,20 @@ def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("fuse_wgrad_accumulation=True needs weight.main_grad: an fp32 tensor of the weight's shape "
                          f"{tuple(weight.shape)}; got {type(main_grad).__name__}")
     return main_grad
+
+
+def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
+    """LinearFunction on `inp`; under torch.autocast, in the autocast dtype (as torch.nn.Linear computes).
+
+    The input is cast once here and torch.autocast is off inside, so the FP8 GEMMs' own
+    dtypes (fp32 partial sums, bf16 operands) are not recast op by op.
+    """
+    device_type = inp.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return LinearFunction.apply(inp, weight, bias, args)
+    inp = inp.to(torch.get_autocast_dtype(device_type))
+    with torch.autocast(device_type, enabled=False):
+        return LinearFunction.apply(inp, weight, bias, args)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -92,7 +108,7 @@ class LinearFunction(torch.autograd.Function):
             w = w.to(inp.dtype)
             out = torch.nn.functional.linear(inp2d, w, None if bias is None else bias.to(inp.dtype))
             ctx.save_for_backward(inp2d if need_wgrad else None, w if need_dgrad else None)
-            return out.view(*inp.shape[:-1], -1)
+            return out.view(*inp.shape[:-1], out.shape[-1])
         input_quantizer = args.fwd.quantizer(Role.INPUT, args.gemm)
         input_quantizer.set_usage(rowwise=True, columnwise=need_wgrad)
         xq = input_quantizer.quantize_storage(inp2d)
@@ -108,10 +124,18 @@ class LinearFunction(torch.autograd.Function):
             tensors, ctx.saved_w = without(wq, "rowwise").prepare_for_saving()
             saved += tensors
         ctx.save_for_backward(*saved)
-        return out.view(*inp.shape[:-1], -1)
+        return out.view(*inp.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        device_type = grad_out.device.type
+        if torch.is_autocast_enabled(device_type):  # backward called inside torch.autocast: compute as forward did
+            with torch.autocast(device_type, enabled=False):
+                return LinearFunction._backward(ctx, grad_out)
+        return LinearFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         args: LinearArgs = ctx.args
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
