@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
+from engine.tensors.storage import BUFFER_FIELDS, DEQUANTIZE_DTYPES, QuantizedTensorBase, check_dequantize_dtype
 
 aten = torch.ops.aten
 
@@ -82,7 +82,7 @@ class QuantizedTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """The high-precision value; differentiable (the gradient passes straight through)."""
-        dtype = self.dtype if dtype is None else dtype
+        dtype = self.dtype if dtype is None else check_dequantize_dtype(dtype)
         if torch.is_grad_enabled() and self.requires_grad:
             return _Dequantize.apply(self, dtype)
         return self._qstorage.dequantize(dtype)
@@ -204,7 +204,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
 def _to_copy(self: QuantizedTensor, **kwargs: Any) -> torch.Tensor:
     dtype, device = kwargs.get("dtype"), kwargs.get("device")
     if dtype is not None and dtype != self.dtype:
-        out = self._qstorage.dequantize(dtype)
+        # dequantize() gives floating dtypes only; other targets are a cast of the nominal value (as torch does)
+        out = self._qstorage.dequantize(dtype if dtype in DEQUANTIZE_DTYPES else None).to(dtype)
         return out if device is None else out.to(device)
     target = self.device if device is None else torch.device(device)
     return QuantizedTensor.wrap(map_buffers(self._qstorage, lambda t: t.to(target, copy=True)))
