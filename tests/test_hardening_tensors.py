@@ -51,6 +51,82 @@ def rounding_bound(value: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torc
     return torch.maximum(value.abs() * 2.0 ** -(fmt.mantissa_bits + 1), scale_inv * fmt.min_subnormal / 2)
 
 
+# ============================================================================ (6) optimizer steps
+OPTIMIZERS = {
+    "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "Adam": (torch.optim.Adam, {"lr": 0.01}),
+    "AdamW": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+MODES = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_optimizer_step_on_fp8_weights_matches_fp32_reference(recipe, opt_name, mode):
+    opt_cls, hyper = OPTIMIZERS[opt_name]
+    lin = fp8_linear(recipe)
+    w, b = lin.weight, lin.bias
+    assert isinstance(w, QuantizedTensor)
+    before = w.dequantize().clone()
+    w_ref = torch.nn.Parameter(before.clone())
+    b_ref = torch.nn.Parameter(b.detach().clone())
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(w.shape, generator=g) * 0.5, torch.randn(b.shape, generator=g) * 0.5]
+    w.grad, b.grad, w_ref.grad, b_ref.grad = grads[0].clone(), grads[1].clone(), grads[0].clone(), grads[1].clone()
+
+    try:  # the reference first: only torch's own refusal of a mode on CPU skips
+        opt_cls([w_ref, b_ref], **hyper, **MODES[mode]).step()
+    except RuntimeError as err:
+        pytest.skip(f"torch refuses {opt_name}({MODES[mode]}) on CPU: {err}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizedFallbackWarning)  # optimizer updates are not fallbacks
+        opt_cls([w, b], **hyper, **MODES[mode]).step()
+
+    assert isinstance(w, QuantizedTensor) and type(w.qstorage) is type(lin.weight.qstorage)
+    assert torch.equal(b.detach(), b_ref.detach())  # the plain bias in the same lists: the same update
+    got, want = w.dequantize(), w_ref.detach()
+    assert not torch.equal(got, before), "the step left the FP8 weight unchanged"
+    assert (got != before).float().mean() > 0.5
+    fp8_dtype = w.fp8_dtype
+    scale_inv = element_scale_inv(w.qstorage)
+    tol = rounding_bound(want, scale_inv, fp8_dtype)
+    # AdamW without `fused` writes the weight twice (decay with mul_, then addcdiv_): the value after the first
+    # write is requantized too. Its scale is at most 2 * amax / fp8_max for a scale taken from the data (a power of
+    # 2 rounded up, or exact), and the fixed scale for delayed scaling (that of the result).
+    if opt_name == "AdamW" and mode != "fused":
+        decayed = before * (1 - hyper["lr"] * hyper["weight_decay"])
+        s1 = max(2 * decayed.abs().max().item() / fp8_max(fp8_dtype), scale_inv.max().item())
+        first = rounding_bound(decayed, torch.full_like(decayed, s1), fp8_dtype)
+        near = want.abs() + first + torch.finfo(torch.float32).eps * want.abs()  # + the fp32 add's rounding
+        tol = rounding_bound(near, scale_inv, fp8_dtype) + (near - want.abs())
+    err = (got - want).abs()
+    assert bool((err <= tol).all()), f"max error {err.max().item()} over bound at {(err - tol).argmax().item()}"
+    if not (opt_name == "AdamW" and mode != "fused"):
+        # one write: the FP8 weight is exactly the weight quantizer's quantization of the fp32 result
+        assert torch.equal(got, w.quantizer.quantize(want).dequantize())
+
+
+def test_foreach_update_of_quantized_tensor_without_quantizer_refuses_before_writing():
+    q = make_quantizer("current_e4m3")(make_input((32, 64)))
+    q.update_quantizer(None)
+    plain = torch.zeros(4)
+    before = q.dequantize().clone()
+    with pytest.raises(ValueError, match=r"_foreach_add_.*self\[1\] is a Float8Tensor without a quantizer"):
+        torch._foreach_add_([plain, q], [torch.ones(4), torch.ones(32, 64)])
+    assert torch.equal(plain, torch.zeros(4)) and torch.equal(q.dequantize(), before)
+
+
+def test_zeros_like_is_plain_and_silent(kind):
+    t = make_quantizer(kind)(make_input((64, 128)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z = torch.zeros_like(t)
+        zb = torch.zeros_like(t, dtype=torch.bfloat16)
+    assert type(z) is torch.Tensor and z.dtype == torch.float32 and z.shape == t.shape and not z.any()
+    assert zb.dtype == torch.bfloat16
+
+
 # ============================================================================ (3) checkpoint validation
 STORAGE_KINDS = ["delayed_e4m3", "current_e5m2", "block1d", "block2d", "mx_rceil"]
 FP32_SCALE_KINDS = ["delayed_e4m3", "current_e5m2", "block1d", "block2d"]
