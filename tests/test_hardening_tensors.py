@@ -363,3 +363,30 @@ def test_to_non_float_dtype_is_a_cast_of_the_value(kind):
     t = make_quantizer(kind)(make_input((64, 128)) * 100)
     assert torch.equal(t.to(torch.int32), t.dequantize().to(torch.int32))
     assert torch.equal(t.double(), t.dequantize().double())
+
+
+# ============================================================================ copy_ across recipes
+@pytest.mark.parametrize("dst_recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.parametrize("src_recipe", RECIPES, ids=lambda r: r.name)
+def test_fp8_weight_checkpoint_loads_under_another_recipe(src_recipe, dst_recipe):
+    src = fp8_linear(src_recipe, seed=0)
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    dst = fp8_linear(dst_recipe, seed=1)
+    weight_class = type(dst.weight)
+    dst.load_state_dict(state)
+
+    assert type(dst.weight) is weight_class
+    # dst's recipe quantizing src's value: a fresh weight quantizer of that recipe, on the plain tensor
+    quantizer = dst_recipe.make_state(forward=True, num_gemms=1).quantizer(Role.WEIGHT, 0)
+    quantizer.set_usage(rowwise=True, columnwise=True)
+    want = quantizer.quantize(src.weight.dequantize().detach())
+    assert type(want) is weight_class
+    assert torch.equal(dst.weight.dequantize(), want.dequantize())
+    assert torch.equal(dst.bias.detach(), src.bias.detach())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    with engine.fp8_autocast(recipe=dst_recipe):
+        y = dst(x)
+    assert y.shape == (4, 32) and bool(torch.isfinite(y).all())

@@ -177,20 +177,22 @@ def _clone(self: QuantizedTensor, memory_format: Any = None) -> QuantizedTensor:
 
 @_handles(aten.copy_.default)
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """dst = src. Between quantized tensors of one layout and quantizer settings the buffers are
+    copied (bit exact); otherwise src's value is requantized with dst's quantizer."""
     if not isinstance(dst, QuantizedTensor):
         dst.copy_(src.dequantize(), non_blocking=non_blocking)
         return dst
     if not isinstance(src, QuantizedTensor):
         return dst.quantize_(src)
-    if type(src) is not type(dst) or src.shape != dst.shape:
-        raise ValueError(
-            f"copy_: can copy a {type(src).__name__} of shape {tuple(src.shape)} only into the same kind and shape; "
-            f"got {type(dst).__name__} of shape {tuple(dst.shape)}"
-        )
+    if src.shape != dst.shape:
+        raise ValueError(f"copy_: src has shape {tuple(src.shape)}, dst {type(dst).__name__} has shape "
+                         f"{tuple(dst.shape)}; they must be equal")
     d, s = dst._qstorage, src._qstorage
-    d.fp8_dtype = s.fp8_dtype
-    for key, value in s.extra_metadata().items():
-        setattr(d, key, value)
+    if not _same_quantization(d, s):
+        if d.quantizer is None:
+            raise ValueError(f"copy_: dst ({type(dst).__name__}) has no quantizer to requantize the "
+                             f"{type(src).__name__} src with; call dst.update_quantizer first")
+        return dst.quantize_(s.dequantize(dst.dtype))
     for name in BUFFER_FIELDS:
         mine, theirs = getattr(d, name), getattr(s, name)
         if theirs is None:
@@ -199,7 +201,17 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             mine.copy_(theirs, non_blocking=non_blocking)
         else:
             setattr(d, name, theirs.clone())
+    if d.shares_scale_inv and d.rowwise_scale_inv is not None and d.columnwise_scale_inv is not None:
+        d.columnwise_scale_inv = d.rowwise_scale_inv
     return dst
+
+
+def _same_quantization(a: QuantizedTensorBase, b: QuantizedTensorBase) -> bool:
+    """Same layout (class, fp8 dtype, block dim) and, where both have one, quantizers of one kind and settings."""
+    if type(a) is not type(b) or a.fp8_dtype != b.fp8_dtype or a.extra_metadata() != b.extra_metadata():
+        return False
+    qa, qb = a.quantizer, b.quantizer
+    return qa is None or qb is None or (type(qa) is type(qb) and qa.config() == qb.config())
 
 
 @_handles(aten._to_copy.default)
