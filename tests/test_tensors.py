@@ -318,25 +318,33 @@ def test_copy_from_same_kind(kind):
     assert all(p != s for p, s in zip(ptrs(dst).values(), ptrs(src).values()))
 
 
-@pytest.mark.parametrize("src_kind, dst_kind", [("current_e5m2", "current_e4m3"), ("block1d", "block2d"),
-                                                ("block2d", "block1d")])
-def test_copy_from_same_class_other_settings(src_kind, dst_kind):
-    """copy_ makes dst equal to src; with other settings the metadata must follow the copied buffers."""
-    x = make_input((130, 256))
-    src, dst = make_quantizer(src_kind)(x), make_quantizer(dst_kind)(make_input((130, 256), seed=3))
-    assert type(src) is type(dst)
-    dst.copy_(src)
-    assert dst.fp8_dtype == dst.qstorage.rowwise_data.dtype == src.fp8_dtype
-    assert torch.equal(dst.dequantize(), src.dequantize())
+@pytest.mark.parametrize("src_kind, dst_kind", [
+    ("current_e5m2", "current_e4m3"), ("block1d", "block2d"), ("block2d", "block1d"),
+    ("delayed_e4m3", "current_e4m3"), ("current_e4m3", "delayed_e4m3"), ("current_e4m3", "mx_rceil"),
+    ("mx_floor", "block2d"), ("block1d", "delayed_e5m2"),
+])
+def test_copy_from_other_kind_or_settings_requantizes(src_kind, dst_kind):
+    """Another layout or quantizer: dst keeps its own kind and settings and holds its quantization of src's value."""
+    shape = (160, 256)
+    x = make_input(shape)
+    src, dst = make_quantizer(src_kind)(x), make_quantizer(dst_kind)(make_input(shape, seed=3))
+    before = ptrs(dst)
+    with no_warnings():
+        assert dst.copy_(src) is dst
+    src_value = reference_dequantize(src_kind, reference_buffers(src_kind, x), shape, torch.float32)
+    assert type(dst) is TENSOR_CLASS[dst_kind] and dst.fp8_dtype == kind_fp8_dtype(dst_kind)
+    assert_buffers_equal(dst.qstorage.buffers(), reference_buffers(dst_kind, src_value))
+    assert ptrs(dst) == before  # into the existing buffers
 
 
-def test_copy_from_other_kind_or_shape_raises():
+def test_copy_of_other_shape_or_into_tensor_without_quantizer_raises():
     x = make_input((64, 128))
     t = make_quantizer("current_e4m3")(x)
-    with pytest.raises(ValueError, match="copy_"):
-        t.copy_(make_quantizer("mx_rceil")(x))
-    with pytest.raises(ValueError, match="copy_"):
+    with pytest.raises(ValueError, match="copy_.*shape"):
         t.copy_(make_quantizer("current_e4m3")(make_input((32, 128))))
+    t.update_quantizer(None)
+    with pytest.raises(ValueError, match="copy_: dst.*quantizer"):
+        t.copy_(make_quantizer("mx_rceil")(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

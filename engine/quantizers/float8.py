@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,15 +17,23 @@ from engine.quantizers.base import (
 from engine.tensors.float8 import Float8TensorStorage
 
 
-def _check_state_tensor(t: Any, name: str) -> torch.Tensor:
+def _check_state_tensor(t: Any, name: str, *, zero_ok: bool) -> torch.Tensor:
+    """A 1-element fp32 tensor holding a finite value > 0 (>= 0 if `zero_ok`); read once, at construction."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
         got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"{name}: expected a 1-element float32 tensor, got {got}")
+    if t.is_meta:  # no value to check (e.g. a checkpoint loaded with map_location="meta")
+        return t
+    value = t.detach().reshape(()).item()
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise ValueError(f"{name}: expected a finite value {'>=' if zero_ok else '>'} 0, got {value}")
     return t
 
 
 class Float8Quantizer(Quantizer):
     """Delayed scaling: quantize with the given `scale`; record max(|x|) into `amax` (max with what is there).
+
+    `scale` must hold a finite value > 0 and `amax` a finite value >= 0 (checked here, once).
 
     `scale` and `amax` are the caller's tensors (typically views into a module's scaling
     state), read and written in place; the recipe updates `scale` from the amax history.
@@ -37,8 +46,8 @@ class Float8Quantizer(Quantizer):
         rowwise: bool = True, columnwise: bool = True, internal: bool = False,
     ) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise, internal=internal)
-        self.scale = _check_state_tensor(scale, "scale")
-        self.amax = _check_state_tensor(amax, "amax")
+        self.scale = _check_state_tensor(scale, "scale", zero_ok=False)
+        self.amax = _check_state_tensor(amax, "amax", zero_ok=True)
         self.fp8_dtype = check_fp8_dtype(fp8_dtype)
 
     def config(self) -> dict[str, Any]:

@@ -33,6 +33,14 @@ class Float8TensorStorage(QuantizedTensorBase):
             specs["columnwise_scale_inv"] = ((1,), torch.float32)
         return specs
 
+    def check_values(self) -> None:
+        """Finite scales > 0, and one scale for both usages."""
+        super().check_values()
+        row, col = self.rowwise_scale_inv, self.columnwise_scale_inv
+        if row is not None and col is not None and row is not col and not torch.equal(row, col):
+            raise ValueError(f"columnwise_scale_inv: expected the rowwise scale_inv {row.tolist()} "
+                             f"(one scale per tensor), got {col.tolist()}")
+
     def _derive_columnwise(self) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.transpose_2d(self.rowwise_data), self.rowwise_scale_inv
 

@@ -38,6 +38,26 @@ class MXFP8TensorStorage(QuantizedTensorBase):
     def _view_columnwise(self, shape: torch.Size) -> torch.Tensor:
         return self.columnwise_data.view(shape)
 
+    def check_values(self) -> None:
+        """The NaN code 255 only for a block whose data holds a NaN (what quantizing a NaN or inf makes)."""
+        for usage, columnwise in (("rowwise", False), ("columnwise", True)):
+            data, codes = getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale_inv")
+            if data is None:
+                continue
+            nan = torch.isnan(ref.as_2d(data).float())
+            if columnwise:
+                nan = nan.t()
+            rows, cols = nan.shape
+            padded = torch.nn.functional.pad(nan, (0, ref.mx_blocks(cols) * ref.MX_BLOCK - cols))
+            block_has_nan = padded.reshape(rows, -1, ref.MX_BLOCK).any(dim=2)
+            if columnwise:
+                block_has_nan = block_has_nan.t()
+            bad = (codes == ref.E8M0_NAN) & ~block_has_nan
+            if bool(bad.any()):
+                where = [tuple(i) for i in bad.nonzero()[:4].tolist()]
+                raise ValueError(f"{usage}_scale_inv: E8M0 code 255 (NaN) in blocks whose data holds no NaN, "
+                                 f"at {where} ({int(bad.sum())} blocks)")
+
     def _dequantize_rowwise(self, dtype: torch.dtype) -> torch.Tensor:
         return ref.dequantize_mxfp8(self.rowwise_data, self.rowwise_scale_inv, dtype=dtype)
 

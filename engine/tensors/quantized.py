@@ -5,8 +5,10 @@ be a Parameter, while its bytes are FP8 data plus scales. Ops it understands kee
 data quantized (detach, clone, copy_, .to(device), views that keep the last dim, empty_like,
 per-tensor t()); any other op runs on the dequantized value with a QuantizedFallbackWarning
 (Python shows it once per op and call site), and ops that write into a quantized tensor
-(in place or `out=`) quantize their result back into it. An optimizer's in-place updates of
-FP8 weights (add_, mul_, lerp_, addcdiv_, ...) take that path without a warning.
+(in place, `out=`, or as an element of a written tensor list) quantize their result back
+into it. An optimizer's updates of FP8 weights (add_, mul_, lerp_, addcdiv_, ..., their
+multi-tensor `_foreach_*_` forms and the fused Adam/AdamW/SGD steps) take that path without
+a warning.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
+from engine.tensors.storage import BUFFER_FIELDS, DEQUANTIZE_DTYPES, QuantizedTensorBase, check_dequantize_dtype
 
 aten = torch.ops.aten
 
@@ -82,7 +84,7 @@ class QuantizedTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """The high-precision value; differentiable (the gradient passes straight through)."""
-        dtype = self.dtype if dtype is None else dtype
+        dtype = self.dtype if dtype is None else check_dequantize_dtype(dtype)
         if torch.is_grad_enabled() and self.requires_grad:
             return _Dequantize.apply(self, dtype)
         return self._qstorage.dequantize(dtype)
@@ -175,20 +177,22 @@ def _clone(self: QuantizedTensor, memory_format: Any = None) -> QuantizedTensor:
 
 @_handles(aten.copy_.default)
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """dst = src. Between quantized tensors of one layout and quantizer settings the buffers are
+    copied (bit exact); otherwise src's value is requantized with dst's quantizer."""
     if not isinstance(dst, QuantizedTensor):
         dst.copy_(src.dequantize(), non_blocking=non_blocking)
         return dst
     if not isinstance(src, QuantizedTensor):
         return dst.quantize_(src)
-    if type(src) is not type(dst) or src.shape != dst.shape:
-        raise ValueError(
-            f"copy_: can copy a {type(src).__name__} of shape {tuple(src.shape)} only into the same kind and shape; "
-            f"got {type(dst).__name__} of shape {tuple(dst.shape)}"
-        )
+    if src.shape != dst.shape:
+        raise ValueError(f"copy_: src has shape {tuple(src.shape)}, dst {type(dst).__name__} has shape "
+                         f"{tuple(dst.shape)}; they must be equal")
     d, s = dst._qstorage, src._qstorage
-    d.fp8_dtype = s.fp8_dtype
-    for key, value in s.extra_metadata().items():
-        setattr(d, key, value)
+    if not _same_quantization(d, s):
+        if d.quantizer is None:
+            raise ValueError(f"copy_: dst ({type(dst).__name__}) has no quantizer to requantize the "
+                             f"{type(src).__name__} src with; call dst.update_quantizer first")
+        return dst.quantize_(s.dequantize(dst.dtype))
     for name in BUFFER_FIELDS:
         mine, theirs = getattr(d, name), getattr(s, name)
         if theirs is None:
@@ -197,14 +201,25 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             mine.copy_(theirs, non_blocking=non_blocking)
         else:
             setattr(d, name, theirs.clone())
+    if d.shares_scale_inv and d.rowwise_scale_inv is not None and d.columnwise_scale_inv is not None:
+        d.columnwise_scale_inv = d.rowwise_scale_inv
     return dst
+
+
+def _same_quantization(a: QuantizedTensorBase, b: QuantizedTensorBase) -> bool:
+    """Same layout (class, fp8 dtype, block dim) and, where both have one, quantizers of one kind and settings."""
+    if type(a) is not type(b) or a.fp8_dtype != b.fp8_dtype or a.extra_metadata() != b.extra_metadata():
+        return False
+    qa, qb = a.quantizer, b.quantizer
+    return qa is None or qb is None or (type(qa) is type(qb) and qa.config() == qb.config())
 
 
 @_handles(aten._to_copy.default)
 def _to_copy(self: QuantizedTensor, **kwargs: Any) -> torch.Tensor:
     dtype, device = kwargs.get("dtype"), kwargs.get("device")
     if dtype is not None and dtype != self.dtype:
-        out = self._qstorage.dequantize(dtype)
+        # dequantize() gives floating dtypes only; other targets are a cast of the nominal value (as torch does)
+        out = self._qstorage.dequantize(dtype if dtype in DEQUANTIZE_DTYPES else None).to(dtype)
         return out if device is None else out.to(device)
     target = self.device if device is None else torch.device(device)
     return QuantizedTensor.wrap(map_buffers(self._qstorage, lambda t: t.to(target, copy=True)))
@@ -241,6 +256,12 @@ def _empty_like(self: QuantizedTensor, **kwargs: Any) -> Any:
     return QuantizedTensor.wrap(self._qstorage.empty_like(self.shape, device=kwargs.get("device")))
 
 
+@_handles(aten.zeros_like.default)
+def _zeros_like(self: QuantizedTensor, **kwargs: Any) -> torch.Tensor:
+    """Plain zeros (the value is not read): e.g. an optimizer's state for an FP8 weight."""
+    return torch.zeros(self.shape, dtype=kwargs.get("dtype") or self.dtype, device=kwargs.get("device") or self.device)
+
+
 @_handles(aten.new_empty.default)
 def _new_empty(self: QuantizedTensor, size: Any, **kwargs: Any) -> Any:
     if kwargs.get("dtype") not in (None, self.dtype):
@@ -248,30 +269,54 @@ def _new_empty(self: QuantizedTensor, size: Any, **kwargs: Any) -> Any:
     return QuantizedTensor.wrap(self._qstorage.empty_like(torch.Size(size), device=kwargs.get("device")))
 
 
-# In-place updates an optimizer makes to FP8 primary weights: no faster path exists, so they run on
-# the dequantized value and are quantized back without a warning.
+# Updates an optimizer makes to FP8 primary weights: no faster path exists, so they run on the
+# dequantized value and are quantized back without a warning. The multi-tensor (`foreach=True`)
+# forms of the in-place ops and the fused optimizer steps (`fused=True`) count as well.
+_INPLACE_UPDATES = ("add_", "sub_", "mul_", "div_", "addcdiv_", "addcmul_", "lerp_", "zero_", "fill_")
+_FUSED_STEPS = ("_fused_sgd_", "_fused_adam_", "_fused_adamw_", "_fused_adagrad_")
+
+
+def _overloads(name: str) -> list[Any]:
+    packet = getattr(aten, name, None)
+    return [] if packet is None else [getattr(packet, o) for o in packet.overloads()]
+
+
 QUANTIZED_UPDATES = frozenset({
     aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar,
     aten.div_.Tensor, aten.div_.Scalar, aten.addcdiv_.default, aten.addcmul_.default, aten.lerp_.Scalar,
     aten.lerp_.Tensor, aten.zero_.default, aten.fill_.Scalar,
+    *(op for name in _INPLACE_UPDATES for op in _overloads("_foreach_" + name)),
+    *(op for name in _FUSED_STEPS for op in _overloads(name)),
 })
 
+# (argument position or keyword, index in a tensor list or None, the quantized tensor)
+Written = tuple[int | str, int | None, QuantizedTensor]
 
-def _mutated_arguments(func: Any, args: tuple, kwargs: dict) -> list[tuple[int | str, QuantizedTensor]]:
-    """(position or keyword, tensor) of every quantized argument that `func` writes to (self of x_, out=)."""
-    found = []
+
+def _mutated_arguments(func: Any, args: tuple, kwargs: dict) -> list[Written]:
+    """Every quantized tensor that `func` writes to: self of x_, out=, elements of a `Tensor(a!)[]` list."""
+    found: list[Written] = []
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         key: int | str = i if i < len(args) else a.name
         value = args[key] if isinstance(key, int) else kwargs.get(key)
         if isinstance(value, QuantizedTensor):
-            found.append((key, value))
+            found.append((key, None, value))
+        elif isinstance(value, (list, tuple)):
+            found.extend((key, j, t) for j, t in enumerate(value) if isinstance(t, QuantizedTensor))
     return found
 
 
 def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run `func` on dequantized values; quantize the result back into any quantized tensor it mutates."""
+    mutated = _mutated_arguments(func, args, kwargs)
+    for key, index, tensor in mutated:  # refuse before anything is written
+        if tensor._qstorage.quantizer is None:
+            where = (func._schema.arguments[key].name if isinstance(key, int) else key) + (
+                "" if index is None else f"[{index}]")
+            raise ValueError(f"{func}: {where} is a {type(tensor).__name__} without a quantizer, so the result "
+                             "cannot be quantized back into it; call update_quantizer first")
     if func not in QUANTIZED_UPDATES:
         warnings.warn(
             f"{func} has no quantized implementation; it runs on the dequantized (high-precision) tensor",
@@ -280,7 +325,9 @@ def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
         )
     plain_args, plain_kwargs = tree_map_only(QuantizedTensor, lambda t: t._qstorage.dequantize(), (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
-    mutated = _mutated_arguments(func, args, kwargs)
-    for key, tensor in mutated:
-        tensor.quantize_(plain_args[key] if isinstance(key, int) else plain_kwargs[key])
-    return mutated[0][1] if len(mutated) == 1 else out
+    for key, index, tensor in mutated:
+        plain = plain_args[key] if isinstance(key, int) else plain_kwargs[key]
+        tensor.quantize_(plain if index is None else plain[index])
+    if len(mutated) == 1 and mutated[0][1] is None:
+        return mutated[0][2]
+    return out

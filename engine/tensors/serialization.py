@@ -3,6 +3,11 @@
 A pickled quantized tensor is a call to one of the two functions below with a dict of
 plain tensors, strings, numbers and lists (`QuantizedTensorBase.to_plain`). Both are
 registered as safe globals when `engine` is imported; no other code is unpickled.
+
+A checkpoint is untrusted input, so everything is checked here, at `torch.load`, not at
+first use: dtypes and shapes, that every buffer is dense (a stride-0 or overlapping
+buffer could make a small file stand for gigabytes), that the layout's buffers are all
+there and no others, and the values of the scales (and of the quantizer's state).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.formats import FP8_DTYPES
+from engine.ops.reference import HIGH_PRECISION_DTYPES
 from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
 
@@ -37,6 +43,10 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
         buffers = {name: fields.pop(name) for name in BUFFER_FIELDS}
     except (KeyError, TypeError) as err:
         raise ValueError(f"quantized tensor state is malformed ({err!r}); keys: {sorted(plain)}") from err
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape: expected sizes >= 0, got {list(shape)}")
+    if nominal_dtype not in HIGH_PRECISION_DTYPES:
+        raise ValueError(f"nominal_dtype: expected float32, bfloat16 or float16, got {nominal_dtype}")
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype: expected float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
     _check_buffers(cls, shape, fp8_dtype, buffers, fields)
@@ -45,19 +55,27 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
         from engine.quantizers import quantizer_from_plain
 
         quantizer = quantizer_from_plain(quantizer_state)
+        if quantizer.storage_class is not cls:
+            raise ValueError(f"quantizer: a {type(quantizer).__name__} cannot quantize into a {cls.__name__}")
     try:
-        return cls(shape=shape, nominal_dtype=nominal_dtype, fp8_dtype=fp8_dtype, quantizer=quantizer,
-                   **buffers, **fields)
+        storage = cls(shape=shape, nominal_dtype=nominal_dtype, fp8_dtype=fp8_dtype, quantizer=quantizer,
+                      **buffers, **fields)
     except TypeError as err:
         raise ValueError(f"quantized tensor state for {cls.__name__} is malformed: {err}") from err
+    if not any(t is not None and t.is_meta for t in buffers.values()):  # map_location="meta" has no values
+        storage.check_values()
+    return storage
 
 
 def _check_buffers(cls: type[QuantizedTensorBase], shape: torch.Size, fp8_dtype: torch.dtype,
                    buffers: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Every buffer is a tensor (or None) of the shape and dtype the layout prescribes."""
+    """Every buffer is a dense tensor of the shape and dtype the layout prescribes, or None where it has none."""
     for name, t in buffers.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a tensor or None, got {type(t).__name__}")
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
+            raise ValueError(f"{name}: expected a plain torch.Tensor or None, got {type(t).__name__}")
+        _check_dense(t, name)
     rowwise, columnwise = buffers["rowwise_data"] is not None, buffers["columnwise_data"] is not None
     try:
         specs = cls.buffer_specs(shape, fp8_dtype, rowwise=rowwise, columnwise=columnwise, **extra)
@@ -69,6 +87,21 @@ def _check_buffers(cls: type[QuantizedTensorBase], shape: torch.Size, fp8_dtype:
             got = None if t is None else f"{t.dtype} {tuple(t.shape)}"
             raise ValueError(f"{name}: expected {dtype} of shape {tuple(size)} for a {cls.__name__} of shape "
                              f"{tuple(shape)}, got {got}")
+    for name, t in buffers.items():
+        if name not in specs and t is not None:
+            usage = name.split("_")[0]
+            raise ValueError(f"{name}: expected None, as {usage}_data is None; got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_dense(t: torch.Tensor, name: str) -> None:
+    """t is contiguous and is its whole storage: it holds exactly numel elements' bytes, no more, no less."""
+    needed = t.numel() * t.element_size()
+    if not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != needed:
+        raise ValueError(
+            f"{name}: expected a dense tensor (contiguous, storage offset 0, storage of {needed} bytes for "
+            f"{t.numel()} elements), got strides {t.stride()}, offset {t.storage_offset()} and a storage of "
+            f"{t.untyped_storage().nbytes()} bytes"
+        )
 
 
 def rebuild_quantized_tensor(plain: dict[str, Any], requires_grad: bool) -> QuantizedTensor:

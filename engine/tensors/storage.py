@@ -19,6 +19,23 @@ import torch
 
 BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+#: dtypes a quantized value can be dequantized into (float64 too, for `.double()` and checks)
+DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dequantize_dtype(dtype: Any) -> torch.dtype:
+    """`dtype` if a quantized value can be dequantized into it; TypeError naming `dtype` otherwise."""
+    if not isinstance(dtype, torch.dtype) or dtype not in DEQUANTIZE_DTYPES:
+        raise TypeError(f"dtype: expected a floating dtype (float32, bfloat16, float16 or float64), got {dtype!r}")
+    return dtype
+
+
+def compact(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t itself if it is the whole of a dense storage, else a dense copy (what a checkpoint may hold)."""
+    if t is None or (t.is_contiguous() and t.storage_offset() == 0
+                     and t.untyped_storage().nbytes() == t.numel() * t.element_size()):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def dims_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -223,7 +240,7 @@ class QuantizedTensorBase(ABC):
     # ------------------------------------------------------------------ values
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision value (from rowwise data when present, else columnwise)."""
-        dtype = self.nominal_dtype if dtype is None else dtype
+        dtype = self.nominal_dtype if dtype is None else check_dequantize_dtype(dtype)
         if self.has_rowwise:
             return self._dequantize_rowwise(dtype)
         if self.has_columnwise:
@@ -258,8 +275,29 @@ class QuantizedTensorBase(ABC):
         self.quantizer = quantizer
 
     # ------------------------------------------------------------------ serialization
+    def check_values(self) -> None:
+        """ValueError naming the buffer if it holds scales the scheme never makes (checked at load; syncs).
+
+        Default: fp32 scale_inv buffers must be finite and > 0.
+        """
+        for name in ("rowwise_scale_inv", "columnwise_scale_inv"):
+            t = getattr(self, name)
+            if t is None or t.dtype != torch.float32:
+                continue
+            bad = ~((t > 0) & torch.isfinite(t))
+            if bool(bad.any()):
+                raise ValueError(f"{name}: expected finite scales > 0, got {t[bad][:4].tolist()} "
+                                 f"({int(bad.sum())} of {t.numel()})")
+
     def to_plain(self) -> dict[str, Any]:
-        """Plain tensors and data that `engine.tensors.serialization` rebuilds this storage from."""
+        """Plain tensors and data that `engine.tensors.serialization` rebuilds this storage from.
+
+        Buffers are saved dense (a view into a larger storage is copied), which the loader requires.
+        """
+        done: dict[int, torch.Tensor | None] = {}
+        for t in self.buffers().values():
+            if t is not None and id(t) not in done:
+                done[id(t)] = compact(t)
         return {
             "storage_class": type(self).__name__,
             "shape": list(self.shape),
@@ -267,7 +305,7 @@ class QuantizedTensorBase(ABC):
             "fp8_dtype": str(self.fp8_dtype).removeprefix("torch."),
             "quantizer": None if self.quantizer is None else self.quantizer.to_plain(),
             **self.extra_metadata(),
-            **self.buffers(),
+            **{name: None if t is None else done[id(t)] for name, t in self.buffers().items()},
         }
 
     def __reduce__(self) -> tuple:
