@@ -445,15 +445,16 @@ def test_reshape_changing_last_dim_of_columnwise_only_tensor(kind):
 
 
 @pytest.mark.parametrize("usage", ["row", "col", "both"])
-@pytest.mark.parametrize("kind", PER_TENSOR)
-def test_t_on_float8_tensor(kind, usage):
+@pytest.mark.parametrize("kind", PER_TENSOR + ("block2d",))
+def test_t_of_a_derivable_scheme_stays_quantized(kind, usage):
+    """Per-tensor and 128x128 tiles map onto themselves under transposition: t() is exact."""
     rowwise, columnwise = USAGES[usage]
-    x = make_input((17, 33))
+    x = make_input((17, 33) if kind != "block2d" else (130, 257))
     t = make_quantizer(kind, rowwise=rowwise, columnwise=columnwise)(x)
     value = t.dequantize()
     with no_warnings():
         tt = t.t()
-    assert type(tt) is Float8Tensor and tt.shape == torch.Size((33, 17)) and tt.dtype == t.dtype
+    assert type(tt) is TENSOR_CLASS[kind] and tt.shape == torch.Size(x.shape[::-1]) and tt.dtype == t.dtype
     assert torch.equal(tt.dequantize(), value.t())
     ref_bufs = reference_buffers(kind, x)
     # rowwise data of the transpose is the original's columnwise ([K, M]) data
@@ -465,7 +466,7 @@ def test_t_on_float8_tensor(kind, usage):
     assert torch.equal(tt.t().dequantize(), value)
 
 
-@pytest.mark.parametrize("kind", ("block1d", "block2d") + MX)
+@pytest.mark.parametrize("kind", ("block1d",) + MX)
 def test_t_on_other_schemes_falls_back(kind):
     x = make_input((64, 256))
     t = make_quantizer(kind)(x)
@@ -639,27 +640,41 @@ def _plain_state():
     return make_quantizer("block2d")(make_input((130, 257))).qstorage.to_plain()
 
 
+def _legacy(p):
+    """The same state as a checkpoint from before schemes wrote it: storage class, fp8 dtype, block dim."""
+    old = {k: v for k, v in p.items() if k != "scheme"}
+    return {**old, "storage_class": "Float8BlockwiseTensorStorage", "fp8_dtype": "float8_e4m3fn", "block_scaling_dim": 2}
+
+
+def test_a_checkpoint_from_before_schemes_loads_with_the_same_value():
+    t = make_quantizer("block2d")(make_input((130, 257)))
+    loaded = serialization.rebuild_storage(_legacy(t.qstorage.to_plain()))
+    assert loaded.scheme == t.qstorage.scheme and isinstance(loaded, type(t.qstorage))
+    assert torch.equal(loaded.dequantize(), t.dequantize())
+
+
 @pytest.mark.parametrize("mutate", [
     lambda p: [p],
     lambda p: {k: v for k, v in p.items() if k != "shape"},
-    lambda p: {k: v for k, v in p.items() if k != "storage_class"},
+    lambda p: {k: v for k, v in p.items() if k != "scheme"},
     lambda p: {k: v for k, v in p.items() if k != "quantizer"},
     lambda p: {k: v for k, v in p.items() if k != "rowwise_data"},
     lambda p: {k: v for k, v in p.items() if k != "columnwise_scale_inv"},
-    lambda p: {**p, "storage_class": "NoSuchStorage"},
+    lambda p: {**p, "scheme": "NoSuchScheme"},
     lambda p: {**p, "rowwise_data": [1, 2, 3]},
     lambda p: {**p, "columnwise_scale_inv": "abc"},
     lambda p: {**p, "nominal_dtype": "float99"},
-    lambda p: {**p, "fp8_dtype": 5},
+    lambda p: {**_legacy(p), "fp8_dtype": 5},
     lambda p: {**p, "nominal_dtype": "Tensor"},
     lambda p: {**p, "shape": "abc"},
-    lambda p: {**p, "block_scaling_dim": 3},
+    lambda p: {**_legacy(p), "block_scaling_dim": 3},
+    lambda p: {**_legacy(p), "storage_class": "NoSuchStorage"},
     lambda p: {**p, "quantizer": {"quantizer_class": "Nope"}},
     lambda p: {**p, "unexpected_key": 1},
     lambda p: {**p, "quantizer": {**p["quantizer"], "fp8_dtype": "float8_no_such_dtype"}},
-], ids=["not_dict", "no_shape", "no_class", "no_quantizer", "no_rowwise_data", "no_col_scale",
+], ids=["not_dict", "no_shape", "no_scheme", "no_quantizer", "no_rowwise_data", "no_col_scale",
         "unknown_class", "buffer_is_list", "buffer_is_str", "bad_dtype_name", "dtype_not_str",
-        "dtype_name_not_dtype", "bad_shape", "bad_block_dim", "bad_quantizer", "unexpected_key",
+        "dtype_name_not_dtype", "bad_shape", "bad_block_dim", "unknown_legacy_class", "bad_quantizer", "unexpected_key",
         "quantizer_bad_dtype_name"])
 def test_rebuild_storage_malformed(mutate):
     state = mutate(_plain_state())
@@ -677,9 +692,10 @@ class _Malformed:
         return serialization.rebuild_storage, (self.state,)
 
 
-@pytest.mark.parametrize("drop", ["shape", "fp8_dtype", "rowwise_scale_inv"])
+@pytest.mark.parametrize("drop", ["shape", "scheme", "rowwise_scale_inv", "fp8_dtype"])
 def test_load_file_with_malformed_state(drop):
-    state = {k: v for k, v in _plain_state().items() if k != drop}
+    state = _legacy(_plain_state()) if drop == "fp8_dtype" else _plain_state()
+    state = {k: v for k, v in state.items() if k != drop}
     buf = io.BytesIO()
     torch.save({"bad": _Malformed(state)}, buf)
     buf.seek(0)
@@ -698,7 +714,8 @@ def test_repr(kind):
     t = make_quantizer(kind)(make_input(kind_shapes(kind)[0]))
     cls = TENSOR_CLASS[kind].__name__
     r = repr(t)
-    assert r.startswith(cls + "(") and str(kind_fp8_dtype(kind)) in r and "rowwise" in r
+    assert r.startswith(cls + "(") and str(kind_fp8_dtype(kind)).removeprefix("torch.float8_").removesuffix("fn") in r
+    assert "rowwise" in r
     s = repr(t.qstorage)
     assert type(t.qstorage).__name__ in s and str(tuple(t.shape)) in s
     t.prepare_for_saving()

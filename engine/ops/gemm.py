@@ -27,9 +27,7 @@ import torch
 
 from engine.ops import backend as ops
 from engine.ops import reference as ref
-from engine.tensors.blockwise import Float8BlockwiseTensorStorage
-from engine.tensors.float8 import Float8TensorStorage
-from engine.tensors.mxfp8 import MXFP8TensorStorage
+from engine.schemes import ScaleEncoding
 from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import QuantizedTensorBase
 
@@ -51,8 +49,7 @@ class GemmOperand:
     kind: str  # "tensor" | "block" | "mx"
     tile_rows: int = 1
     tile_cols: int = 1
-    pow2_scales: bool | None = None  # known from the quantizer; None: look at the scales
-
+    pow2_scales: bool = False  # known from the scheme
     @property
     def rows(self) -> int:
         return self.data.shape[0]
@@ -66,12 +63,7 @@ class GemmOperand:
         return ref.e8m0_to_float(self.scale_inv) if self.kind == "mx" else self.scale_inv.float()
 
     def has_pow2_scales(self) -> bool:
-        if self.kind == "mx":
-            return True
-        if self.pow2_scales is not None:
-            return self.pow2_scales
-        bits = self.scale_inv.float().view(torch.int32)
-        return bool(((bits & 0x7FFFFF) == 0).all())
+        return self.pow2_scales
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.kind == "tensor":
@@ -106,18 +98,15 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
     if data is None:
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
-    if isinstance(st, Float8TensorStorage):
-        return GemmOperand(ref.as_2d(data), scale_inv, "tensor")
-    if isinstance(st, Float8BlockwiseTensorStorage):
-        tile_rows = 1 if st.block_scaling_dim == 1 else ref.BLOCK_128
-        pow2 = True if getattr(st.quantizer, "force_pow_2_scales", False) else None
-        return GemmOperand(ref.as_2d(data), scale_inv, "block", tile_rows, ref.BLOCK_128, pow2)
-    if isinstance(st, MXFP8TensorStorage):
-        data2d = ref.as_2d(data)
-        if transposed:  # 32x1 blocks along M, stored untransposed: read them as [K, M] with scales [K, M/32]
-            return GemmOperand(data2d.t(), scale_inv.t(), "mx", 1, ref.MX_BLOCK)
-        return GemmOperand(data2d, scale_inv, "mx", 1, ref.MX_BLOCK)
-    raise TypeError(f"{name}: no GEMM for {type(st).__name__}")
+    scheme = st.scheme
+    block = scheme.stored_block(transposed)
+    data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
+    if transposed and not scheme.columnwise_transposed:  # stored in x's shape: read it as [K, M]
+        data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
+    if block.is_tensor:
+        return GemmOperand(data2d, scale_inv, "tensor", pow2_scales=scheme.scale.is_pow2)
+    kind = "mx" if scheme.scale is ScaleEncoding.E8M0 else "block"
+    return GemmOperand(data2d, scale_inv, kind, block.rows, block.cols, scheme.scale.is_pow2)
 
 
 def _check_pair(a: GemmOperand, b: GemmOperand) -> None:

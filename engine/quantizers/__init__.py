@@ -1,11 +1,15 @@
-"""Who makes quantized tensors: one quantizer per scaling scheme."""
+"""Who makes quantized tensors: one Quantizer (a scheme plus a scale rule), under TE's names too."""
 
 from engine.quantizers.base import Quantizer, quantizer_from_plain
-from engine.quantizers.blockwise import Float8BlockQuantizer
-from engine.quantizers.float8 import Float8CurrentScalingQuantizer, Float8Quantizer
-from engine.quantizers.mxfp8 import MXFP8Quantizer
+from engine.quantizers.named import (
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
+)
+from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
+from engine.tensors.serialization import QUANTIZER_LOADERS
+
+QUANTIZER_LOADERS["quantizer"] = quantizer_from_plain
 
 __all__ = [
-    "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer", "MXFP8Quantizer", "Quantizer",
-    "quantizer_from_plain",
+    "CurrentRule", "DelayedRule", "E8M0Rule", "Float8BlockQuantizer", "Float8CurrentScalingQuantizer",
+    "Float8Quantizer", "MXFP8Quantizer", "Quantizer", "ScaleRule", "quantizer_from_plain",
 ]

@@ -1,7 +1,8 @@
 """Quantizer: turns a high-precision tensor into a quantized one for chosen usages.
 
-A quantizer holds the scheme's settings (and, for delayed scaling, references to the
-scale and amax state it reads and records into). `quantize` is an autograd-transparent
+A quantizer is a scheme (what the result looks like, `engine.schemes`) plus a scale rule
+(where its scales come from, `rules.py`); for delayed scaling the rule holds references to
+the scale and amax state it reads and records into. `quantize` is an autograd-transparent
 cast: the gradient passes through unchanged. With `internal=True` it returns the bare
 storage (no torch.Tensor wrapper), for use inside autograd functions.
 """
@@ -9,31 +10,18 @@ storage (no torch.Tensor wrapper), for use inside autograd functions.
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 
-from engine.formats import FP8_DTYPES
-from engine.ops import backend as ops
 from engine.ops import reference as ref
+from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
+from engine.schemes import Scheme, get_scheme
 from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
 
 Buffers = dict[str, torch.Tensor | None]
-
-
-def check_fp8_dtype(fp8_dtype: Any) -> torch.dtype:
-    if fp8_dtype not in FP8_DTYPES:
-        raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
-    return fp8_dtype
-
-
-def check_epsilon(amax_epsilon: Any) -> float:
-    if (isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float))
-            or not (0 <= amax_epsilon < float("inf"))):
-        raise ValueError(f"amax_epsilon: expected a finite number >= 0, got {amax_epsilon!r}")
-    return float(amax_epsilon)
+RULES: dict[str, type[ScaleRule]] = {cls.__name__: cls for cls in (DelayedRule, CurrentRule, E8M0Rule)}
 
 
 def check_bool(value: Any, name: str) -> bool:
@@ -42,39 +30,50 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
-class Quantizer(ABC):
-    """Base of every quantizer. Subclasses compute the buffers; the base manages usages and outputs."""
+class Quantizer:
+    """Quantizes tensors into one scheme with one scale rule, for the usages asked for.
 
-    storage_class: ClassVar[type[QuantizedTensorBase]]
+    `Float8Quantizer`, `Float8CurrentScalingQuantizer`, `Float8BlockQuantizer` and
+    `MXFP8Quantizer` are this class with the constructor arguments of Transformer Engine.
+    """
+
     _by_name: ClassVar[dict[str, type[Quantizer]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         Quantizer._by_name[cls.__name__] = cls
 
-    def __init__(self, *, rowwise: bool = True, columnwise: bool = True, internal: bool = False) -> None:
+    def __init__(
+        self, scheme: Scheme, rule: ScaleRule, *, rowwise: bool = True, columnwise: bool = True,
+        internal: bool = False,
+    ) -> None:
+        if not isinstance(scheme, Scheme):
+            raise TypeError(f"scheme: expected an engine.schemes.Scheme, got {type(scheme).__name__}")
+        if not isinstance(rule, ScaleRule) or scheme.layout not in rule.layouts:
+            raise TypeError(f"rule: expected a scale rule for the {scheme.layout} layout, got {rule!r}")
+        self.scheme = scheme
+        self.rule = rule
         self.rowwise_usage = check_bool(rowwise, "rowwise")
         self.columnwise_usage = check_bool(columnwise, "columnwise")
         self.internal = check_bool(internal, "internal")
-        self.fp8_dtype: torch.dtype
 
     # ------------------------------------------------------------------ settings
-    @abstractmethod
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.scheme.element
+
     def config(self) -> dict[str, Any]:
-        """The scheme's settings as plain data (what makes two quantizers quantize alike)."""
+        """The settings as plain data (what makes two quantizers quantize alike)."""
+        return {"scheme": self.scheme.name, "rule": type(self.rule).__name__, **self.rule.config()}
 
     def state(self) -> dict[str, torch.Tensor]:
         """Tensors the quantizer reads or records into (delayed scaling: scale, amax)."""
-        return {}
+        return self.rule.state()
 
     def to_plain(self) -> dict[str, Any]:
         """Plain data that `quantizer_from_plain` rebuilds an equal quantizer from."""
         return {"quantizer_class": type(self).__name__, **self.config(), **self.state(),
                 "rowwise": self.rowwise_usage, "columnwise": self.columnwise_usage, "internal": self.internal}
-
-    def storage_kwargs(self) -> dict[str, Any]:
-        """Scheme-specific constructor arguments of the storage it makes."""
-        return {}
 
     def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         if rowwise is not None:
@@ -91,24 +90,17 @@ class Quantizer(ABC):
         return f"{type(self).__name__}({settings})"
 
     # ------------------------------------------------------------------ quantizing
-    @abstractmethod
-    def compute_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
-        """The four buffers (None for a usage not asked for) of x quantized by this scheme."""
-
-    def _check_usages(self, rowwise: bool, columnwise: bool) -> None:
-        if not (rowwise or columnwise):
-            raise ValueError(f"{type(self).__name__}: both usages are off; set_usage(rowwise=True) or columnwise")
-
     def _checked_buffers(self, x: torch.Tensor, *, rowwise: bool, columnwise: bool) -> Buffers:
         ref.check_input(x, "x")
-        self._check_usages(rowwise, columnwise)
-        return self.compute_buffers(x.detach(), rowwise=rowwise, columnwise=columnwise)
+        if not (rowwise or columnwise):
+            raise ValueError(f"{type(self).__name__}: both usages are off; set_usage(rowwise=True) or columnwise")
+        return self.rule.quantize(x.detach(), self.scheme, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_storage(self, x: torch.Tensor) -> QuantizedTensorBase:
         """x quantized, as a bare storage."""
         buffers = self._checked_buffers(x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
-        return self.storage_class(shape=x.shape, nominal_dtype=x.dtype, fp8_dtype=self.fp8_dtype, quantizer=self,
-                                  **self.storage_kwargs(), **buffers)
+        return QuantizedTensorBase(scheme=self.scheme, shape=x.shape, nominal_dtype=x.dtype, quantizer=self,
+                                   **buffers)
 
     def quantize(
         self, x: torch.Tensor, *, out: QuantizedTensor | QuantizedTensorBase | None = None
@@ -135,22 +127,21 @@ class Quantizer(ABC):
         """Quantize src into dst's buffers in place (skipped when noop_flag is non-zero).
 
         dst keeps the usages it holds (the quantizer's, if it holds none) and takes the
-        quantizer's settings (fp8 dtype, block dim) and the quantizer itself.
+        quantizer's scheme (fp8 dtype, scale encoding) and the quantizer itself.
         """
         if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
             return dst
         storage = storage_of(dst, "dst")
-        if type(storage) is not self.storage_class:
-            raise TypeError(f"dst: expected a {self.storage_class.__name__} (or its tensor), got {type(storage).__name__}")
+        if not isinstance(storage, QuantizedTensorBase.class_for(self.scheme)):
+            raise TypeError(f"dst: expected a {QuantizedTensorBase.class_for(self.scheme).__name__} (or its tensor), "
+                            f"got {type(storage).__name__} ({storage.scheme.name})")
         if tuple(src.shape) != tuple(storage.shape):
             raise ValueError(f"src: expected shape {tuple(storage.shape)} (the shape of dst), got {tuple(src.shape)}")
         rowwise, columnwise = storage.has_rowwise, storage.has_columnwise
         if not (rowwise or columnwise):
             rowwise, columnwise = self.rowwise_usage, self.columnwise_usage
         fresh = self._checked_buffers(src, rowwise=rowwise, columnwise=columnwise)
-        storage.fp8_dtype = self.fp8_dtype
-        for key, value in self.storage_kwargs().items():
-            setattr(storage, key, value)
+        storage.scheme = self.scheme
         storage.quantizer = self
         for name in BUFFER_FIELDS:
             new, old = fresh[name], getattr(storage, name)
@@ -171,10 +162,11 @@ class Quantizer(ABC):
         requires_grad: bool = False,
     ) -> QuantizedTensor | QuantizedTensorBase:
         """Uninitialised quantized tensor with this quantizer's usages."""
-        self._check_usages(self.rowwise_usage, self.columnwise_usage)
-        storage = self.storage_class.empty(
-            shape, nominal_dtype=dtype, fp8_dtype=self.fp8_dtype, device=device, rowwise=self.rowwise_usage,
-            columnwise=self.columnwise_usage, quantizer=self, **self.storage_kwargs(),
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{type(self).__name__}: both usages are off; set_usage(rowwise=True) or columnwise")
+        storage = QuantizedTensorBase.empty(
+            shape, scheme=self.scheme, nominal_dtype=dtype, device=device, rowwise=self.rowwise_usage,
+            columnwise=self.columnwise_usage, quantizer=self,
         )
         return storage if self.internal else QuantizedTensor.wrap(storage, requires_grad=requires_grad)
 
@@ -195,33 +187,27 @@ def quantizer_from_plain(plain: dict[str, Any]) -> Quantizer:
     """Inverse of `Quantizer.to_plain`; malformed input raises ValueError."""
     if not isinstance(plain, dict) or plain.get("quantizer_class") not in Quantizer._by_name:
         raise ValueError(f"quantizer state: expected a dict naming one of {sorted(Quantizer._by_name)}, got {plain!r}")
-    from engine.tensors.serialization import parse_dtype
-
     kwargs = dict(plain)
     cls = Quantizer._by_name[kwargs.pop("quantizer_class")]
-    for key, value in list(kwargs.items()):
-        if key.endswith("dtype"):
-            kwargs[key] = parse_dtype(value, key)
     try:
+        for key, value in list(kwargs.items()):
+            if key.endswith("dtype"):
+                kwargs[key] = parse_dtype(value, key)
+        if cls is Quantizer:
+            scheme, rule_cls = get_scheme(kwargs.pop("scheme")), RULES[kwargs.pop("rule")]
+            usages = {k: kwargs.pop(k) for k in ("rowwise", "columnwise", "internal") if k in kwargs}
+            return Quantizer(scheme, rule_cls(**kwargs), **usages)
         return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"quantizer state for {cls.__name__} is malformed: {err}") from err
-
-
-def per_tensor_buffers(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool
-) -> tuple[Buffers, torch.Tensor]:
-    """x cast with one scale (one pass: rowwise data, its 2D transpose, amax). Returns (buffers, amax)."""
-    data, data_t, amax = ops.cast_transpose(ref.as_2d(x), scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
-    scale_inv = ref.reciprocal(scale).reshape(1).to(x.device)  # one tensor shared by both usages
-    buffers = {
-        "rowwise_data": None if data is None else data.view(x.shape),
-        "rowwise_scale_inv": scale_inv if rowwise else None,
-        "columnwise_data": data_t,
-        "columnwise_scale_inv": scale_inv if columnwise else None,
-    }
-    return buffers, amax
+    except (TypeError, KeyError) as err:
+        raise ValueError(f"quantizer state for {cls.__name__} is malformed: {err!r}") from err
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: Any, field: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{field}: expected the name of a torch dtype, got {name!r}")
+    return dtype

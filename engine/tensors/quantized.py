@@ -19,7 +19,10 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-from engine.tensors.storage import BUFFER_FIELDS, DEQUANTIZE_DTYPES, QuantizedTensorBase, check_dequantize_dtype
+from engine.tensors.storage import (
+    BUFFER_FIELDS, DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXFP8TensorStorage,
+    QuantizedTensorBase, check_dequantize_dtype,
+)
 
 aten = torch.ops.aten
 
@@ -66,6 +69,10 @@ class QuantizedTensor(torch.Tensor):
         return self._qstorage.fp8_dtype
 
     @property
+    def scheme(self) -> Any:
+        return self._qstorage.scheme
+
+    @property
     def quantizer(self) -> Any:
         return self._qstorage.quantizer
 
@@ -101,7 +108,7 @@ class QuantizedTensor(torch.Tensor):
         st = self._qstorage
         usages = [u for u, on in (("rowwise", st.has_rowwise), ("columnwise", st.has_columnwise)) if on]
         value = st.dequantize() if usages else "<emptied by prepare_for_saving>"
-        return f"{type(self).__name__}(fp8_dtype={st.fp8_dtype}, usages={usages}, data={value})"
+        return f"{type(self).__name__}(scheme={st.scheme.name}, usages={usages}, data={value})"
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         from engine.tensors.serialization import rebuild_quantized_tensor
@@ -207,8 +214,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
 
 
 def _same_quantization(a: QuantizedTensorBase, b: QuantizedTensorBase) -> bool:
-    """Same layout (class, fp8 dtype, block dim) and, where both have one, quantizers of one kind and settings."""
-    if type(a) is not type(b) or a.fp8_dtype != b.fp8_dtype or a.extra_metadata() != b.extra_metadata():
+    """Same scheme and, where both have one, quantizers of one kind and settings."""
+    if a.scheme != b.scheme:
         return False
     qa, qb = a.quantizer, b.quantizer
     return qa is None or qb is None or (type(qa) is type(qb) and qa.config() == qb.config())
@@ -331,3 +338,22 @@ def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
     if len(mutated) == 1 and mutated[0][1] is None:
         return mutated[0][2]
     return out
+
+
+# ---------------------------------------------------------------------- the layout names users know
+class Float8Tensor(QuantizedTensor):
+    """A per-tensor FP8 value (delayed or current scaling) as a torch.Tensor."""
+
+    storage_class = Float8TensorStorage
+
+
+class Float8BlockwiseTensor(QuantizedTensor):
+    """A 1x128 / 128x128 block-scaled FP8 value as a torch.Tensor."""
+
+    storage_class = Float8BlockwiseTensorStorage
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """An MXFP8 value as a torch.Tensor."""
+
+    storage_class = MXFP8TensorStorage

@@ -12,14 +12,15 @@ there and no others, and the values of the scales (and of the quantizer's state)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engine.formats import FP8_DTYPES
 from engine.ops.reference import HIGH_PRECISION_DTYPES
 from engine.tensors.quantized import QuantizedTensor
-from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
+from engine.schemes import Scheme, fp8_scheme, get_scheme
+from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase, buffer_specs
 
 
 def parse_dtype(name: Any, field: str) -> torch.dtype:
@@ -29,47 +30,72 @@ def parse_dtype(name: Any, field: str) -> torch.dtype:
     return dtype
 
 
+#: rebuilds a quantizer from its plain state; `engine.quantizers` fills it in when imported (the
+#: quantizers sit above the tensors, which must not import them)
+QUANTIZER_LOADERS: dict[str, Callable[[Any], Any]] = {}
+
+_LEGACY_LAYOUTS = {"Float8TensorStorage": "tensor", "MXFP8TensorStorage": "mx"}
+
+
+def _scheme_of(fields: dict[str, Any], quantizer_state: Any) -> Scheme:
+    """The scheme named in the state, or the one a pre-scheme checkpoint's class and settings imply."""
+    if "scheme" in fields:
+        return get_scheme(fields.pop("scheme"))
+    if "storage_class" not in fields:
+        raise ValueError("scheme: missing (and no storage_class of a checkpoint from before schemes either)")
+    name = fields.pop("storage_class")
+    fp8_dtype = parse_dtype(fields.pop("fp8_dtype"), "fp8_dtype")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype: expected float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
+    if name == "Float8BlockwiseTensorStorage":
+        dim = fields.pop("block_scaling_dim", 1)
+        if dim not in (1, 2) or isinstance(dim, bool):
+            raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dim!r}")
+        pow2 = bool(isinstance(quantizer_state, dict) and quantizer_state.get("force_pow_2_scales"))
+        return fp8_scheme(f"block{dim}d", fp8_dtype, pow2=pow2)
+    if name not in _LEGACY_LAYOUTS:
+        raise ValueError(f"storage_class: expected one of {sorted([*_LEGACY_LAYOUTS, 'Float8BlockwiseTensorStorage'])}, "
+                         f"got {name!r}")
+    pow2 = bool(isinstance(quantizer_state, dict) and quantizer_state.get("force_pow_2_scales"))
+    return fp8_scheme(_LEGACY_LAYOUTS[name], fp8_dtype, pow2=pow2 and name != "MXFP8TensorStorage")
+
+
 def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
-    """Inverse of `QuantizedTensorBase.to_plain`; malformed input raises ValueError."""
+    """Inverse of `QuantizedTensorBase.to_plain` (and of the pre-scheme format); malformed input raises ValueError."""
     if not isinstance(plain, dict):
         raise ValueError(f"quantized tensor state: expected a dict, got {type(plain).__name__}")
     fields = dict(plain)
     try:
-        cls = QuantizedTensorBase._by_name[fields.pop("storage_class")]
+        quantizer_state = fields.pop("quantizer")
+        scheme = _scheme_of(fields, quantizer_state)
         shape = torch.Size(fields.pop("shape"))
         nominal_dtype = parse_dtype(fields.pop("nominal_dtype"), "nominal_dtype")
-        fp8_dtype = parse_dtype(fields.pop("fp8_dtype"), "fp8_dtype")
-        quantizer_state = fields.pop("quantizer")
         buffers = {name: fields.pop(name) for name in BUFFER_FIELDS}
     except (KeyError, TypeError) as err:
         raise ValueError(f"quantized tensor state is malformed ({err!r}); keys: {sorted(plain)}") from err
+    if fields:
+        raise ValueError(f"quantized tensor state: unknown keys {sorted(fields)}")
     if any(s < 0 for s in shape):
         raise ValueError(f"shape: expected sizes >= 0, got {list(shape)}")
     if nominal_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"nominal_dtype: expected float32, bfloat16 or float16, got {nominal_dtype}")
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"fp8_dtype: expected float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
-    _check_buffers(cls, shape, fp8_dtype, buffers, fields)
+    _check_buffers(scheme, shape, buffers)
     quantizer = None
     if quantizer_state is not None:
-        from engine.quantizers import quantizer_from_plain
-
-        quantizer = quantizer_from_plain(quantizer_state)
-        if quantizer.storage_class is not cls:
-            raise ValueError(f"quantizer: a {type(quantizer).__name__} cannot quantize into a {cls.__name__}")
-    try:
-        storage = cls(shape=shape, nominal_dtype=nominal_dtype, fp8_dtype=fp8_dtype, quantizer=quantizer,
-                      **buffers, **fields)
-    except TypeError as err:
-        raise ValueError(f"quantized tensor state for {cls.__name__} is malformed: {err}") from err
+        quantizer = QUANTIZER_LOADERS["quantizer"](quantizer_state)
+        if quantizer.scheme.layout != scheme.layout or quantizer.scheme.element != scheme.element:
+            raise ValueError(f"quantizer: a {type(quantizer).__name__} ({quantizer.scheme.name}) cannot quantize "
+                             f"into a {scheme.name} tensor")
+        scheme = quantizer.scheme  # a pre-scheme block checkpoint learns its scale encoding from its quantizer
+    storage = QuantizedTensorBase(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer,
+                                  **buffers)
     if not any(t is not None and t.is_meta for t in buffers.values()):  # map_location="meta" has no values
         storage.check_values()
     return storage
 
 
-def _check_buffers(cls: type[QuantizedTensorBase], shape: torch.Size, fp8_dtype: torch.dtype,
-                   buffers: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Every buffer is a dense tensor of the shape and dtype the layout prescribes, or None where it has none."""
+def _check_buffers(scheme: Scheme, shape: torch.Size, buffers: dict[str, Any]) -> None:
+    """Every buffer is a dense tensor of the shape and dtype the scheme prescribes, or None where it has none."""
     for name, t in buffers.items():
         if t is None:
             continue
@@ -77,15 +103,12 @@ def _check_buffers(cls: type[QuantizedTensorBase], shape: torch.Size, fp8_dtype:
             raise ValueError(f"{name}: expected a plain torch.Tensor or None, got {type(t).__name__}")
         _check_dense(t, name)
     rowwise, columnwise = buffers["rowwise_data"] is not None, buffers["columnwise_data"] is not None
-    try:
-        specs = cls.buffer_specs(shape, fp8_dtype, rowwise=rowwise, columnwise=columnwise, **extra)
-    except TypeError as err:
-        raise ValueError(f"quantized tensor state for {cls.__name__} is malformed: {err}") from err
+    specs = buffer_specs(scheme, shape, rowwise=rowwise, columnwise=columnwise)
     for name, (size, dtype) in specs.items():
         t = buffers[name]
         if t is None or tuple(t.shape) != tuple(size) or t.dtype != dtype:
             got = None if t is None else f"{t.dtype} {tuple(t.shape)}"
-            raise ValueError(f"{name}: expected {dtype} of shape {tuple(size)} for a {cls.__name__} of shape "
+            raise ValueError(f"{name}: expected {dtype} of shape {tuple(size)} for a {scheme.name} tensor of shape "
                              f"{tuple(shape)}, got {got}")
     for name, t in buffers.items():
         if name not in specs and t is not None:

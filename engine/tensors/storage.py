@@ -1,26 +1,36 @@
-"""QuantizedTensorBase: the buffers of one quantized value, without being a torch.Tensor.
+"""QuantizedTensorBase: the buffers of one quantized value, for every scheme, without being a torch.Tensor.
 
 A quantized value may carry two representations, because the three GEMMs of a linear
 layer read it along different dims: *rowwise* data (for fprop / dgrad's left operand)
 and *columnwise* data (for wgrad / dgrad's right operand), each with its scale_inv.
 Modules keep only what backward needs (`update_usage`) and hand the buffers to autograd
-(`prepare_for_saving` / `restore_from_saved`), so FP8 bytes, not high precision, wait for
-backward. Subclasses say how to dequantize and whether one representation can be
-derived from the other.
+(`prepare_for_saving` / `restore_from_saved`), so quantized bytes, not high precision,
+wait for backward.
+
+There is one storage type: buffer shapes, views, deriving one usage from the other,
+dequantizing and serialization are all functions of the storage's `Scheme`. The public
+names `Float8TensorStorage`, `Float8BlockwiseTensorStorage` and `MXFP8TensorStorage` are
+the same type seen per layout (so `isinstance` keeps working); they also accept the
+constructor arguments they had before schemes (`fp8_dtype`, `block_scaling_dim`).
 """
 
 from __future__ import annotations
 
 import warnings
-from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+
+from engine.ops import reference as ref
+from engine.ops.blocked import dequantize_blocked
+from engine.schemes import ScaleEncoding, Scheme, dims_2d, fp8_scheme
 
 BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 #: dtypes a quantized value can be dequantized into (float64 too, for `.double()` and checks)
 DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+__all__ = ["BUFFER_FIELDS", "QuantizedTensorBase", "check_dequantize_dtype", "compact", "dims_2d"]
 
 
 def check_dequantize_dtype(dtype: Any) -> torch.dtype:
@@ -38,51 +48,91 @@ def compact(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def dims_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """(M, K) of the 2D view every scheme quantizes: M = prod(leading dims), K = last dim."""
-    if len(shape) == 0:
-        return 1, 1
-    m = 1
-    for s in shape[:-1]:
-        m *= s
-    return m, shape[-1]
+def buffer_specs(scheme: Scheme, shape: torch.Size, *, rowwise: bool, columnwise: bool) -> BufferSpecs:
+    """Shape and dtype of each buffer a tensor of `shape` needs under `scheme` for the given usages."""
+    specs: BufferSpecs = {}
+    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if wanted:
+            col = usage == "columnwise"
+            specs[f"{usage}_data"] = (scheme.data_shape(shape, col), scheme.element)
+            specs[f"{usage}_scale_inv"] = (scheme.scale_shape(shape, col), scheme.scale.dtype)
+    return specs
 
 
-class QuantizedTensorBase(ABC):
-    """Rowwise/columnwise data and scale_inv buffers plus the metadata to read them."""
+class QuantizedTensorBase:
+    """Rowwise/columnwise data and scale_inv buffers of one value, laid out as `scheme` says."""
 
-    #: short name used in messages
-    scheme: str = "quantized"
-    #: per-tensor schemes use one scale_inv for both usages (the same tensor object)
-    shares_scale_inv: bool = False
-    _by_name: dict[str, type[QuantizedTensorBase]] = {}
+    #: the layouts a legacy subclass stands for (the base stands for all)
+    layouts: ClassVar[tuple[str, ...]] = ()
+    _by_layout: ClassVar[dict[str, type[QuantizedTensorBase]]] = {}
+    _by_name: ClassVar[dict[str, type[QuantizedTensorBase]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         QuantizedTensorBase._by_name[cls.__name__] = cls
+        for layout in cls.layouts:
+            QuantizedTensorBase._by_layout[layout] = cls
+
+    def __new__(cls, *args: Any, scheme: Scheme | None = None, **kwargs: Any) -> QuantizedTensorBase:
+        # one type, seen through the class named for the scheme's layout
+        target = cls.class_for(scheme) if scheme is not None and not cls.layouts else cls
+        return super().__new__(target)
 
     def __init__(
         self,
         *,
         shape: torch.Size | tuple[int, ...],
         nominal_dtype: torch.dtype,
-        fp8_dtype: torch.dtype,
+        scheme: Scheme | None = None,
         rowwise_data: torch.Tensor | None = None,
         rowwise_scale_inv: torch.Tensor | None = None,
         columnwise_data: torch.Tensor | None = None,
         columnwise_scale_inv: torch.Tensor | None = None,
         quantizer: Any = None,
+        **legacy: Any,
     ) -> None:
+        if scheme is None:
+            scheme = self._legacy_scheme(quantizer=quantizer, **legacy)
+        elif legacy:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(legacy)} next to scheme=")
+        if self.layouts and scheme.layout not in self.layouts:
+            raise TypeError(f"scheme: a {type(self).__name__} holds {'/'.join(self.layouts)} layouts, got {scheme!r}")
+        self.scheme = scheme
         self.shape = torch.Size(shape)
         self.nominal_dtype = nominal_dtype
-        self.fp8_dtype = fp8_dtype
         self.rowwise_data = rowwise_data
         self.rowwise_scale_inv = rowwise_scale_inv
         self.columnwise_data = columnwise_data
         self.columnwise_scale_inv = columnwise_scale_inv
         self.quantizer = quantizer
 
+    @staticmethod
+    def class_for(scheme: Scheme) -> type[QuantizedTensorBase]:
+        """The class a storage of `scheme` is seen through (one per layout family)."""
+        return QuantizedTensorBase._by_layout.get(scheme.layout, QuantizedTensorBase)
+
+    @classmethod
+    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
+        """The scheme of a storage built with the pre-scheme arguments of a layout class."""
+        if quantizer is not None:
+            return quantizer.scheme
+        raise TypeError(f"{cls.__name__}: expected scheme= (an engine.schemes.Scheme)")
+
     # ------------------------------------------------------------------ metadata
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.scheme.element
+
+    @property
+    def block_scaling_dim(self) -> int | None:
+        """1 or 2 for 1x128 / 128x128 block scaling (None for other layouts)."""
+        return {"block1d": 1, "block2d": 2}.get(self.scheme.layout)
+
+    @property
+    def shares_scale_inv(self) -> bool:
+        """One scale per tensor: both usages hold the same scale_inv tensor."""
+        return self.scheme.rowwise_block.is_tensor
+
     @property
     def dtype(self) -> torch.dtype:
         return self.nominal_dtype
@@ -106,93 +156,86 @@ class QuantizedTensorBase(ABC):
     def buffers(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in BUFFER_FIELDS}
 
-    def extra_metadata(self) -> dict[str, Any]:
-        """Scheme-specific constructor arguments (plain data)."""
-        return {}
-
     def metadata(self) -> dict[str, Any]:
         """Everything but the buffers, as keyword arguments of the constructor."""
-        return {"shape": self.shape, "nominal_dtype": self.nominal_dtype, "fp8_dtype": self.fp8_dtype,
-                "quantizer": self.quantizer, **self.extra_metadata()}
+        return {"scheme": self.scheme, "shape": self.shape, "nominal_dtype": self.nominal_dtype,
+                "quantizer": self.quantizer}
 
     def replace(self, **changes: Any) -> QuantizedTensorBase:
-        """A new storage of the same kind with some fields changed (buffers are shared)."""
-        return type(self)(**{**self.metadata(), **self.buffers(), **changes})
+        """A new storage with some fields changed (buffers are shared)."""
+        return QuantizedTensorBase(**{**self.metadata(), **self.buffers(), **changes})
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (a buffer shared by both usages counts once)."""
-        seen: dict[int, int] = {}
-        for t in self.buffers().values():
-            if t is not None:
-                seen[id(t)] = t.numel() * t.element_size()
+        seen = {id(t): t.numel() * t.element_size() for t in self.buffers().values() if t is not None}
         return sum(seen.values())
 
     # ------------------------------------------------------------------ allocation and views
-    @classmethod
-    @abstractmethod
-    def buffer_specs(
-        cls, shape: torch.Size, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool, **extra: Any
-    ) -> BufferSpecs:
-        """Shape and dtype of each buffer a tensor of `shape` needs for the given usages."""
-
-    @classmethod
+    @staticmethod
     def empty(
-        cls,
         shape: torch.Size | tuple[int, ...],
         *,
+        scheme: Scheme,
         nominal_dtype: torch.dtype,
-        fp8_dtype: torch.dtype,
         device: torch.device | str | None = None,
         rowwise: bool = True,
         columnwise: bool = True,
         quantizer: Any = None,
-        **extra: Any,
     ) -> QuantizedTensorBase:
         """Uninitialised buffers for the requested usages."""
         shape = torch.Size(shape)
-        specs = cls.buffer_specs(shape, fp8_dtype, rowwise=rowwise, columnwise=columnwise, **extra)
+        specs = buffer_specs(scheme, shape, rowwise=rowwise, columnwise=columnwise)
         buffers = {name: torch.empty(size, dtype=dt, device=device) for name, (size, dt) in specs.items()}
-        if cls.shares_scale_inv and rowwise and columnwise:
+        if scheme.rowwise_block.is_tensor and rowwise and columnwise:
             buffers["columnwise_scale_inv"] = buffers["rowwise_scale_inv"]
-        return cls(shape=shape, nominal_dtype=nominal_dtype, fp8_dtype=fp8_dtype, quantizer=quantizer,
-                   **buffers, **extra)
+        return QuantizedTensorBase(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer,
+                                   **buffers)
 
     def empty_like(self, shape: torch.Size, device: torch.device | str | None = None) -> QuantizedTensorBase:
-        """Uninitialised storage of the same kind and usages at `shape`."""
-        rowwise = self.has_rowwise or not self.has_columnwise
-        return type(self).empty(
-            shape, nominal_dtype=self.nominal_dtype, fp8_dtype=self.fp8_dtype, device=device or self.device,
-            rowwise=rowwise, columnwise=self.has_columnwise, quantizer=self.quantizer, **self.extra_metadata(),
+        """Uninitialised storage of the same scheme and usages at `shape`."""
+        return QuantizedTensorBase.empty(
+            shape, scheme=self.scheme, nominal_dtype=self.nominal_dtype, device=device or self.device,
+            rowwise=self.has_rowwise or not self.has_columnwise, columnwise=self.has_columnwise,
+            quantizer=self.quantizer,
         )
 
     def view(self, shape: torch.Size) -> QuantizedTensorBase | None:
         """The same value seen with another shape, or None when the layout does not allow it.
 
-        Every scheme blocks along the last dim (rowwise) or the flattened leading dims
-        (columnwise), so any view that keeps the last dim keeps all the data valid.
+        Blocks run along the last dim (rowwise) or the flattened leading dims (columnwise),
+        so a view that keeps the last dim keeps every buffer valid. With one scale per
+        tensor any view of the rowwise data is valid (the columnwise copy is dropped then).
         """
-        if len(shape) == 0 or len(self.shape) == 0 or shape[-1] != self.shape[-1]:
-            return None
-        return self.replace(
-            shape=shape,
-            rowwise_data=None if self.rowwise_data is None else self.rowwise_data.view(shape),
-            columnwise_data=None if self.columnwise_data is None else self._view_columnwise(shape),
-        )
-
-    def _view_columnwise(self, shape: torch.Size) -> torch.Tensor:
-        """Columnwise data for a view that keeps the last dim (default: the 2D `[K, M]` layout stays)."""
-        return self.columnwise_data
+        transposed = self.scheme.columnwise_transposed
+        if len(shape) and len(self.shape) and shape[-1] == self.shape[-1]:
+            columnwise = self.columnwise_data
+            if columnwise is not None and not transposed:
+                columnwise = columnwise.view(shape)
+            rowwise = None if self.rowwise_data is None else self.rowwise_data.view(shape)
+            return self.replace(shape=shape, rowwise_data=rowwise, columnwise_data=columnwise)
+        if self.scheme.rowwise_block.is_tensor and self.has_rowwise:
+            return self.replace(shape=shape, rowwise_data=self.rowwise_data.view(shape),
+                                columnwise_data=None, columnwise_scale_inv=None)
+        return None
 
     def transpose(self) -> QuantizedTensorBase | None:
-        """The quantized transpose of a 2D tensor, or None where the scheme cannot give it exactly."""
-        return None
+        """The quantized transpose of a 2D tensor where the scheme gives it exactly (derivable schemes)."""
+        if len(self.shape) != 2 or not self.scheme.derivable or not (self.has_rowwise or self.has_columnwise):
+            return None
+        row_data, row_scale = self.rowwise_data, self.rowwise_scale_inv
+        col_data, col_scale = self.columnwise_data, self.columnwise_scale_inv
+        if col_data is None:
+            col_data, col_scale = self._derived(columnwise=True)
+        return self.replace(shape=torch.Size((self.shape[1], self.shape[0])),
+                            rowwise_data=col_data, rowwise_scale_inv=col_scale,
+                            columnwise_data=row_data, columnwise_scale_inv=row_scale)
 
     # ------------------------------------------------------------------ usages
     def update_usage(self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None) -> None:
         """Keep, drop or create each representation. None leaves a usage as it is.
 
-        Creating one from the other is possible only where the scheme allows it
-        (`_derive_rowwise` / `_derive_columnwise`); otherwise a ValueError says why.
+        Creating one from the other is possible only where the scheme says it is exact
+        (`scheme.derivable`: the same blocks seen transposed); otherwise a ValueError says why.
         """
         want_row = self.has_rowwise if rowwise_usage is None else bool(rowwise_usage)
         want_col = self.has_columnwise if columnwise_usage is None else bool(columnwise_usage)
@@ -201,25 +244,27 @@ class QuantizedTensorBase(ABC):
         if not (self.has_rowwise or self.has_columnwise):
             raise ValueError(f"update_usage: {type(self).__name__} holds no data (emptied by prepare_for_saving)")
         if want_row and not self.has_rowwise:
-            self.rowwise_data, self.rowwise_scale_inv = self._derive_rowwise()
+            self.rowwise_data, self.rowwise_scale_inv = self._derived(columnwise=False)
         if want_col and not self.has_columnwise:
-            self.columnwise_data, self.columnwise_scale_inv = self._derive_columnwise()
+            self.columnwise_data, self.columnwise_scale_inv = self._derived(columnwise=True)
         if not want_row:
             self.rowwise_data = self.rowwise_scale_inv = None
         if not want_col:
             self.columnwise_data = self.columnwise_scale_inv = None
 
-    def _derive_rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
-        raise ValueError(
-            f"{self.scheme}: rowwise data cannot be derived from columnwise data (the scales run along "
-            "the other dim); quantize the high-precision tensor with rowwise usage instead"
-        )
-
-    def _derive_columnwise(self) -> tuple[torch.Tensor, torch.Tensor]:
-        raise ValueError(
-            f"{self.scheme}: columnwise data cannot be derived from rowwise data (the scales run along "
-            "the other dim); quantize the high-precision tensor with columnwise usage instead"
-        )
+    def _derived(self, *, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One usage made from the other: the transposed data and scales (exact for derivable schemes)."""
+        usage, other = ("columnwise", "rowwise") if columnwise else ("rowwise", "columnwise")
+        if not self.scheme.derivable:
+            raise ValueError(
+                f"{self.scheme.name}: {usage} data cannot be derived from {other} data (the scales run along "
+                f"the other dim); quantize the high-precision tensor with {usage} usage instead"
+            )
+        if columnwise:
+            data, scale = ref.transpose_2d(self.rowwise_data), self.rowwise_scale_inv
+        else:
+            data, scale = self.columnwise_data.t().contiguous().view(self.shape), self.columnwise_scale_inv
+        return data, (scale if self.shares_scale_inv else scale.t().contiguous())
 
     # ------------------------------------------------------------------ saving for backward
     def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedTensorBase]:
@@ -241,70 +286,63 @@ class QuantizedTensorBase(ABC):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision value (from rowwise data when present, else columnwise)."""
         dtype = self.nominal_dtype if dtype is None else check_dequantize_dtype(dtype)
-        if self.has_rowwise:
-            return self._dequantize_rowwise(dtype)
-        if self.has_columnwise:
-            return self._dequantize_columnwise(dtype)
+        for usage, columnwise in (("rowwise", False), ("columnwise", True)):
+            data = getattr(self, f"{usage}_data")
+            if data is not None:
+                return dequantize_blocked(data, getattr(self, f"{usage}_scale_inv"), self.scheme, shape=self.shape,
+                                          columnwise=columnwise, dtype=dtype)
         raise ValueError(f"dequantize: {type(self).__name__} holds no data (emptied by prepare_for_saving)")
-
-    @abstractmethod
-    def _dequantize_rowwise(self, dtype: torch.dtype) -> torch.Tensor: ...
-
-    @abstractmethod
-    def _dequantize_columnwise(self, dtype: torch.dtype) -> torch.Tensor: ...
 
     # ------------------------------------------------------------------ quantizer
     def update_quantizer(self, quantizer: Any) -> None:
-        """Attach another quantizer of the same scheme; warn when its settings differ.
+        """Attach another quantizer of the same layout; warn when its settings differ.
 
         The data already held stays valid (it carries its own scales); the new quantizer
         is used the next time the tensor is quantized into (`quantize_`, `copy_`).
         """
-        expected = getattr(quantizer, "storage_class", None)
-        if quantizer is not None and expected is not type(self):
-            raise TypeError(
-                f"quantizer: expected a quantizer that makes {type(self).__name__}, got {type(quantizer).__name__}"
-            )
+        scheme = getattr(quantizer, "scheme", None)
+        if quantizer is not None and (scheme is None or self.class_for(scheme) is not type(self)):
+            raise TypeError(f"quantizer: expected a quantizer that makes {type(self).__name__}, got {quantizer!r}")
         old = self.quantizer
         if old is not None and quantizer is not None and old.config() != quantizer.config():
-            warnings.warn(
-                f"{type(self).__name__}: quantizer changed from {old!r} to {quantizer!r}",
-                UserWarning,
-                stacklevel=2,
-            )
+            warnings.warn(f"{type(self).__name__}: quantizer changed from {old!r} to {quantizer!r}",
+                          UserWarning, stacklevel=2)
         self.quantizer = quantizer
 
-    # ------------------------------------------------------------------ serialization
+    # ------------------------------------------------------------------ checks and serialization
     def check_values(self) -> None:
         """ValueError naming the buffer if it holds scales the scheme never makes (checked at load; syncs).
 
-        Default: fp32 scale_inv buffers must be finite and > 0.
+        fp32 scales are finite and > 0 (and one per tensor is the same for both usages); an
+        E8M0 scale is the NaN code 255 only for a block whose data holds a NaN.
         """
-        for name in ("rowwise_scale_inv", "columnwise_scale_inv"):
-            t = getattr(self, name)
-            if t is None or t.dtype != torch.float32:
+        for usage, columnwise in (("rowwise", False), ("columnwise", True)):
+            data, scale = getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale_inv")
+            if data is None:
                 continue
-            bad = ~((t > 0) & torch.isfinite(t))
+            if self.scheme.scale is ScaleEncoding.E8M0:
+                _check_e8m0_nan(data, scale, self.scheme, columnwise, f"{usage}_scale_inv")
+                continue
+            bad = ~((scale > 0) & torch.isfinite(scale))
             if bool(bad.any()):
-                raise ValueError(f"{name}: expected finite scales > 0, got {t[bad][:4].tolist()} "
-                                 f"({int(bad.sum())} of {t.numel()})")
+                raise ValueError(f"{usage}_scale_inv: expected finite scales > 0, got {scale[bad][:4].tolist()} "
+                                 f"({int(bad.sum())} of {scale.numel()})")
+        row, col = self.rowwise_scale_inv, self.columnwise_scale_inv
+        if self.shares_scale_inv and row is not None and col is not None and row is not col and not torch.equal(row, col):
+            raise ValueError(f"columnwise_scale_inv: expected the rowwise scale_inv {row.tolist()} "
+                             f"(one scale per tensor), got {col.tolist()}")
 
     def to_plain(self) -> dict[str, Any]:
         """Plain tensors and data that `engine.tensors.serialization` rebuilds this storage from.
 
         Buffers are saved dense (a view into a larger storage is copied), which the loader requires.
         """
-        done: dict[int, torch.Tensor | None] = {}
-        for t in self.buffers().values():
-            if t is not None and id(t) not in done:
-                done[id(t)] = compact(t)
+        done = {id(t): compact(t) for t in self.buffers().values() if t is not None}
         return {
-            "storage_class": type(self).__name__,
+            "scheme": self.scheme.name,
             "shape": list(self.shape),
             "nominal_dtype": str(self.nominal_dtype).removeprefix("torch."),
-            "fp8_dtype": str(self.fp8_dtype).removeprefix("torch."),
             "quantizer": None if self.quantizer is None else self.quantizer.to_plain(),
-            **self.extra_metadata(),
             **{name: None if t is None else done[id(t)] for name, t in self.buffers().items()},
         }
 
@@ -315,5 +353,60 @@ class QuantizedTensorBase(ABC):
 
     def __repr__(self) -> str:
         usages = [u for u, on in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if on]
-        return (f"{type(self).__name__}(shape={tuple(self.shape)}, fp8_dtype={self.fp8_dtype}, "
+        return (f"{type(self).__name__}(scheme={self.scheme.name}, shape={tuple(self.shape)}, "
                 f"nominal_dtype={self.nominal_dtype}, usages={usages})")
+
+
+def _check_e8m0_nan(data: torch.Tensor, codes: torch.Tensor, scheme: Scheme, columnwise: bool, name: str) -> None:
+    nan = torch.isnan(ref.as_2d(data).float())
+    block = scheme.stored_block(columnwise)
+    rows, cols = nan.shape
+    padded = torch.nn.functional.pad(nan, (0, -(-cols // block.cols) * block.cols - cols,
+                                           0, -(-rows // block.rows) * block.rows - rows))
+    block_has_nan = padded.reshape(padded.shape[0] // block.rows, block.rows, -1, block.cols).any(dim=(1, 3))
+    bad = (codes == ref.E8M0_NAN) & ~block_has_nan
+    if bool(bad.any()):
+        where = [tuple(i) for i in bad.nonzero()[:4].tolist()]
+        raise ValueError(f"{name}: E8M0 code 255 (NaN) in blocks whose data holds no NaN, "
+                         f"at {where} ({int(bad.sum())} blocks)")
+
+
+# ---------------------------------------------------------------------- the layout names users know
+class Float8TensorStorage(QuantizedTensorBase):
+    """Per-tensor FP8 (delayed and current scaling): one fp32 scale_inv, columnwise data `[K, M]`."""
+
+    layouts = ("tensor",)
+
+    @classmethod
+    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
+        if quantizer is not None:
+            return quantizer.scheme
+        return fp8_scheme("tensor", fp8_dtype, **kw)
+
+
+class Float8BlockwiseTensorStorage(QuantizedTensorBase):
+    """FP8 with an fp32 scale_inv per 1x128 (1D) or 128x128 (2D) tile, columnwise data `[K, M]`."""
+
+    layouts = ("block1d", "block2d")
+
+    @classmethod
+    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None,
+                       block_scaling_dim: int = 1, **kw: Any) -> Scheme:
+        if quantizer is not None:
+            return quantizer.scheme
+        if block_scaling_dim not in (1, 2) or isinstance(block_scaling_dim, bool):
+            raise ValueError(f"block_scaling_dim: expected 1 (1x128 tiles) or 2 (128x128 tiles), "
+                             f"got {block_scaling_dim!r}")
+        return fp8_scheme(f"block{block_scaling_dim}d", fp8_dtype, **kw)
+
+
+class MXFP8TensorStorage(QuantizedTensorBase):
+    """MXFP8: an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block; columnwise data keeps x's shape."""
+
+    layouts = ("mx",)
+
+    @classmethod
+    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
+        if quantizer is not None:
+            return quantizer.scheme
+        return fp8_scheme("mx", fp8_dtype, **kw)

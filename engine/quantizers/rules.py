@@ -1,0 +1,132 @@
+"""Scale rules: where a quantizer's scales come from.
+
+* `DelayedRule`: a given per-tensor scale, read from scaling state that the recipe updates
+  from an amax history; quantizing records max|x| into that state (the only stateful rule).
+* `CurrentRule`: from the data itself, fp8_max / max(amax, eps) per tensor or per tile
+  (power-of-2 or not, as the scheme's scale encoding says); a per-tensor amax can be
+  all-reduced over a process group first.
+* `E8M0Rule`: an E8M0 exponent per MX block, "rceil" (NVIDIA hardware) or "floor" (OCP spec).
+
+A rule is small data plus one method, `quantize`, that asks `engine.ops.quantize` for the
+buffers of a scheme. Which rule fits which layout is said by `layouts`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed import all_reduce_max
+from engine.ops import quantize as qops
+from engine.ops import reference as ref
+from engine.schemes import Scheme
+
+Buffers = qops.Buffers
+
+
+def check_epsilon(amax_epsilon: Any) -> float:
+    if (isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float))
+            or not (0 <= amax_epsilon < float("inf"))):
+        raise ValueError(f"amax_epsilon: expected a finite number >= 0, got {amax_epsilon!r}")
+    return float(amax_epsilon)
+
+
+def check_state_tensor(t: Any, name: str, *, zero_ok: bool) -> torch.Tensor:
+    """A 1-element fp32 tensor holding a finite value > 0 (>= 0 if `zero_ok`); read once, at construction."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+        got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name}: expected a 1-element float32 tensor, got {got}")
+    if t.is_meta:  # no value to check (e.g. a checkpoint loaded with map_location="meta")
+        return t
+    value = t.detach().reshape(()).item()
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise ValueError(f"{name}: expected a finite value {'>=' if zero_ok else '>'} 0, got {value}")
+    return t
+
+
+class ScaleRule(ABC):
+    """How the scales of one quantization are found."""
+
+    #: scheme layouts the rule can scale
+    layouts: ClassVar[tuple[str, ...]]
+
+    def config(self) -> dict[str, Any]:
+        """Settings as plain data (what makes two rules scale alike)."""
+        return {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Tensors the rule reads or records into (delayed scaling: scale and amax)."""
+        return {}
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
+        """The buffers of x under `scheme` for the asked usages."""
+
+
+class DelayedRule(ScaleRule):
+    """Quantize with the given `scale`; record max|x| into `amax` (max with what is there), both in place."""
+
+    layouts = ("tensor",)
+
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
+        self.scale = check_state_tensor(scale, "scale", zero_ok=False)
+        self.amax = check_state_tensor(amax, "amax", zero_ok=True)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"scale": self.scale.detach().clone(), "amax": self.amax.detach().clone()}
+
+    def record_amax(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """amax = max(amax, max|x|), in place (also used alone, for calibration)."""
+        current = qops.amax(x.detach()) if amax is None else amax
+        self.amax.copy_(torch.maximum(self.amax, current.to(self.amax.device).reshape(self.amax.shape)))
+
+    def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
+        buffers, amax = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=self.scale)
+        self.record_amax(x, amax)
+        return buffers
+
+
+class CurrentRule(ScaleRule):
+    """fp8_max / max(amax, amax_epsilon) from this tensor (or each tile); amax all-reduced over a group if given."""
+
+    layouts = ("tensor", "block1d", "block2d")
+
+    def __init__(self, amax_epsilon: float = 0.0, amax_reduction_group: dist.ProcessGroup | None = None) -> None:
+        self.amax_epsilon = check_epsilon(amax_epsilon)
+        self.amax_reduction_group = amax_reduction_group
+
+    def config(self) -> dict[str, Any]:
+        return {"amax_epsilon": self.amax_epsilon}
+
+    def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
+        scale = None
+        if self.amax_reduction_group is not None and scheme.rowwise_block.is_tensor:
+            amax = qops.amax(x)
+            all_reduce_max([amax], self.amax_reduction_group)
+            scale = ref.compute_scale(amax, scheme.element, force_pow_2_scales=scheme.scale.is_pow2,
+                                      amax_epsilon=self.amax_epsilon)
+        buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale,
+                                   amax_epsilon=self.amax_epsilon)
+        return buffers
+
+
+class E8M0Rule(ScaleRule):
+    """MX shared exponents: "rceil" rounds amax / fp8_max up to a power of two; "floor" is the OCP rule."""
+
+    layouts = ("mx",)
+
+    def __init__(self, scale_mode: str = "rceil") -> None:
+        if scale_mode not in ref.SCALE_MODES:
+            raise ValueError(f"scale_mode: expected one of {sorted(ref.SCALE_MODES)}, got {scale_mode!r}")
+        self.scale_mode = scale_mode
+
+    def config(self) -> dict[str, Any]:
+        return {"scale_mode": self.scale_mode}
+
+    def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
+        buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale_mode=self.scale_mode)
+        return buffers

@@ -1,0 +1,173 @@
+"""Schemes: what a quantized tensor looks like, as data.
+
+A scheme says which element format the data has, how many elements share one scale in
+each usage, how the columnwise copy is laid out, and how scales are encoded. Every layout
+fact (buffer shapes, whether a usage can be derived from the other, which GEMM numerics
+are exact) is computed from these fields, in this file only.
+
+Shapes are those of the 2D view every scheme quantizes: `[M, K]`, M = the product of the
+leading dims, K = the last dim. A `Block(rows, cols)` is the tile of that view whose
+elements share one scale (0 = the whole dim). Rowwise data keeps x's shape; columnwise data
+is either the transposed `[K, M]` tensor (`columnwise_transposed`) or x's shape again.
+A dim that is not a multiple of its block ends in a partial block, stored compactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from engine.formats import FP8_DTYPES
+
+
+class ScaleEncoding(str, Enum):
+    """How scale_inv is stored: any fp32, fp32 powers of two, or uint8 E8M0 exponent codes."""
+
+    FP32 = "fp32"
+    FP32_POW2 = "fp32_pow2"
+    E8M0 = "e8m0"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self is ScaleEncoding.E8M0 else torch.float32
+
+    @property
+    def is_pow2(self) -> bool:
+        """Every scale is a power of two, so applying one to an FP8 value is exact in bf16."""
+        return self is not ScaleEncoding.FP32
+
+
+@dataclass(frozen=True)
+class Block:
+    """Elements along M (`rows`) and K (`cols`) of the 2D view that share a scale; 0 = the whole dim."""
+
+    rows: int
+    cols: int
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.rows == 0 and self.cols == 0
+
+    def transposed(self) -> Block:
+        return Block(self.cols, self.rows)
+
+    def grid(self, m: int, k: int) -> tuple[int, ...]:
+        """Shape of the scale tensor for an `[m, k]` tensor (`[1]` for one scale per tensor)."""
+        if self.is_tensor:
+            return (1,)
+        return (_blocks(m, self.rows), _blocks(k, self.cols))
+
+    def tile(self, m: int, k: int) -> tuple[int, int]:
+        """(rows, cols) of one tile, with 0 resolved to the dim itself (at least 1)."""
+        return (self.rows or max(m, 1), self.cols or max(k, 1))
+
+
+def _blocks(count: int, block: int) -> int:
+    return 1 if block == 0 else -(-count // block)
+
+
+TENSOR = Block(0, 0)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One way of storing a quantized tensor."""
+
+    layout: str  # "tensor" | "block1d" | "block2d" | "mx"
+    element: torch.dtype
+    scale: ScaleEncoding
+    rowwise_block: Block
+    columnwise_block: Block  # also in x's [M, K] view: 1D block scaling's columnwise tiles are 128x1
+    columnwise_transposed: bool
+    elements_per_byte: int = 1
+
+    @property
+    def name(self) -> str:
+        element = str(self.element).removeprefix("torch.float8_").removesuffix("fn")
+        suffix = "_pow2" if self.scale is ScaleEncoding.FP32_POW2 and self.layout != "mx" else ""
+        return f"{self.layout}_{element}{suffix}"
+
+    @property
+    def derivable(self) -> bool:
+        """Either usage can be made exactly from the other (the same blocks, seen transposed)."""
+        return self.rowwise_block == self.columnwise_block and self.columnwise_transposed
+
+    def data_shape(self, shape: torch.Size | tuple[int, ...], columnwise: bool) -> tuple[int, ...]:
+        if columnwise and self.columnwise_transposed:
+            m, k = dims_2d(shape)
+            return (k, m)
+        return tuple(shape)
+
+    def scale_shape(self, shape: torch.Size | tuple[int, ...], columnwise: bool) -> tuple[int, ...]:
+        """Shape of scale_inv for a tensor of `shape`, in the orientation its data is stored."""
+        m, k = dims_2d(shape)
+        if not columnwise:
+            return self.rowwise_block.grid(m, k)
+        if self.columnwise_transposed:
+            return self.columnwise_block.transposed().grid(k, m)
+        return self.columnwise_block.grid(m, k)
+
+    def stored_block(self, columnwise: bool) -> Block:
+        """The block in the orientation the data is stored (`[K, M]` for transposed columnwise data)."""
+        if not columnwise:
+            return self.rowwise_block
+        return self.columnwise_block.transposed() if self.columnwise_transposed else self.columnwise_block
+
+    def with_element(self, element: torch.dtype) -> Scheme:
+        return SCHEMES[Scheme(self.layout, element, self.scale, self.rowwise_block, self.columnwise_block,
+                              self.columnwise_transposed, self.elements_per_byte).name]
+
+    def __repr__(self) -> str:
+        return f"Scheme({self.name})"
+
+
+def dims_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """(M, K) of the 2D view: M = prod(leading dims), K = last dim (a scalar is 1 x 1)."""
+    if len(shape) == 0:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+BLOCK_128 = 128
+MX_BLOCK = 32
+
+LAYOUTS: dict[str, tuple[Block, Block, bool]] = {
+    # name: (rowwise block, columnwise block in x's view, columnwise stored transposed)
+    "tensor": (TENSOR, TENSOR, True),
+    "block1d": (Block(1, BLOCK_128), Block(BLOCK_128, 1), True),
+    "block2d": (Block(BLOCK_128, BLOCK_128), Block(BLOCK_128, BLOCK_128), True),
+    "mx": (Block(1, MX_BLOCK), Block(MX_BLOCK, 1), False),
+}
+
+
+def _registry() -> dict[str, Scheme]:
+    schemes = []
+    for element in FP8_DTYPES:
+        for layout, (row, col, transposed) in LAYOUTS.items():
+            encodings = [ScaleEncoding.E8M0] if layout == "mx" else [ScaleEncoding.FP32, ScaleEncoding.FP32_POW2]
+            schemes += [Scheme(layout, element, enc, row, col, transposed) for enc in encodings]
+    return {s.name: s for s in schemes}
+
+
+#: every scheme `engine` can store, by name
+SCHEMES: dict[str, Scheme] = _registry()
+
+
+def get_scheme(name: str) -> Scheme:
+    if name not in SCHEMES:
+        raise ValueError(f"scheme: expected one of {sorted(SCHEMES)}, got {name!r}")
+    return SCHEMES[name]
+
+
+def fp8_scheme(layout: str, element: torch.dtype, *, pow2: bool = False) -> Scheme:
+    """The registered scheme of `layout` with `element` (and power-of-2 scales where the layout has a choice)."""
+    if element not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {element!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {sorted(LAYOUTS)}, got {layout!r}")
+    row, col, transposed = LAYOUTS[layout]
+    encoding = ScaleEncoding.E8M0 if layout == "mx" else (ScaleEncoding.FP32_POW2 if pow2 else ScaleEncoding.FP32)
+    return SCHEMES[Scheme(layout, element, encoding, row, col, transposed).name]
