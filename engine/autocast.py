@@ -117,11 +117,9 @@ def get_fp8_group() -> dist.ProcessGroup | None:
 
 
 def update_states(states: list[RecipeState], group: dist.ProcessGroup | None) -> None:
-    """All-reduce the amaxes recorded by delayed-scaling states (one collective), then update them."""
-    delayed = [s for s in states if s.needs_update]
-    reduced = [s.current_amax for s in delayed if s.recipe.reduce_amax]
-    all_reduce_max(reduced, group)
-    for s in delayed:
+    """All-reduce the amaxes the states recorded (one collective), then update them (stateless: no-ops)."""
+    all_reduce_max([a for s in states for a in s.amaxes_to_reduce()], group)
+    for s in states:
         s.update()
 
 
@@ -129,8 +127,7 @@ def register_forward_state(state: RecipeState) -> None:
     """A module used `state` in forward: update it when the outermost fp8_autocast exits."""
     if _STATE.step is None:
         raise RuntimeError("register_forward_state: called outside fp8_autocast")
-    if state.needs_update:
-        _STATE.step.forward_states[id(state)] = state
+    _STATE.step.forward_states[id(state)] = state
 
 
 def register_backward_state(state: RecipeState) -> AutocastStep | None:

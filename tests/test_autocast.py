@@ -88,11 +88,13 @@ def test_registering_outside_autocast_is_an_error():
         autocast.register_forward_state(state)
 
 
-def test_stateless_recipes_register_nothing_to_update():
+def test_stateless_recipes_have_nothing_to_update_or_reduce():
     state = Float8CurrentScaling().make_state(forward=True)
+    assert state.amaxes_to_reduce() == [] and state.to_plain() is None
     with fp8_autocast(recipe=Float8CurrentScaling()):
         autocast.register_forward_state(state)
-        assert autocast._STATE.step.forward_states == {}
+    q = state.quantizer(Role.INPUT)
+    assert q.config() == Float8CurrentScaling().make_state(forward=True).quantizer(Role.INPUT).config()
 
 
 def test_calibration_records_amaxes_in_high_precision_and_seeds_the_first_fp8_step():
@@ -102,7 +104,7 @@ def test_calibration_records_amaxes_in_high_precision_and_seeds_the_first_fp8_st
     with fp8_autocast(enabled=False, calibrating=True, recipe=recipe):
         assert autocast.is_calibrating() and not autocast.is_fp8_enabled()
         autocast.register_forward_state(state)
-        state.record_amax(state.roles.index(Role.INPUT), x)
+        state.record_amax(state.slot(Role.INPUT), x)
     assert state.scale[0].item() == 64.0  # 448 / 7
     with fp8_autocast(recipe=recipe):
         q = state.quantizer(Role.INPUT)(x)

@@ -146,11 +146,26 @@ def test_scaled_mm_call_of_the_cuda_path_runs_on_cpu_and_agrees():
         assert torch.allclose(got.float(), want.float(), rtol=tol + 1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", PAIRINGS)
+def test_a_high_precision_operand_pairs_with_a_quantized_one(name):
+    """Weight-only and unquantized operands: the quantized side's exact value times the plain one (fp64 check)."""
+    torch.manual_seed(3)
+    qx, qw, _ = pairing(name)
+    x_plain, w = torch.randn(48, 256), qw(torch.randn(80, 256))
+    want = x_plain.double() @ value(w, transposed=False).t()
+    got = general_gemm(x_plain, w, out_dtype=torch.float32)
+    assert ((got.double() - want).abs() <= fp32_bound(x_plain.double(), value(w, transposed=False))).all()
+    dy = torch.randn(48, 80)  # dgrad with a plain gradient: dy @ W
+    got = general_gemm(dy, w, b_transposed=True, out_dtype=torch.float32)
+    want = dy.double() @ value(w, transposed=True).t()
+    assert ((got.double() - want).abs() <= fp32_bound(dy.double(), value(w, transposed=True))).all()
+
+
 def test_errors_name_the_problem():
     qx, qw, _ = pairing("tensor")
     x, w = qx(torch.randn(16, 64)), qw(torch.randn(32, 64))
     with pytest.raises(TypeError, match="a: expected a quantized tensor"):
-        general_gemm(torch.randn(16, 64), w)
+        general_gemm([[1.0] * 64] * 16, w)
     with pytest.raises(TypeError, match="cannot pair"):
         general_gemm(x, MXFP8Quantizer(E4M3)(torch.randn(32, 64)))
     with pytest.raises(ValueError, match="inner dims"):

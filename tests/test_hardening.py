@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import engine
 from engine import autocast
-from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Role
 from engine.tensors import QuantizedTensor
 
 RECIPES = [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
@@ -338,8 +338,9 @@ def test_an_eval_under_inference_mode_then_training(recipe):
         with engine.fp8_autocast(recipe=recipe):
             layer(torch.randn(4, 32)).sum().backward()
     if isinstance(recipe, DelayedScaling):
-        used = [i for i, role in enumerate(layer._fwd_state.roles) if role.value != "output"]
-        assert (layer._fwd_state.scale[used] != 1).all()  # the training steps updated it
+        state = layer._fwd_state
+        used = [state.slot(role, gemm) for role in (Role.INPUT, Role.WEIGHT) for gemm in range(2)]
+        assert (state.scale[used] != 1).all()  # the training steps updated it
         assert not layer._fwd_state.scale.is_inference()
 
 

@@ -95,14 +95,17 @@ def test_states_hold_one_quantizer_per_role_with_the_right_dtype(recipe_cls, qua
     recipe = recipe_cls(fp8_format=fmt)
     fwd_state = recipe.make_state(forward=True, num_gemms=2)
     bwd_state = recipe.make_state(forward=False, num_gemms=2)
-    assert fwd_state.roles == [Role.INPUT, Role.WEIGHT, Role.OUTPUT] * 2
-    assert bwd_state.roles == [Role.GRAD_OUTPUT, Role.GRAD_INPUT] * 2
-    assert all(type(q) is quantizer_cls for q in fwd_state.quantizers + bwd_state.quantizers)
-    assert [q.fp8_dtype for q in fwd_state.quantizers] == [fwd] * 6
-    assert [q.fp8_dtype for q in bwd_state.quantizers] == [bwd] * 4
-    assert len({id(q) for q in fwd_state.quantizers}) == 6
-    assert fwd_state.quantizer(Role.WEIGHT, 1) is fwd_state.quantizers[4]
-    assert bwd_state.quantizer(Role.GRAD_INPUT, 0) is bwd_state.quantizers[1]
+    fwd_qs = [fwd_state.quantizer(role, g) for g in range(2) for role in (Role.INPUT, Role.WEIGHT)]
+    bwd_qs = [bwd_state.quantizer(Role.GRAD_OUTPUT, g) for g in range(2)]
+    assert all(type(q) is quantizer_cls for q in fwd_qs + bwd_qs)
+    assert [q.fp8_dtype for q in fwd_qs] == [fwd] * 4 and [q.fp8_dtype for q in bwd_qs] == [bwd] * 2
+    assert len({id(q) for q in fwd_qs}) == 4
+    # a preset gives both uses of a tensor the same spec: one quantizer makes both usages
+    for role, state in ((Role.INPUT, fwd_state), (Role.WEIGHT, fwd_state), (Role.GRAD_OUTPUT, bwd_state)):
+        first, second = role.uses
+        assert state.operand(first, 1) is state.operand(second, 1) is state.quantizer(role, 1)
+    # scaling state columns keep Transformer Engine's layout: 3 per GEMM forward, 2 backward
+    assert fwd_state.slot(Role.WEIGHT, 1) == 4 and bwd_state.slot(Role.GRAD_OUTPUT, 1) == 2
 
 
 def test_state_rejects_bad_roles_and_gemm_counts():
@@ -117,8 +120,9 @@ def test_state_rejects_bad_roles_and_gemm_counts():
 
 def test_current_scaling_settings_reach_every_quantizer():
     recipe = Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-3)
-    for forward in (True, False):
-        for q in recipe.make_state(forward=forward).quantizers:
+    for forward, roles in ((True, (Role.INPUT, Role.WEIGHT)), (False, (Role.GRAD_OUTPUT,))):
+        for role in roles:
+            q = recipe.make_state(forward=forward).quantizer(role)
             assert q.force_pow_2_scales is True and q.amax_epsilon == 1e-3
     # the epsilon is used: an all-zero tensor gets scale 448 / 1e-3, rounded down to a power of two
     q = recipe.make_state(forward=True).quantizer(Role.INPUT)
@@ -132,7 +136,7 @@ def test_block_and_mx_settings_reach_the_quantizers():
     assert dims == {Role.INPUT: 1, Role.WEIGHT: 2}
     assert not state.quantizer(Role.WEIGHT).force_pow_2_scales
     assert Float8BlockScaling().make_state(forward=False).quantizer(Role.GRAD_OUTPUT).block_scaling_dim == 1
-    assert MXFP8BlockScaling(scale_mode="floor").make_state(forward=False).quantizers[0].scale_mode == "floor"
+    assert MXFP8BlockScaling(scale_mode="floor").make_state(forward=False).quantizer(Role.GRAD_OUTPUT).scale_mode == "floor"
 
 
 # ------------------------------------------------------------------------------ delayed scaling state

@@ -17,9 +17,8 @@ import torch
 from engine import autocast
 from engine.modules.linear_function import LinearArgs, WeightCache
 from engine.parameters import make_parameter
-from engine.recipes import (
-    BACKWARD_ROLES, FORWARD_ROLES, DelayedScaling, Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain,
-)
+from engine.recipes import Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain
+from engine.recipes.base import SLOTS_PER_GEMM
 from engine.tensors import QuantizedTensor
 
 EXTRA_STATE_VERSION = 1
@@ -51,7 +50,8 @@ class FP8Module(torch.nn.Module):
     def _primary_weight_quantizer(self, gemm: int):
         """This module's weight quantizer, set to make both usages (fprop and dgrad read an FP8 weight)."""
         quantizer = self._fwd_state.quantizer(Role.WEIGHT, gemm)
-        quantizer.set_usage(rowwise=True, columnwise=True)
+        if quantizer is not None:
+            quantizer.set_usage(rowwise=True, columnwise=True)
         return quantizer
 
     # ------------------------------------------------------------------ recipe states
@@ -67,9 +67,9 @@ class FP8Module(torch.nn.Module):
         self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device)
         self._bwd_state = recipe.make_state(forward=False, num_gemms=self.num_gemms, device=device)
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
-        if old_fwd is not None:
-            _carry_delayed_state(old_fwd, self._fwd_state)
-            _carry_delayed_state(old_bwd, self._bwd_state)
+        if old_fwd is not None:  # keep what stateful scaling learned under the previous settings
+            self._fwd_state.carry_from(old_fwd)
+            self._bwd_state.carry_from(old_bwd)
         if self._pending_extra_state is not None:
             self._apply_extra_state(self._pending_extra_state)
         self._requantize_fp8_weights(old_recipe)
@@ -81,6 +81,8 @@ class FP8Module(torch.nn.Module):
             if not isinstance(param, QuantizedTensor):
                 continue
             quantizer = self._primary_weight_quantizer(gemm)
+            if quantizer is None:  # this recipe keeps the weight in high precision: the FP8 one is read as is
+                continue
             if param.qstorage.quantizer is not None and param.qstorage.quantizer.config() == quantizer.config():
                 param.update_quantizer(quantizer)
                 continue
@@ -96,8 +98,8 @@ class FP8Module(torch.nn.Module):
         fp8, calibrating = autocast.is_fp8_enabled(), autocast.is_calibrating()
         grad = torch.is_grad_enabled()
         recipe = autocast.get_recipe()
-        # high precision, unless calibrating delayed scaling (which records amaxes while running in it)
-        if not fp8 and not (calibrating and isinstance(recipe, DelayedScaling)):
+        # high precision, unless calibrating (states record amaxes while the GEMMs run in high precision)
+        if not fp8 and not calibrating:
             return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
                     for _ in range(self.num_gemms)]
         if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
@@ -115,7 +117,7 @@ class FP8Module(torch.nn.Module):
 
     def _calibrate(self, args: LinearArgs, inp: torch.Tensor, weight: torch.Tensor) -> None:
         """Record the input and weight amaxes of one GEMM while running in high precision."""
-        if args.fp8 or args.fwd is None or not args.fwd.needs_update:
+        if args.fp8 or args.fwd is None:
             return
         w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
         args.fwd.record_amax(args.fwd.slot(Role.INPUT, args.gemm), inp)
@@ -129,9 +131,10 @@ class FP8Module(torch.nn.Module):
         state: dict[str, Any] = {"version": EXTRA_STATE_VERSION, "recipe": None}
         if self._recipe is not None:
             state["recipe"] = recipe_to_plain(self._recipe)
-            if self._fwd_state.needs_update:
-                for key, s in (("forward", self._fwd_state), ("backward", self._bwd_state)):
-                    state[key] = {"scale": s.scale.detach().clone(), "amax_history": s.amax_history.detach().clone()}
+            for key, s in (("forward", self._fwd_state), ("backward", self._bwd_state)):
+                part = s.to_plain()
+                if part is not None:
+                    state[key] = part
         return state
 
     def set_extra_state(self, state: Any) -> None:
@@ -152,10 +155,11 @@ class FP8Module(torch.nn.Module):
             warnings.warn(f"{type(self).__name__}: checkpoint was saved under {saved_recipe!r} and is loaded "
                           f"under {self._recipe!r}; quantizers are rebuilt for the new recipe",
                           UserWarning, stacklevel=4)
-        if "forward" not in state or not self._fwd_state.needs_update:
-            return
+        if type(saved_recipe) is not type(self._recipe):
+            return  # another kind of scaling: its state means nothing here
         for key, s in (("forward", self._fwd_state), ("backward", self._bwd_state)):
-            _copy_delayed(state[key]["scale"], state[key]["amax_history"], s)
+            if key in state:
+                s.load_plain(state[key])
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         try:
@@ -182,48 +186,6 @@ def check_extra_state(state: Any, num_gemms: int) -> Recipe | None:
         recipe = recipe_from_plain(state["recipe"])
     except ValueError as err:
         raise ValueError(f"_extra_state['recipe']: {err}") from None
-    delayed = isinstance(recipe, DelayedScaling)
-    for key, slots in (("forward", len(FORWARD_ROLES) * num_gemms), ("backward", len(BACKWARD_ROLES) * num_gemms)):
-        if delayed != (key in state):
-            raise ValueError(f"_extra_state[{key!r}]: a {recipe.name} recipe's state "
-                             f"{'needs' if delayed else 'has no'} {key} scaling state")
-        if delayed:
-            _check_delayed_part(state[key], f"_extra_state[{key!r}]", slots)
+    for key, slots in (("forward", SLOTS_PER_GEMM[True] * num_gemms), ("backward", SLOTS_PER_GEMM[False] * num_gemms)):
+        recipe.check_saved_state(state.get(key), f"_extra_state[{key!r}]", slots)
     return recipe
-
-
-def _check_delayed_part(part: Any, where: str, slots: int) -> None:
-    """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0."""
-    if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
-        raise ValueError(f"{where}: expected {{'scale': tensor, 'amax_history': tensor}}, got {part!r:.200}")
-    scale, history = part["scale"], part["amax_history"]
-    for name, t, shape in (("scale", scale, f"[{slots}]"), ("amax_history", history, f"[rows, {slots}]")):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or type(t) is not torch.Tensor:
-            raise ValueError(f"{where}[{name!r}]: expected a float32 tensor {shape}, got {_describe(t)}")
-    if tuple(scale.shape) != (slots,):
-        raise ValueError(f"{where}['scale']: expected shape ({slots},) for this module's {slots} slots, "
-                         f"got {tuple(scale.shape)} (a state saved from another kind of module?)")
-    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != slots:
-        raise ValueError(f"{where}['amax_history']: expected shape (rows >= 1, {slots}), got {tuple(history.shape)}")
-    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-        raise ValueError(f"{where}['scale']: every scale must be finite and > 0, got {scale.tolist()}")
-    if not bool((torch.isfinite(history) & (history >= 0)).all()):
-        raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0")
-
-
-def _describe(t: Any) -> str:
-    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _copy_delayed(scale: torch.Tensor, history: torch.Tensor, state: RecipeState) -> None:
-    """Load a saved scale and amax history into a delayed-scaling state (history rows that fit)."""
-    state.scale.copy_(scale)
-    rows = min(history.shape[0], state.amax_history.shape[0])
-    state.amax_history.zero_()
-    state.amax_history[:rows].copy_(history[:rows])
-
-
-def _carry_delayed_state(old: RecipeState, new: RecipeState) -> None:
-    """Keep what delayed scaling learned when its settings change between steps."""
-    if old.needs_update and new.needs_update:
-        _copy_delayed(old.scale, old.amax_history, new)

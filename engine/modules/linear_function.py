@@ -1,17 +1,18 @@
 """The autograd function behind every engine linear layer: fprop, dgrad and wgrad.
 
-In FP8 the input and weight are quantized once in forward (input rowwise for fprop and
-columnwise for wgrad; weight rowwise for fprop and columnwise for dgrad), and only the
-columnwise FP8 buffers are saved for backward (`prepare_for_saving`), so FP8 bytes - not
-high precision - wait for backward. Backward quantizes the output gradient (rowwise for
-dgrad, columnwise for wgrad) and runs the two GEMMs. In high precision the same function
-runs plain matmuls, so `fuse_wgrad_accumulation` behaves alike in both.
+Under a recipe each GEMM operand gets the quantizer the recipe's operand map names, or
+stays in high precision (None). The input and weight are quantized once in forward when
+both their uses share a quantizer (input rowwise for fprop and columnwise for wgrad;
+weight rowwise for fprop and columnwise for dgrad), and only what backward reads is saved
+(`prepare_for_saving`), so quantized bytes wait for backward. Backward quantizes the output
+gradient (rowwise for dgrad, columnwise for wgrad) and runs the two GEMMs. Outside FP8 the
+same function runs plain matmuls, so `fuse_wgrad_accumulation` behaves alike in both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -22,11 +23,15 @@ from engine.recipes import RecipeState, Role
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
 
 
+#: what a GEMM reads for one operand: quantized buffers, or a high-precision tensor (the recipe said None)
+GemmInput = Union[QuantizedTensorBase, torch.Tensor]
+
+
 @dataclass
 class WeightCache:
-    """A weight quantized at the first micro-batch, reused while `is_first_microbatch=False`."""
+    """A weight's two uses (fprop, dgrad) quantized at the first micro-batch, reused while `is_first_microbatch=False`."""
 
-    value: QuantizedTensorBase | None = None
+    value: tuple[GemmInput | None, GemmInput | None] | None = None
 
 
 @dataclass
@@ -44,30 +49,67 @@ class LinearArgs:
     grad_enabled: bool = True  # grad mode at the call (inside forward it is always off)
 
 
-def without(storage: QuantizedTensorBase, usage: str) -> QuantizedTensorBase:
-    """A new storage object sharing `storage`'s buffers, minus one usage (the original is untouched)."""
-    return storage.replace(**{f"{usage}_data": None, f"{usage}_scale_inv": None})
+def quantize_uses(
+    t: torch.Tensor, state: RecipeState, role: Role, gemm: int, *, rowwise: bool, columnwise: bool
+) -> tuple[GemmInput | None, GemmInput | None]:
+    """t for its rowwise use and its columnwise use (None where not needed): quantized by each use's
+    quantizer - one quantization when both uses share a quantizer - or t itself where the recipe says None."""
+    q_row, q_col = (state.operand(use, gemm) for use in role.uses)
+    if q_row is not None and q_row is q_col:
+        if not (rowwise or columnwise):
+            return None, None
+        q_row.set_usage(rowwise=rowwise, columnwise=columnwise)
+        storage = q_row.quantize_storage(t)
+        return (storage if rowwise else None), (storage if columnwise else None)
+    uses = []
+    for quantizer, wanted, usage in ((q_row, rowwise, "rowwise"), (q_col, columnwise, "columnwise")):
+        if not wanted or quantizer is None:
+            uses.append(t if wanted else None)
+            continue
+        quantizer.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
+        uses.append(quantizer.quantize_storage(t))
+    return uses[0], uses[1]
 
 
-def quantize_weight(weight: torch.Tensor, args: LinearArgs, need_columnwise: bool) -> QuantizedTensorBase:
-    """The weight's FP8 form: an FP8 primary weight as it is, the micro-batch cache, or a fresh quantization."""
+def weight_uses(weight: torch.Tensor, args: LinearArgs, need_dgrad: bool) -> tuple[GemmInput, GemmInput | None]:
+    """The weight for fprop and (if needed) dgrad: an FP8 primary weight as it is, the micro-batch cache,
+    or a fresh quantization."""
     if isinstance(weight, QuantizedTensor):
+        q_fprop, q_dgrad = (args.fwd.operand(use, args.gemm) for use in Role.WEIGHT.uses)
         storage = weight.qstorage
-        if need_columnwise and not storage.has_columnwise:
+        if need_dgrad and q_dgrad is not None and not storage.has_columnwise:
             storage.update_usage(columnwise_usage=True)
-        return storage
+        plain = weight.dequantize() if q_fprop is None or (need_dgrad and q_dgrad is None) else None
+        return (plain if q_fprop is None else storage), (None if not need_dgrad else plain if q_dgrad is None
+                                                         else storage)
     cached = args.cache.value
-    if args.is_first_microbatch is False and cached is not None and (cached.has_columnwise or not need_columnwise):
-        if args.fwd.needs_update:
-            args.fwd.hold(args.fwd.slot(Role.WEIGHT, args.gemm))  # nothing new was seen for this weight
+    if args.is_first_microbatch is False and cached is not None and (cached[1] is not None or not need_dgrad):
+        args.fwd.hold(args.fwd.slot(Role.WEIGHT, args.gemm))  # nothing new was seen for this weight
         return cached
-    # no cache yet, or one made without gradients (no columnwise data): quantize afresh with the same scale
-    quantizer = args.fwd.quantizer(Role.WEIGHT, args.gemm)
-    quantizer.set_usage(rowwise=True, columnwise=need_columnwise)
-    storage = quantizer.quantize_storage(weight)
+    # no cache yet, or one made without gradients (no dgrad form): quantize afresh with the same scale
+    uses = quantize_uses(weight, args.fwd, Role.WEIGHT, args.gemm, rowwise=True, columnwise=need_dgrad)
     if args.is_first_microbatch is not None:
-        args.cache.value = storage
-    return storage
+        args.cache.value = uses
+    return uses
+
+
+def save_for_backward(operand: GemmInput | None) -> tuple[list, Any]:
+    """(tensors for autograd, how to get the operand back). Quantized buffers go as their columnwise
+    buffers only (the rowwise copy was fprop's), through a new storage object: a cached or primary
+    weight's own storage is never emptied."""
+    if operand is None:
+        return [], None
+    if isinstance(operand, torch.Tensor):
+        return [operand], "tensor"
+    return operand.replace(rowwise_data=None, rowwise_scale_inv=None).prepare_for_saving()
+
+
+def restore(saved: list, how: Any) -> tuple[GemmInput | None, list]:
+    if how is None:
+        return None, saved
+    if how == "tensor":
+        return saved[0], saved[1:]
+    return how, how.restore_from_saved(saved)
 
 
 def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
@@ -93,7 +135,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
 
 
 class LinearFunction(torch.autograd.Function):
-    """y = x W^T + b over the last dim of x, in FP8 (args.fp8) or in x's dtype."""
+    """y = x W^T + b over the last dim of x, on quantized operands (args.fp8) or in x's dtype."""
 
     @staticmethod
     def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
@@ -109,21 +151,14 @@ class LinearFunction(torch.autograd.Function):
             out = torch.nn.functional.linear(inp2d, w, None if bias is None else bias.to(inp.dtype))
             ctx.save_for_backward(inp2d if need_wgrad else None, w if need_dgrad else None)
             return out.view(*inp.shape[:-1], out.shape[-1])
-        input_quantizer = args.fwd.quantizer(Role.INPUT, args.gemm)
-        input_quantizer.set_usage(rowwise=True, columnwise=need_wgrad)
-        xq = input_quantizer.quantize_storage(inp2d)
-        wq = quantize_weight(weight, args, need_columnwise=need_dgrad)
-        out = general_gemm(xq, wq, out_dtype=inp.dtype, bias=None if bias is None else bias.to(inp.dtype))
-        saved: list[torch.Tensor | None] = []
-        ctx.saved_x = ctx.saved_w = None
-        if need_wgrad:
-            xq.update_usage(rowwise_usage=False)
-            tensors, ctx.saved_x = xq.prepare_for_saving()
-            saved += tensors
-        if need_dgrad:
-            tensors, ctx.saved_w = without(wq, "rowwise").prepare_for_saving()
-            saved += tensors
-        ctx.save_for_backward(*saved)
+        x_fprop, x_wgrad = quantize_uses(inp2d, args.fwd, Role.INPUT, args.gemm, rowwise=True, columnwise=need_wgrad)
+        w_fprop, w_dgrad = weight_uses(weight, args, need_dgrad)
+        if not isinstance(w_fprop, QuantizedTensorBase):
+            w_fprop = w_fprop.to(inp.dtype)
+        out = general_gemm(x_fprop, w_fprop, out_dtype=inp.dtype, bias=None if bias is None else bias.to(inp.dtype))
+        saved_x, ctx.restore_x = save_for_backward(x_wgrad)
+        saved_w, ctx.restore_w = save_for_backward(w_dgrad)
+        ctx.save_for_backward(*saved_x, *saved_w)
         return out.view(*inp.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -150,23 +185,18 @@ class LinearFunction(torch.autograd.Function):
             elif need_wgrad:
                 dw = (dy.t() @ inp2d.to(dy.dtype)).to(ctx.weight_dtype)
         else:
-            saved = list(ctx.saved_tensors)
-            if ctx.saved_x is not None:
-                saved = ctx.saved_x.restore_from_saved(saved)
-            if ctx.saved_w is not None:
-                saved = ctx.saved_w.restore_from_saved(saved)
-            grad_quantizer = args.bwd.quantizer(Role.GRAD_OUTPUT, args.gemm)
-            grad_quantizer.set_usage(rowwise=need_dgrad, columnwise=need_wgrad)
-            if need_dgrad or need_wgrad:
-                dyq = grad_quantizer.quantize_storage(dy.contiguous())
+            x_wgrad, rest = restore(list(ctx.saved_tensors), ctx.restore_x)
+            w_dgrad, _ = restore(rest, ctx.restore_w)
+            dy_dgrad, dy_wgrad = quantize_uses(dy.contiguous(), args.bwd, Role.GRAD_OUTPUT, args.gemm,
+                                               rowwise=need_dgrad, columnwise=need_wgrad)
             if need_dgrad:
-                dx = general_gemm(dyq, ctx.saved_w, b_transposed=True, out_dtype=ctx.inp_dtype).view(ctx.inp_shape)
+                dx = general_gemm(dy_dgrad, w_dgrad, b_transposed=True, out_dtype=ctx.inp_dtype).view(ctx.inp_shape)
             if need_wgrad:
                 if fuse:
-                    general_gemm(dyq, ctx.saved_x, a_transposed=True, b_transposed=True,
+                    general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True,
                                  out=main_grad_of(ctx.weight_ref), accumulate=True)
                 else:
-                    dw = general_gemm(dyq, ctx.saved_x, a_transposed=True, b_transposed=True,
+                    dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True,
                                       out_dtype=ctx.weight_dtype)
         dbias = dy.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
         if args.backward_step is not None:

@@ -165,6 +165,31 @@ def _warn_emulating_on_gpu(kind: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
+def _as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transposed: bool, dtype: torch.dtype,
+               name: str) -> torch.Tensor:
+    """op(t) in `dtype`: a high-precision tensor as it is, a quantized one dequantized from the usage op reads."""
+    if isinstance(t, torch.Tensor) and not isinstance(t, QuantizedTensor):
+        t2d = ref.as_2d(t)
+        return (t2d.t() if transposed else t2d).to(dtype)  # op(t): t [M, K], or t^T for a [K, M] tensor
+    op = gemm_operand(t, transposed=transposed, name=name)
+    return op.dequantize(dtype)
+
+
+def _with_high_precision(a, b, a_transposed, b_transposed, out_dtype, bias, out, accumulate) -> torch.Tensor:
+    """A pairing with a high-precision operand (weight-only, or an operand the recipe keeps unquantized):
+    the quantized side is dequantized exactly to fp32 and the GEMM runs in fp32."""
+    lhs = _as_matrix(a, a_transposed, torch.float32, "a")
+    rhs = _as_matrix(b, b_transposed, torch.float32, "b")
+    if lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"general_gemm: inner dims differ: A is {list(lhs.shape)}, B is {list(rhs.shape)}")
+    result = lhs @ rhs.t()
+    if bias is not None:
+        result = result + bias.float()
+    if accumulate:
+        return out.add_(result)
+    return result.to(out_dtype) if out is None else out.copy_(result)
+
+
 def general_gemm(
     a: QuantizedTensor | QuantizedTensorBase,
     b: QuantizedTensor | QuantizedTensorBase,
@@ -179,6 +204,9 @@ def general_gemm(
     """out[M, N] = op(a)[M, K] @ op(b)[N, K]^T (+ bias[N]); with `accumulate`, added into `out` (fp32)."""
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
+    if isinstance(a, torch.Tensor) and not isinstance(a, QuantizedTensor) or (
+            isinstance(b, torch.Tensor) and not isinstance(b, QuantizedTensor)):
+        return _with_high_precision(a, b, a_transposed, b_transposed, out_dtype, bias, out, accumulate)
     lhs = gemm_operand(a, transposed=a_transposed, name="a")
     rhs = gemm_operand(b, transposed=b_transposed, name="b")
     _check_pair(lhs, rhs)

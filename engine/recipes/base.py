@@ -1,8 +1,15 @@
-"""Recipe: an immutable, validated choice of how each GEMM operand is quantized.
+"""Recipe: an immutable, validated map from each GEMM operand to a quantizer spec (or None).
 
-A recipe makes a `RecipeState` for a module: the quantizers of its forward GEMMs
-(input, weight, output per GEMM) or of its backward GEMMs (grad_output, grad_input),
-plus any scaling state they share. Recipes know nothing of modules.
+A recipe makes a `RecipeState` for a module: the quantizers of the operands its forward
+(input, weight) or backward (grad_output) quantizes, for each of its GEMMs, plus any
+scaling state they share. Stateful scaling (delayed) overrides the hooks `update`, `hold`,
+`record_amax` and the checkpoint methods; for every other recipe they do nothing, so
+modules and autocast call them without asking which recipe runs. Recipes know nothing of
+modules.
+
+Scaling state keeps Transformer Engine's column layout: per GEMM, forward columns are
+(input, weight, output) and backward columns (grad_output, grad_input); the output and
+grad_input columns are never quantized and stay as TE has them, so checkpoints read alike.
 """
 
 from __future__ import annotations
@@ -15,7 +22,13 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from engine.quantizers import Quantizer
 from engine.recipes.format import Format
-from engine.recipes.roles import Role, roles_for, roles_per_gemm, slot_index
+from engine.recipes.operands import (
+    BACKWARD_ROLES, FORWARD_ROLES, Operand, QuantizerSpec, Role, check_num_gemms,
+)
+
+#: columns per GEMM in forward / backward scaling state, and each quantized role's column
+SLOTS_PER_GEMM = {True: 3, False: 2}
+SLOT_OF = {Role.INPUT: 0, Role.WEIGHT: 1, Role.GRAD_OUTPUT: 0}
 
 
 class Recipe(BaseModel):
@@ -43,9 +56,32 @@ class Recipe(BaseModel):
     def dtype_for(self, role: Role) -> torch.dtype:
         return self.fp8_format.forward_dtype if role.is_forward else self.fp8_format.backward_dtype
 
+    def element_for(self, role: Role) -> str:
+        return "e4m3" if self.dtype_for(role) == torch.float8_e4m3fn else "e5m2"
+
     @abstractmethod
+    def operands(self) -> dict[Operand, QuantizerSpec | None]:
+        """The spec of every GEMM operand (None: high precision)."""
+
     def make_state(self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None) -> RecipeState:
-        """The quantizers (and shared scaling state) of one module's forward or backward GEMMs."""
+        """The quantizers of one module's forward (input, weight) or backward (grad_output) operands."""
+        check_num_gemms(num_gemms)
+        specs = self.operands()
+        quantizers: dict[tuple[Operand, int], Quantizer | None] = {}
+        for gemm in range(num_gemms):
+            for role in FORWARD_ROLES if forward else BACKWARD_ROLES:
+                first, second = role.uses
+                if specs[first] is not None and specs[first] == specs[second]:
+                    quantizers[first, gemm] = quantizers[second, gemm] = specs[first].make()  # one for both uses
+                else:
+                    for use in (first, second):
+                        quantizers[use, gemm] = None if specs[use] is None else specs[use].make()
+        return RecipeState(self, forward, num_gemms, quantizers)
+
+    def check_saved_state(self, part: Any, where: str, slots: int) -> None:
+        """A checkpoint's scaling state for this recipe: stateless recipes save none."""
+        if part is not None:
+            raise ValueError(f"{where}: a {self.name} recipe's state has no scaling state")
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in type(self).model_fields)
@@ -54,37 +90,59 @@ class Recipe(BaseModel):
     __str__ = __repr__
 
 
-class PerRoleRecipe(Recipe):
-    """A recipe whose quantizers are independent: one fresh quantizer per slot, no shared state."""
-
-    def make_state(self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None) -> RecipeState:
-        roles = roles_for(forward, num_gemms)
-        return RecipeState(self, forward, roles, [self.make_quantizer(role) for role in roles])
-
-    @abstractmethod
-    def make_quantizer(self, role: Role) -> Quantizer:
-        """A fresh quantizer for one GEMM operand."""
-
-
 class RecipeState:
-    """Quantizers of one module's forward or backward GEMMs, in role order."""
+    """The quantizers of one module's forward or backward operands, per GEMM."""
 
-    #: states that must be updated after the step (delayed scaling) say so
-    needs_update: ClassVar[bool] = False
-
-    def __init__(self, recipe: Recipe, forward: bool, roles: list[Role], quantizers: list[Quantizer]) -> None:
+    def __init__(
+        self, recipe: Recipe, forward: bool, num_gemms: int, quantizers: dict[tuple[Operand, int], Quantizer | None]
+    ) -> None:
         self.recipe = recipe
         self.forward = forward
-        self.roles = roles
-        self.quantizers = quantizers
+        self.num_gemms = num_gemms
+        self._quantizers = quantizers
 
-    @property
-    def num_gemms(self) -> int:
-        return len(self.roles) // roles_per_gemm(self.forward)
+    def _check(self, role: Role, gemm: int) -> None:
+        roles = FORWARD_ROLES if self.forward else BACKWARD_ROLES
+        if role not in roles:
+            raise ValueError(f"role: expected one of {[r.value for r in roles]}, got {role!r}")
+        if not (isinstance(gemm, int) and 0 <= gemm < self.num_gemms):
+            raise ValueError(f"gemm: expected 0 <= gemm < {self.num_gemms}, got {gemm!r}")
+
+    def operand(self, operand: Operand, gemm: int = 0) -> Quantizer | None:
+        """The quantizer of one GEMM operand (None: it stays in high precision)."""
+        self._check(operand[1], gemm)
+        return self._quantizers[operand, gemm]
+
+    def quantizer(self, role: Role, gemm: int = 0) -> Quantizer | None:
+        """The quantizer of a tensor (its rowwise use's, else its columnwise use's)."""
+        first, second = role.uses
+        return self.operand(first, gemm) or self.operand(second, gemm)
 
     def slot(self, role: Role, gemm: int = 0) -> int:
-        """Index of (role, gemm) in `quantizers` (and in delayed-scaling state columns)."""
-        return slot_index(role, gemm, forward=self.forward, num_gemms=self.num_gemms)
+        """Column of (role, gemm) in scaling state tensors (Transformer Engine's layout)."""
+        self._check(role, gemm)
+        return gemm * SLOTS_PER_GEMM[self.forward] + SLOT_OF[role]
 
-    def quantizer(self, role: Role, gemm: int = 0) -> Quantizer:
-        return self.quantizers[self.slot(role, gemm)]
+    # ---------------------------------------------------------------- hooks of stateful scaling
+    def record_amax(self, slot: int, x: torch.Tensor) -> None:
+        """Calibration: remember max|x| for a slot without quantizing (nothing to remember here)."""
+
+    def hold(self, slot: int) -> None:
+        """A cached weight: leave this slot as it is at the next update (nothing to hold here)."""
+
+    def amaxes_to_reduce(self) -> list[torch.Tensor]:
+        """Amax tensors to all-reduce (MAX) across ranks before `update`."""
+        return []
+
+    def update(self) -> None:
+        """Advance scaling state after a step (nothing to advance here)."""
+
+    def to_plain(self) -> dict[str, torch.Tensor] | None:
+        """Scaling state for a checkpoint (None: there is none)."""
+        return None
+
+    def load_plain(self, part: dict[str, torch.Tensor]) -> None:
+        """Take a checked checkpoint state (from `to_plain` of a state of this recipe kind)."""
+
+    def carry_from(self, old: RecipeState) -> None:
+        """Keep what `old` (the state of the recipe used before) learned, where it applies."""

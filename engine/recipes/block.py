@@ -6,15 +6,14 @@ from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
-from engine.quantizers import Float8BlockQuantizer, Quantizer
-from engine.recipes.base import PerRoleRecipe
+from engine.recipes.base import Recipe
 from engine.recipes.format import Format
-from engine.recipes.roles import Role
+from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec, Role
 
 BlockDim = Literal[1, 2]
 
 
-class Float8BlockScaling(PerRoleRecipe):
+class Float8BlockScaling(Recipe):
     """Per-tile scales, power-of-2 unless `use_f32_scales`. No GEMM may pair two 2D-tiled operands."""
 
     name: ClassVar[str] = "block"
@@ -39,15 +38,9 @@ class Float8BlockScaling(PerRoleRecipe):
         return self
 
     def block_dim_for(self, role: Role) -> int:
-        if role is Role.WEIGHT:
-            return self.w_block_scaling_dim
-        if role is Role.INPUT:
-            return self.x_block_scaling_dim
-        if role is Role.GRAD_OUTPUT:
-            return self.grad_block_scaling_dim
-        return 1  # output / grad_input: produced tensors, quantized only when a consumer asks
+        return {Role.WEIGHT: self.w_block_scaling_dim, Role.INPUT: self.x_block_scaling_dim,
+                Role.GRAD_OUTPUT: self.grad_block_scaling_dim}[role]
 
-    def make_quantizer(self, role: Role) -> Quantizer:
-        return Float8BlockQuantizer(
-            self.dtype_for(role), block_scaling_dim=self.block_dim_for(role), force_pow_2_scales=not self.use_f32_scales
-        )
+    def operands(self) -> dict[Operand, QuantizerSpec | None]:
+        return {op: QuantizerSpec(layout=f"block{self.block_dim_for(op[1])}d", element=self.element_for(op[1]),
+                                  pow2=not self.use_f32_scales) for op in OPERANDS}

@@ -6,15 +6,14 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from engine.quantizers import Float8CurrentScalingQuantizer, Quantizer
-from engine.recipes.base import PerRoleRecipe
-from engine.recipes.roles import Role
+from engine.recipes.base import Recipe
+from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec
 
 
-class Float8CurrentScaling(PerRoleRecipe):
+class Float8CurrentScaling(Recipe):
     """scale = fp8_max / max(amax, amax_epsilon), computed just before each cast.
 
-    Unlike Transformer Engine, `amax_epsilon` reaches the quantizers of every role.
+    Unlike Transformer Engine, `amax_epsilon` reaches the quantizers of every operand.
     """
 
     name: ClassVar[str] = "current"
@@ -22,7 +21,6 @@ class Float8CurrentScaling(PerRoleRecipe):
     use_power_2_scales: bool = False
     amax_epsilon: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 
-    def make_quantizer(self, role: Role) -> Quantizer:
-        return Float8CurrentScalingQuantizer(
-            self.dtype_for(role), force_pow_2_scales=self.use_power_2_scales, amax_epsilon=self.amax_epsilon
-        )
+    def operands(self) -> dict[Operand, QuantizerSpec | None]:
+        return {op: QuantizerSpec(layout="tensor", element=self.element_for(op[1]), pow2=self.use_power_2_scales,
+                                  amax_epsilon=self.amax_epsilon) for op in OPERANDS}

@@ -22,7 +22,7 @@ and NaN stays NaN.
 from __future__ import annotations
 
 import math
-from typing import Callable, ClassVar, Literal, Union
+from typing import Any, Callable, ClassVar, Literal, Union
 
 import torch
 from pydantic import Field
@@ -30,8 +30,10 @@ from pydantic import Field
 from engine.formats import fp8_max
 from engine.ops.reference import FLT_MAX
 from engine.quantizers import Float8Quantizer
-from engine.recipes.base import Recipe, RecipeState
-from engine.recipes.roles import Role, roles_for
+from engine.recipes.base import SLOT_OF, SLOTS_PER_GEMM, Recipe, RecipeState
+from engine.recipes.operands import (
+    BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Operand, QuantizerSpec, check_num_gemms,
+)
 
 AmaxAlgo = Union[Literal["max", "most_recent"], Callable[[torch.Tensor], torch.Tensor]]
 #: scaling_factor_compute_algo(amax [n], scale [n], fp8_max, recipe) -> new scale [n]
@@ -54,10 +56,34 @@ class DelayedScaling(Recipe):
     scaling_factor_compute_algo: Union[ScaleAlgo, None] = None
     reduce_amax: bool = True
 
+    def operands(self) -> dict[Operand, QuantizerSpec | None]:
+        return {op: QuantizerSpec(layout="tensor", element=self.element_for(op[1]), scaling="delayed")
+                for op in OPERANDS}
+
     def make_state(
         self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None
     ) -> DelayedScalingState:
-        return DelayedScalingState(self, forward, roles_for(forward, num_gemms), device)
+        return DelayedScalingState(self, forward, check_num_gemms(num_gemms), device)
+
+    def check_saved_state(self, part: Any, where: str, slots: int) -> None:
+        """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0."""
+        if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
+            raise ValueError(f"{where}: expected {{'scale': tensor, 'amax_history': tensor}}, got {part!r:.200}")
+        scale, history = part["scale"], part["amax_history"]
+        for key, t, shape in (("scale", scale, f"[{slots}]"), ("amax_history", history, f"[rows, {slots}]")):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or type(t) is not torch.Tensor:
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{where}[{key!r}]: expected a float32 tensor {shape}, got {got}")
+        if tuple(scale.shape) != (slots,):
+            raise ValueError(f"{where}['scale']: expected shape ({slots},) for this module's {slots} slots, "
+                             f"got {tuple(scale.shape)} (a state saved from another kind of module?)")
+        if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != slots:
+            raise ValueError(f"{where}['amax_history']: expected shape (rows >= 1, {slots}), "
+                             f"got {tuple(history.shape)}")
+        if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            raise ValueError(f"{where}['scale']: every scale must be finite and > 0, got {scale.tolist()}")
+        if not bool((torch.isfinite(history) & (history >= 0)).all()):
+            raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0")
 
 
 def default_scale(amax: torch.Tensor, scale: torch.Tensor, max_value: float, margin: int) -> torch.Tensor:
@@ -71,33 +97,57 @@ def default_scale(amax: torch.Tensor, scale: torch.Tensor, max_value: float, mar
 
 
 class DelayedScalingState(RecipeState):
-    """scale [n] and amax_history [len, n] shared by the slots' Float8Quantizers (views, updated in place)."""
+    """scale [n] and amax_history [len, n] in TE's column layout, shared in place by the slots' Float8Quantizers.
 
-    needs_update: ClassVar[bool] = True
+    `quantizers[slot]` is the quantizer of each column, TE's output / grad_input columns included
+    (modules never quantize with those; they keep checkpoints in TE's layout).
+    """
 
     def __init__(
-        self, recipe: DelayedScaling, forward: bool, roles: list[Role], device: torch.device | str | None = None
+        self, recipe: DelayedScaling, forward: bool, num_gemms: int, device: torch.device | str | None = None
     ) -> None:
-        n = len(roles)
+        n = SLOTS_PER_GEMM[forward] * num_gemms
         with torch.inference_mode(False):  # made during an eval, the state must still update in training
             self.scale = torch.ones(n, dtype=torch.float32, device=device)
             self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
         self.held: set[int] = set()
         dtype = recipe.fp8_format.forward_dtype if forward else recipe.fp8_format.backward_dtype
         self.fp8_max = fp8_max(dtype)
-        quantizers = [
-            Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], dtype) for i in range(n)
-        ]
-        super().__init__(recipe, forward, roles, quantizers)
+        self.quantizers = [Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], dtype)
+                           for i in range(n)]
+        by_operand = {}
+        for gemm in range(num_gemms):
+            for role in FORWARD_ROLES if forward else BACKWARD_ROLES:
+                quantizer = self.quantizers[gemm * SLOTS_PER_GEMM[forward] + SLOT_OF[role]]
+                by_operand.update({(use, gemm): quantizer for use in role.uses})
+        super().__init__(recipe, forward, num_gemms, by_operand)
 
     @property
     def current_amax(self) -> torch.Tensor:
         """Row 0 of the history: the amaxes recorded in this step (reduced across ranks before update)."""
         return self.amax_history[0]
 
+    def amaxes_to_reduce(self) -> list[torch.Tensor]:
+        return [self.current_amax] if self.recipe.reduce_amax else []
+
     def hold(self, slot: int) -> None:
         """Leave this slot's history and scale as they are at the next update (a cached weight)."""
         self.held.add(slot)
+
+    def to_plain(self) -> dict[str, torch.Tensor]:
+        return {"scale": self.scale.detach().clone(), "amax_history": self.amax_history.detach().clone()}
+
+    def load_plain(self, part: dict[str, torch.Tensor]) -> None:
+        """A checked saved state: its scale, and the history rows that fit."""
+        self.scale.copy_(part["scale"])
+        history = part["amax_history"]
+        rows = min(history.shape[0], self.amax_history.shape[0])
+        self.amax_history.zero_()
+        self.amax_history[:rows].copy_(history[:rows])
+
+    def carry_from(self, old: RecipeState) -> None:
+        if isinstance(old, DelayedScalingState) and old.scale.shape == self.scale.shape:
+            self.load_plain(old.to_plain())
 
     def update(self) -> None:
         """Turn the history into the next scales (in place, so the quantizers see them)."""

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from engine.quantizers import MXFP8Quantizer, Quantizer
-from engine.recipes.base import PerRoleRecipe
+from engine.recipes.base import Recipe
 from engine.recipes.format import Format
-from engine.recipes.roles import Role
+from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec
 
 
-class MXFP8BlockScaling(PerRoleRecipe):
+class MXFP8BlockScaling(Recipe):
     """OCP MX with FP8 elements; `scale_mode` "rceil" (NVIDIA hardware, default) or "floor" (OCP spec)."""
 
     name: ClassVar[str] = "mxfp8"
@@ -18,5 +17,6 @@ class MXFP8BlockScaling(PerRoleRecipe):
     fp8_format: Format = Format.E4M3
     scale_mode: Literal["rceil", "floor"] = "rceil"
 
-    def make_quantizer(self, role: Role) -> Quantizer:
-        return MXFP8Quantizer(self.dtype_for(role), scale_mode=self.scale_mode)
+    def operands(self) -> dict[Operand, QuantizerSpec | None]:
+        return {op: QuantizerSpec(layout="mx", element=self.element_for(op[1]), scaling="e8m0",
+                                  scale_mode=self.scale_mode) for op in OPERANDS}

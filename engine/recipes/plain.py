@@ -18,6 +18,8 @@ def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
         value = getattr(recipe, key)
         if isinstance(value, Enum):
             value = value.value
+        elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
+            value = {k: None if v is None else v.model_dump() for k, v in value.items()}
         elif callable(value):
             value = f"<callable {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}>"
         fields[key] = value
@@ -26,11 +28,11 @@ def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
 
 def recipe_from_plain(plain: Any) -> Recipe:
     """Inverse of `recipe_to_plain`. A saved callable cannot be restored: its field takes the default, with a warning."""
-    from engine.recipes import RECIPES
+    from engine.recipes import SAVED_RECIPES
 
-    if not isinstance(plain, dict) or plain.get("name") not in RECIPES or not isinstance(plain.get("fields"), dict):
-        raise ValueError(f"recipe: expected {{'name': one of {sorted(RECIPES)}, 'fields': dict}}, got {plain!r}")
-    cls = RECIPES[plain["name"]]
+    if not isinstance(plain, dict) or plain.get("name") not in SAVED_RECIPES or not isinstance(plain.get("fields"), dict):
+        raise ValueError(f"recipe: expected {{'name': one of {sorted(SAVED_RECIPES)}, 'fields': dict}}, got {plain!r}")
+    cls = SAVED_RECIPES[plain["name"]]
     fields = dict(plain["fields"])
     for key, value in list(fields.items()):
         if isinstance(value, str) and value.startswith("<callable "):
