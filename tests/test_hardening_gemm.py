@@ -128,9 +128,9 @@ def test_normal_scale_products_keep_todays_bits(out_dtype, with_bias, m, n, k):
         x, w = qx(torch.randn(m, k) * magnitude), qw(torch.randn(n, k))
         bias = torch.randn(n).to(out_dtype) if with_bias else None
         assert (x.qstorage.rowwise_scale_inv * w.qstorage.rowwise_scale_inv).abs().item() >= FP32_TINY
-        got = general_gemm(x, w, out_dtype=out_dtype, bias=bias)
-        assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
-                           today(x, w, out_dtype, bias).view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))
+        got, want = general_gemm(x, w, out_dtype=out_dtype, bias=bias), today(x, w, out_dtype, bias)
+        bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), want.view(bits))
 
 
 # --- the CUDA branch, run on CPU tensors through `cublas_like`

@@ -26,7 +26,6 @@ zero-padded to multiples of 16, bias added after); block and MX pairs run the em
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -173,29 +172,22 @@ def _times_pow2(y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return y * _pow2(e1) * _pow2(e - e1)
 
 
-def _per_tensor_alpha(a: GemmOperand, b: GemmOperand) -> tuple[float, int]:
-    """(alpha, e) with alpha * 2**e = scale_inv_a * scale_inv_b, read with the path's one host sync.
+def _split_scales(a: GemmOperand, b: GemmOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ma, mb, e): scale_inv_a * scale_inv_b = ma * mb * 2**e, with frexp mantissas in [0.5, 1).
 
-    alpha is the fp32 product of the scales (e = 0) whenever that is a normal fp32 number: the
-    GEMM's bits are then what they always were. When it under- or overflows but the exact product
-    (exact in double: two 24-bit mantissas) is a nonzero finite number, alpha is the product of the
-    two frexp mantissas, in [0.25, 1), and e the sum of their exponents.
+    The mantissas' fp32 product is in [0.25, 1), so it never flushes or overflows; e is int32.
     """
-    sa, sb = a.scale_inv.float().reshape(()), b.scale_inv.float().reshape(())
-    # the sync: addmm takes alpha as a host number, and mm-then-multiply-by-a-tensor changes the bits
-    sa_host, sb_host, product = torch.stack([sa, sb, sa * sb]).tolist()
-    exact = sa_host * sb_host
-    if exact == 0 or not math.isfinite(exact) or FP32.tiny <= abs(product) <= FP32.max:
-        return product, 0
-    (ma, ea), (mb, eb) = math.frexp(sa_host), math.frexp(sb_host)
-    return ma * mb, ea + eb
+    ma, ea = torch.frexp(a.scale_inv.float().reshape(()))
+    mb, eb = torch.frexp(b.scale_inv.float().reshape(()))
+    return ma, mb, ea + eb
 
 
-def _per_tensor_rescaled(a: GemmOperand, b: GemmOperand, alpha: float, e: int, out_dtype: torch.dtype,
+def _per_tensor_rescaled(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
                          bias: torch.Tensor | None) -> torch.Tensor:
-    """A per-tensor GEMM whose fp32 scale product left the normal range: fp32 GEMM * alpha, then * 2**e."""
+    """A per-tensor GEMM whose fp32 scale product is not a normal number: fp32 GEMM * ma * mb, then * 2**e."""
+    ma, mb, e = _split_scales(a, b)
     lhs, rhs = ops.fp8_to_bf16(a.data).float(), ops.fp8_to_bf16(b.data).float()
-    out = _times_pow2(torch.mm(lhs, rhs.t()).mul_(alpha), torch.tensor(e, dtype=torch.int32, device=lhs.device))
+    out = _times_pow2(torch.mm(lhs, rhs.t()).mul_(ma * mb), e)
     if bias is not None:
         out += bias.float()
     return out.to(out_dtype)
@@ -204,9 +196,10 @@ def _per_tensor_rescaled(a: GemmOperand, b: GemmOperand, alpha: float, e: int, o
 def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     if a.kind == "tensor":
-        alpha, e = _per_tensor_alpha(a, b)
-        if e != 0:
-            return _per_tensor_rescaled(a, b, alpha, e, out_dtype, bias)
+        # the one sync: addmm takes alpha as a host number (an mm then a multiply by a tensor changes the bits)
+        alpha = (a.scale_inv.float() * b.scale_inv.float()).item()  # rounds the exact product once
+        if not FP32.tiny <= abs(alpha) <= FP32.max:  # subnormal/0 (tiny operands), inf, NaN: rescale, no sync
+            return _per_tensor_rescaled(a, b, out_dtype, bias)
         lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
     elif a.has_pow2_scales() and b.has_pow2_scales():
         alpha = 1.0
@@ -242,13 +235,12 @@ def _scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: tor
       two must be applied before the bias. One rounding to out_dtype at the end, as the emulation.
     * K and N zero-padded to multiples of 16 (cuBLASLt FP8; zeros add nothing); B passed column-major.
     """
-    ma, ea = torch.frexp(a.scale_inv.float().reshape(()))
-    mb, eb = torch.frexp(b.scale_inv.float().reshape(()))
+    ma, mb, e = _split_scales(a, b)
     k = -(-a.k // CUBLAS_FP8_MULTIPLE) * CUBLAS_FP8_MULTIPLE
     n = -(-b.rows // CUBLAS_FP8_MULTIPLE) * CUBLAS_FP8_MULTIPLE
     lhs, rhs = _padded(a.data, a.rows, k), _padded(b.data, n, k)
     out = torch._scaled_mm(lhs, rhs.t(), scale_a=ma, scale_b=mb, out_dtype=torch.float32)[:, : b.rows]
-    out = _times_pow2(out, ea + eb)
+    out = _times_pow2(out, e)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
