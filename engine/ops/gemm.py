@@ -14,7 +14,13 @@ block-scaled operands are dequantized to bf16 exactly and run as one GEMM; fp32 
 scales are applied per 128-wide K block to fp32 partial sums (as DeepSeek-V3 does).
 bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an fp32 GEMM.
 
-CUDA: per-tensor pairs go to `torch._scaled_mm`; block and MX pairs run the emulation
+Per-tensor scale products that leave fp32's normal range (tiny operands: two scale_inv of
+~1e-23 multiply to 0 in fp32) never flush the result: each scale_inv is split into a
+mantissa in [0.5, 1) and a power of two (frexp), the GEMM is scaled by the mantissas'
+product and the power of two is applied to its fp32 result (see `_times_pow2`).
+
+CUDA: per-tensor pairs go to `torch._scaled_mm` (fp32 output, mantissa scales, K and N
+zero-padded to multiples of 16, bias added after); block and MX pairs run the emulation
 (with a one-time warning) until the installed torch's block-scaled GEMMs are wired in.
 """
 
@@ -24,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.ops import backend as ops
 from engine.ops import reference as ref
@@ -34,6 +41,9 @@ from engine.tensors.storage import QuantizedTensorBase
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 2^(code - 127) for every E8M0 code, as bf16 (exact: bf16 has fp32's exponent range; 255 is NaN)
 E8M0_TO_BF16 = ref.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(torch.bfloat16)
+FP32 = torch.finfo(torch.float32)
+# torch._scaled_mm on CUDA (cuBLASLt FP8) wants K and N multiples of 16 (M is free)
+CUBLAS_FP8_MULTIPLE = 16
 
 
 @dataclass(frozen=True)
@@ -130,10 +140,55 @@ def _per_k_block(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
     return out
 
 
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e as fp32, exact for int32 e in [-149, 127] (subnormal below -126), 0 below; built from bits."""
+    e = e.clamp(-150, 127)
+    normal = (e + 127).clamp(min=1) << 23
+    subnormal = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    bits = torch.where(e >= -126, normal, torch.where(e >= -149, subnormal, torch.zeros_like(e)))
+    return bits.view(torch.float32)
+
+
+def _times_pow2(y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """y * 2**e rounded once to fp32, for the fp32 result y of an FP8 GEMM times a scale in [0.25, 1).
+
+    FP8 products are multiples of 2^-32 below 2^32, so such a y is 0 or |y| is in [2^-34, 2^60)
+    (for K < 2^28): y * 2^e1 with e1 = clamp(e, -90, 67) is then exact and normal, and the
+    second factor 2^(e - e1) (normal or subnormal) rounds once. Beyond fp32's powers of two
+    the true result is 0 or overflows anyway. `e` is an int32 tensor: no host sync.
+    """
+    e1 = e.clamp(-90, 67)
+    return y * _pow2(e1) * _pow2(e - e1)
+
+
+def _split_scales(a: GemmOperand, b: GemmOperand) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ma, mb, e): scale_inv_a * scale_inv_b = ma * mb * 2**e, with frexp mantissas in [0.5, 1).
+
+    The mantissas' fp32 product is in [0.25, 1), so it never flushes or overflows; e is int32.
+    """
+    ma, ea = torch.frexp(a.scale_inv.float().reshape(()))
+    mb, eb = torch.frexp(b.scale_inv.float().reshape(()))
+    return ma, mb, ea + eb
+
+
+def _per_tensor_rescaled(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """A per-tensor GEMM whose fp32 scale product is not a normal number: fp32 GEMM * ma * mb, then * 2**e."""
+    ma, mb, e = _split_scales(a, b)
+    lhs, rhs = ops.fp8_to_bf16(a.data).float(), ops.fp8_to_bf16(b.data).float()
+    out = _times_pow2(torch.mm(lhs, rhs.t()).mul_(ma * mb), e)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
 def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     if a.kind == "tensor":
-        alpha = (a.scale_inv.float() * b.scale_inv.float()).item()  # one sync; rounds the exact product once
+        # the one sync: addmm takes alpha as a host number (an mm then a multiply by a tensor changes the bits)
+        alpha = (a.scale_inv.float() * b.scale_inv.float()).item()  # rounds the exact product once
+        if not FP32.tiny <= abs(alpha) <= FP32.max:  # subnormal/0 (tiny operands), inf, NaN: rescale, no sync
+            return _per_tensor_rescaled(a, b, out_dtype, bias)
         lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
     elif a.has_pow2_scales() and b.has_pow2_scales():
         alpha = 1.0
@@ -151,13 +206,33 @@ def _emulated(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torc
     return out.to(out_dtype)
 
 
+def _padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Contiguous FP8 `data` with zero rows and columns appended up to [rows, cols] (FP8 zero is byte 0)."""
+    r, c = data.shape
+    if (r, c) == (rows, cols):
+        return data.contiguous()
+    return F.pad(data.view(torch.uint8), (0, cols - c, 0, rows - r)).view(data.dtype)
+
+
 def _scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """Per-tensor FP8 GEMM on the GPU: torch._scaled_mm wants B column-major, so pass b.data.t()."""
-    return torch._scaled_mm(
-        a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv.float().reshape(()),
-        scale_b=b.scale_inv.float().reshape(()), bias=None if bias is None else bias.to(out_dtype),
-        out_dtype=out_dtype,
-    )
+    """Per-tensor FP8 GEMM on the GPU through torch._scaled_mm, in the form every torch version accepts.
+
+    * Scales: cuBLASLt multiplies the two scales in fp32, which flushes tiny pairs to 0. So it gets
+      their frexp mantissas (product in [0.25, 1)) and 2**(ea + eb) is applied to its fp32 output,
+      as tensors: no host sync.
+    * Output fp32, bias added after: torch rejects a bias with an fp32 out_dtype, and the power of
+      two must be applied before the bias. One rounding to out_dtype at the end, as the emulation.
+    * K and N zero-padded to multiples of 16 (cuBLASLt FP8; zeros add nothing); B passed column-major.
+    """
+    ma, mb, e = _split_scales(a, b)
+    k = -(-a.k // CUBLAS_FP8_MULTIPLE) * CUBLAS_FP8_MULTIPLE
+    n = -(-b.rows // CUBLAS_FP8_MULTIPLE) * CUBLAS_FP8_MULTIPLE
+    lhs, rhs = _padded(a.data, a.rows, k), _padded(b.data, n, k)
+    out = torch._scaled_mm(lhs, rhs.t(), scale_a=ma, scale_b=mb, out_dtype=torch.float32)[:, : b.rows]
+    out = _times_pow2(out, e)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 def _warn_emulating_on_gpu(kind: str) -> None:
