@@ -240,6 +240,19 @@ def test_delayed_scaling_rejects_out_of_range_fields(kwargs, name):
         DelayedScaling(**kwargs)
 
 
+def test_the_largest_margin_still_gives_finite_outputs():
+    lin = engine.Linear(32, 32)
+    recipe = DelayedScaling(margin=126, amax_history_len=2)
+    for _ in range(3):
+        with engine.fp8_autocast(recipe=recipe):
+            y = lin(torch.randn(8, 32))
+    scale = lin._fwd_state.scale
+    assert torch.isfinite(y).all() and (scale > 0).all() and torch.isfinite(scale).all()
+    # scale = 448 / amax * 2^-126 exactly
+    want = torch.full((1,), 448.0) / lin._fwd_state.amax_history[1:].max(0).values[:1] * 2.0**-126
+    assert scale[0].item() == want.item()
+
+
 MODULES = {
     "Linear": lambda **kw: engine.Linear(32, 16, **kw),
     "LayerNormLinear": lambda **kw: engine.LayerNormLinear(32, 16, **kw),
