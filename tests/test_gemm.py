@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from engine.ops import gemm
-from engine.ops.gemm import general_gemm, gemm_operand
+from engine import gemm
+from engine.gemm import cuda
+from engine.gemm import general_gemm, gemm_operand
 from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -125,8 +126,8 @@ def test_fp32_block_scales_are_applied_per_k_block():
     q = Float8BlockQuantizer(E4M3, force_pow_2_scales=False)
     a = torch.cat([torch.randn(8, 128) * 3, torch.randn(8, 128) * 0.01], dim=1)
     x, w = q(a), q(torch.randn(8, 256))
-    lhs = gemm_operand(x, transposed=False)
-    assert not lhs.has_pow2_scales()
+    lhs, rhs = gemm_operand(x, transposed=False), gemm_operand(w, transposed=False)
+    assert lhs.kind == "block" and gemm.pairing(lhs, rhs) is gemm.cpu.fp32_tiles  # known from the scheme
     got = general_gemm(x, w, out_dtype=torch.float32)
     want = value(x, transposed=False) @ value(w, transposed=False).t()
     assert ((got.double() - want).abs() <= fp32_bound(value(x, transposed=False), value(w, transposed=False))).all()
@@ -139,7 +140,7 @@ def test_scaled_mm_call_of_the_cuda_path_runs_on_cpu_and_agrees():
     bias = torch.randn(48)
     lhs, rhs = gemm_operand(x, transposed=False), gemm_operand(w, transposed=False)
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = gemm._scaled_mm(lhs, rhs, out_dtype, bias.to(out_dtype))
+        got = cuda.scaled_mm(lhs, rhs, out_dtype, bias.to(out_dtype))
         want = general_gemm(x, w, out_dtype=out_dtype, bias=bias.to(out_dtype))
         tol = 0 if out_dtype == torch.float32 else 2.0**-7
         assert got.dtype == out_dtype

@@ -1,6 +1,6 @@
 """Per-tensor GEMMs whose fp32 scale product underflows, and the CUDA `_scaled_mm` call driven on CPU tensors.
 
-The CUDA branch (`gemm._scaled_mm`) is run on CPU tensors through `cublas_like`, a stand-in for
+The CUDA branch (`engine.gemm.cuda.scaled_mm`) is run on CPU tensors through `cublas_like`, a stand-in for
 `torch._scaled_mm` that enforces what torch's CUDA path checks (K and N multiples of 16, no bias with
 an fp32 output, B column-major) and multiplies the two scales in fp32 before the GEMM (cuBLASLt's
 order is not documented; this is the order that flushes tiny pairs). The GEMM itself is the real CPU
@@ -10,8 +10,8 @@ order is not documented; this is the order that flushes tiny pairs). The GEMM it
 import pytest
 import torch
 
-from engine.ops import gemm
-from engine.ops.gemm import gemm_operand, general_gemm
+from engine.gemm import cuda, scales
+from engine.gemm import gemm_operand, general_gemm
 from engine.quantizers import Float8CurrentScalingQuantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -138,7 +138,7 @@ def test_normal_scale_products_keep_todays_bits(out_dtype, with_bias, m, n, k):
 
 def cuda_branch(a, b, out_dtype, bias=None, *, a_transposed=False, b_transposed=False):
     lhs, rhs = gemm_operand(a, transposed=a_transposed), gemm_operand(b, transposed=b_transposed)
-    return gemm._scaled_mm(lhs, rhs, out_dtype, bias)
+    return cuda.scaled_mm(lhs, rhs, out_dtype, bias)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -201,7 +201,7 @@ def test_huge_scale_product_does_not_overflow(strict_scaled_mm):
 def test_pow2_is_exact_over_fp32s_range():
     e = torch.arange(-160, 128, dtype=torch.int32)
     want = torch.tensor([2.0**int(i) for i in e], dtype=torch.float64).float()  # 2^-150 and below round to 0
-    assert torch.equal(gemm._pow2(e).view(torch.int32), want.view(torch.int32))
+    assert torch.equal(scales.pow2(e).view(torch.int32), want.view(torch.int32))
 
 
 def test_times_pow2_rounds_once():
@@ -211,5 +211,5 @@ def test_times_pow2_rounds_once():
     y[:3] = torch.tensor([0.0, 2.0**-34, 2.0**60 * (1 - 2.0**-24)])
     for e in range(-300, 261, 7):
         want = (y.double() * 2.0**e).float()  # exact in fp64, then one rounding (to 0 or inf past fp32's range)
-        got = gemm._times_pow2(y, torch.tensor(e, dtype=torch.int32))
+        got = scales.times_pow2(y, torch.tensor(e, dtype=torch.int32))
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), e

@@ -18,7 +18,7 @@ import torch
 
 from engine import autocast
 from engine.autocast import AutocastStep
-from engine.ops.gemm import general_gemm
+from engine.gemm import general_gemm
 from engine.recipes import RecipeState, Role
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
 

@@ -1,0 +1,88 @@
+"""The exact CPU emulation of FP8 GEMMs (also the fallback on CUDA for pairs without a GPU kernel here).
+
+Every FP8 value is exact in bf16, and so is an FP8 value times a power of two. So:
+
+* per-tensor pairs upcast to bf16 and run one GEMM with the product of the two scales as
+  `addmm`'s alpha (rescaled without flushing when that product is not a normal fp32 number);
+* pairs with power-of-2 tile scales (MXFP8's E8M0, block scaling's default) dequantize
+  exactly to bf16 and run one GEMM;
+* fp32 tile scales are applied to each K block's fp32 partial product (as DeepSeek-V3 does).
+
+bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an fp32 GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.gemm.operand import GemmOperand
+from engine.gemm.scales import split_scales, times_pow2
+from engine.ops import backend as ops
+
+FP32 = torch.finfo(torch.float32)
+
+
+def per_k_block(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
+    """fp32 out with block scales applied to each 128-wide K block's fp32 partial product."""
+    sa = a.tile_scales().repeat_interleave(a.tile_rows, 0)[: a.rows]  # [rows_a, kb]
+    sb = b.tile_scales().repeat_interleave(b.tile_rows, 0)[: b.rows]
+    out = torch.zeros(a.rows, b.rows, dtype=torch.float32, device=a.data.device)
+    for kb, start in enumerate(range(0, a.k, a.tile_cols)):
+        stop = min(start + a.tile_cols, a.k)
+        partial = a.data[:, start:stop].float() @ b.data[:, start:stop].float().t()
+        out.addcmul_(partial, sa[:, kb : kb + 1] * sb[:, kb].unsqueeze(0))
+    return out
+
+
+def _per_tensor_rescaled(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """A per-tensor GEMM whose fp32 scale product is not a normal number: fp32 GEMM * ma * mb, then * 2**e."""
+    ma, mb, e = split_scales(a, b)
+    lhs, rhs = ops.fp8_to_bf16(a.data).float(), ops.fp8_to_bf16(b.data).float()
+    out = times_pow2(torch.mm(lhs, rhs.t()).mul_(ma * mb), e)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
+
+
+def _addmm(lhs: torch.Tensor, rhs: torch.Tensor, alpha: float, out_dtype: torch.dtype,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    gemm_dtype = lhs.dtype
+    if bias is None:
+        out = torch.empty(lhs.shape[0], rhs.shape[0], dtype=gemm_dtype, device=lhs.device)
+        out = torch.addmm(out, lhs, rhs.t(), beta=0, alpha=alpha)
+    else:
+        out = torch.addmm(bias.to(gemm_dtype).expand(lhs.shape[0], rhs.shape[0]), lhs, rhs.t(), alpha=alpha)
+    return out.to(out_dtype)
+
+
+def gemm_dtype_for(out_dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+
+
+def per_tensor(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """One scale each: bf16-exact upcast, one GEMM, the scale product as alpha."""
+    # the one sync: addmm takes alpha as a host number (an mm then a multiply by a tensor changes the bits)
+    alpha = (a.scale_inv.float() * b.scale_inv.float()).item()  # rounds the exact product once
+    if not FP32.tiny <= abs(alpha) <= FP32.max:  # subnormal/0 (tiny operands), inf, NaN: rescale, no sync
+        return _per_tensor_rescaled(a, b, out_dtype, bias)
+    gemm_dtype = gemm_dtype_for(out_dtype)
+    lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
+    return _addmm(lhs, rhs, alpha, out_dtype, bias)
+
+
+def pow2_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """Power-of-2 tile scales on both sides: exact bf16 values, one GEMM."""
+    gemm_dtype = gemm_dtype_for(out_dtype)
+    return _addmm(a.dequantize_pow2_bf16().to(gemm_dtype), b.dequantize_pow2_bf16().to(gemm_dtype), 1.0,
+                  out_dtype, bias)
+
+
+def fp32_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 tile scales: scaled per K block."""
+    out = per_k_block(a, b)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)

@@ -1,0 +1,112 @@
+"""GemmOperand: what one side of out = A @ B^T looks like to a GEMM, read from a storage's scheme.
+
+A GEMM reads K-major operands: `data` [rows, K] with scales along K. `gemm_operand` asks the
+storage for the usage op(t) reads (rowwise data for t, columnwise data for t^T) and turns the
+scheme's block into the operand's tile; nothing here looks at scale values to decide numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.ops import backend as ops
+from engine.ops import reference as ref
+from engine.schemes import ScaleEncoding
+from engine.tensors.quantized import QuantizedTensor, storage_of
+from engine.tensors.storage import QuantizedTensorBase
+
+# 2^(code - 127) for every E8M0 code, as bf16 (exact: bf16 has fp32's exponent range; 255 is NaN)
+E8M0_TO_BF16 = ref.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """One K-major side of a GEMM: FP8 `data` [rows, K] and its scale_inv.
+
+    `scale_inv` is [1] (per tensor), or one scale per tile of `tile_rows x tile_cols`
+    (fp32, or uint8 E8M0 codes), shaped [ceil(rows/tile_rows), ceil(K/tile_cols)].
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    per_tensor: bool
+    encoding: ScaleEncoding
+    tile_rows: int = 1
+    tile_cols: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def kind(self) -> str:
+        """Which GEMM numerics apply: one scale ("tensor"), power-of-2 tiles ("pow2"), fp32 tiles ("block")."""
+        if self.per_tensor:
+            return "tensor"
+        return "pow2" if self.encoding.is_pow2 else "block"
+
+    def tile_scales(self) -> torch.Tensor:
+        """fp32 scale_inv per tile (E8M0 codes decoded)."""
+        return ref.e8m0_to_float(self.scale_inv) if self.encoding is ScaleEncoding.E8M0 else self.scale_inv.float()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.per_tensor:
+            return (self.data.float() * self.scale_inv.float()).to(dtype)
+        return ref.dequantize_block(self.data, self.tile_scales(), tile_rows=self.tile_rows,
+                                    tile_cols=self.tile_cols, dtype=dtype)
+
+    def dequantize_pow2_bf16(self) -> torch.Tensor:
+        """bf16 value of an operand with power-of-2 tile scales: exact, as a broadcast multiply.
+
+        An FP8 value times a power of two is a bf16 value (bf16 has fp32's exponent range),
+        so upcasting the data and multiplying by bf16 scales rounds nothing.
+        """
+        rows, k = self.data.shape
+        tr, tc = self.tile_rows, self.tile_cols
+        if rows % tr or k % tc:  # partial edge tiles: the general (slower) path, still exact
+            return self.dequantize(torch.bfloat16)
+        values = ops.fp8_to_bf16(self.data).view(rows // tr, tr, k // tc, tc)
+        if self.encoding is ScaleEncoding.E8M0:
+            scales = E8M0_TO_BF16.to(self.data.device)[self.scale_inv.long()]
+        else:
+            scales = self.scale_inv.to(torch.bfloat16)
+        return (values * scales[:, None, :, None]).view(rows, k)
+
+
+def is_high_precision(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, QuantizedTensor)
+
+
+def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, name: str = "a") -> GemmOperand:
+    """The K-major operand for op(t): rowwise data, or columnwise data when `transposed`."""
+    st = storage_of(t, name)
+    usage = "columnwise" if transposed else "rowwise"
+    data = st.columnwise_data if transposed else st.rowwise_data
+    scale_inv = st.columnwise_scale_inv if transposed else st.rowwise_scale_inv
+    if data is None:
+        raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
+                         f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
+    scheme = st.scheme
+    block = scheme.stored_block(transposed)
+    data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
+    if transposed and not scheme.columnwise_transposed:  # stored in x's shape: read it as [K, M]
+        data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
+    if block.is_tensor:
+        return GemmOperand(data2d, scale_inv, True, scheme.scale)
+    return GemmOperand(data2d, scale_inv, False, scheme.scale, block.rows or data2d.shape[0],
+                       block.cols or data2d.shape[1])
+
+
+def as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transposed: bool, dtype: torch.dtype,
+              name: str) -> torch.Tensor:
+    """op(t) in `dtype`: a high-precision tensor as it is, a quantized one dequantized from the usage op reads."""
+    if is_high_precision(t):
+        t2d = ref.as_2d(t)
+        return (t2d.t() if transposed else t2d).to(dtype)  # op(t): t [M, K], or t^T for a [K, M] tensor
+    return gemm_operand(t, transposed=transposed, name=name).dequantize(dtype)
