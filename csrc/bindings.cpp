@@ -205,11 +205,10 @@ CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t k
     return {data, data_t, amax_t};
   }
   if (is_nan_f32(scale)) {
-    // x * NaN is the scale's NaN for every element (what torch computes), so the data is
-    // one NaN code; only the amax needs the input.
-    const uint8_t code = static_cast<uint8_t>(0x7F | ((f32_bits(scale) >> 24) & 0x80));
-    if (data) std::memset(bytes(*data), code, static_cast<size_t>(M * K));
-    if (data_t) std::memset(bytes(*data_t), code, static_cast<size_t>(M * K));
+    // x * NaN is NaN for every element, so the data is the canonical NaN code 0x7F
+    // throughout; only the amax needs the input.
+    if (data) std::memset(bytes(*data), 0x7F, static_cast<size_t>(M * K));
+    if (data_t) std::memset(bytes(*data_t), 0x7F, static_cast<size_t>(M * K));
     amax_t.data_ptr<float>()[0] = amax_of(x_in);
     return {data, data_t, amax_t};
   }
