@@ -1,12 +1,28 @@
-"""Hardening of the C++ kernels: NaN bits.
+"""Hardening of the C++ kernels: NaN bits and inputs they were not written for.
 
 * NaN bits: every scheme of `engine.ops.native` (both kernel sets) writes the canonical NaN
   of each format (FP8 0x7F, E8M0 0xFF, fp32 amax 0x7FC00000) for NaNs of either sign and
   any payload, as the reference does; the expected bits are derived here from where the
   NaNs were put, not from the code under test.
+* Bad inputs: DTensors (through `engine.Linear` under every recipe, the backend, the
+  native wrappers and the raw C++ functions), meta, fake, sparse, nested, vmapped and
+  negated tensors get a TypeError naming the argument; expanded (stride-0), overlapping
+  and non-contiguous inputs give the reference's bits; stride-0, non-contiguous or
+  aliasing output buffers get a ValueError. The cases run in two worker subprocesses (this
+  file run as a script), which report one JSON line per case: a segfault fails the cases
+  it hit instead of killing pytest.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +30,11 @@ import torch
 from engine.ops import native
 from engine.ops import reference as ref
 
+REPO = Path(__file__).resolve().parents[1]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = (E4M3, E5M2)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLT_MAX = torch.finfo(torch.float32).max
 
 
 def codes(t: torch.Tensor) -> torch.Tensor:
@@ -137,3 +155,300 @@ def test_fp8_nan_codes_decode_to_the_canonical_bf16_nan(isa):
     for fp8, nan_codes in ((E4M3, [0x7F, 0xFF]), (E5M2, [0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF])):
         got = native.fp8_to_bf16(torch.tensor(nan_codes, dtype=torch.uint8).view(fp8))
         assert got.view(torch.int16).tolist() == [0x7FC0] * len(nan_codes)
+
+
+# ==================================================================== inputs C++ was not written for
+# Each case: (name, expected outcome, a regex the message must match, the call). Outcome
+# "ok" means the call returned bits equal to the reference's (the call checks and returns
+# True); otherwise the exception type. The calls run in the worker subprocesses only.
+Case = tuple[str, str, str, Callable[[dict], object]]
+
+
+def _dtensor_cases() -> list[Case]:
+    cases: list[Case] = []
+
+    def linear(recipe_name):
+        def run(c):
+            import engine
+            from engine import recipes
+
+            lin = engine.Linear(64, 32)
+            with engine.fp8_autocast(recipe=getattr(recipes, recipe_name)()):
+                lin(c["d"])
+        return run
+
+    for r in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling"):
+        cases.append((f"dtensor-linear-{r}", "TypeError", r"DTensor", linear(r)))
+    cases += _bad_tensor_cases("dtensor", "d", "d8", r"subclass")
+    return cases
+
+
+def _bad_tensor_cases(kind: str, key: str, key8: str, pattern: str) -> list[Case]:
+    """Every entry point given the bad tensor c[key] (fp32 [16, 64]), c[key + "1"] (fp32 [1])
+    or c[key8] (E4M3 [16, 64]): the backend, the native wrappers and the raw C++ functions,
+    as input, scale and output."""
+    key1 = key + "1"
+    from_backend = [
+        ("backend-amax", "x", lambda c: c["backend"].amax(c[key])),
+        ("backend-cast_transpose", "x2d", lambda c: c["backend"].cast_transpose(c[key], c["one"], E4M3)),
+        ("backend-cast_transpose-scale", "scale", lambda c: c["backend"].cast_transpose(c["x"], c[key1], E4M3)),
+        ("backend-quantize_block", "x2d", lambda c: c["backend"].quantize_block(c[key], E4M3, tile_rows=1, tile_cols=128)),
+        ("backend-quantize_mxfp8", "x", lambda c: c["backend"].quantize_mxfp8(c[key], E4M3)),
+        ("backend-fp8_to_bf16", "data", lambda c: c["backend"].fp8_to_bf16(c[key8])),
+    ]
+    wrappers = [
+        ("native-amax", "x", lambda c: native.amax(c[key])),
+        ("native-amax-out", "out", lambda c: native.amax(c["x"], out=c[key1])),
+        ("native-cast_transpose", "x2d", lambda c: native.cast_transpose(c[key], c["one"], E4M3)),
+        ("native-cast_transpose-scale", "scale", lambda c: native.cast_transpose(c["x"], c[key1], E4M3)),
+        ("native-cast_transpose-out", "out_data", lambda c: native.cast_transpose(c["x"], c["one"], E4M3, out_data=c[key8])),
+        ("native-quantize_block", "x2d", lambda c: native.quantize_block(c[key], E4M3, tile_rows=1, tile_cols=128)),
+        ("native-quantize_mxfp8", "x", lambda c: native.quantize_mxfp8(c[key], E4M3)),
+        ("native-fp8_to_bf16", "data", lambda c: native.fp8_to_bf16(c[key8])),
+    ]
+    raw = [
+        ("raw-amax", "x", lambda c: native._ext().amax(c[key], None)),
+        ("raw-amax-out", "out", lambda c: native._ext().amax(c["x"], c[key1])),
+        ("raw-cast_transpose", "x2d", lambda c: native._ext().cast_transpose(c[key], 1.0, 0, True, True, None, None, None)),
+        ("raw-cast_transpose-out", "out_data",
+         lambda c: native._ext().cast_transpose(c["x"], 1.0, 0, True, False, c[key8], None, None)),
+        ("raw-quantize_block", "x2d",
+         lambda c: native._ext().quantize_block(c[key], 0, 1, 128, True, 0.0, FLT_MAX, None, None)),
+        ("raw-quantize_mxfp8", "x", lambda c: native._ext().quantize_mxfp8(c[key], 0, True, True, None, None)),
+        ("raw-fp8_to_bf16", "data", lambda c: native._ext().fp8_to_bf16(c[key8], None)),
+    ]
+    cases = [(f"{kind}-{name}", "TypeError", rf"^{arg}: .*{pattern}", fn) for name, arg, fn in from_backend + wrappers]
+    # C++ names the argument the same way; it sees no Python type, only the tensor's dispatch keys
+    raw_pattern = {"dtensor": "subclass", "fake": "subclass", "meta": "meta"}.get(kind, pattern)
+    cases += [(f"{kind}-{name}", "TypeError", rf"^{arg}: .*{raw_pattern}", fn) for name, arg, fn in raw]
+    return cases
+
+
+def _local_cases() -> list[Case]:
+    cases: list[Case] = []
+
+    def linear_on(key, recipe_name):
+        def run(c):
+            import engine
+            from engine import recipes
+
+            with engine.fp8_autocast(recipe=getattr(recipes, recipe_name)()):
+                engine.Linear(64, 32)(c[key])
+        return run
+
+    for r in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling"):
+        cases.append((f"meta-linear-{r}", "TypeError", r"meta", linear_on("meta", r)))
+    cases += _bad_tensor_cases("meta", "meta", "meta8", r"meta")
+    cases += _bad_tensor_cases("fake", "fake", "fake8", r"FakeTensor")
+    cases += _bad_tensor_cases("sparse", "sparse", "sparse8", r"layout")
+    cases += [(n, o, p, f) for n, o, p, f in _bad_tensor_cases("subclass", "sub", "sub8", r"subclass")
+              if not n.startswith("subclass-raw")]  # no __torch_dispatch__: C++ reads it as the plain tensor it is
+
+    def inside_fake_mode(fn):
+        def run(c):
+            with c["fake_mode"]:
+                return fn(c)
+        return run
+
+    def real_inside_fake_mode(c):
+        with c["fake_mode"]:
+            got = native._ext().cast_transpose(c["x"], 2.0, 0, True, True, None, None, None)
+        same_bits(got, c["want_ct2"], "raw inside FakeTensorMode")
+        return True
+
+    cases += [
+        ("fake-inside-mode-amax", "TypeError", r"^x: .*FakeTensor", inside_fake_mode(lambda c: native.amax(c["fake"]))),
+        ("fake-inside-mode-raw-amax", "TypeError", r"^x: .*subclass",
+         inside_fake_mode(lambda c: native._ext().amax(c["fake"], None))),
+        # real tensors while a FakeTensorMode is active: the C++ outputs are still real
+        ("real-inside-fake-mode-raw", "ok", "", real_inside_fake_mode),
+        ("nested-native-amax", "TypeError", r"^x: .*nested", lambda c: native.amax(c["nested"])),
+        ("nested-backend-quantize_mxfp8", "TypeError", r"^x: .*nested",
+         lambda c: c["backend"].quantize_mxfp8(c["nested"], E4M3)),
+        ("vmap-native-amax", "TypeError", r"^x: .*dispatch keys", lambda c: torch.func.vmap(native.amax)(c["x"])),
+        ("vmap-backend-cast_transpose", "TypeError", r"^x2d: .*dispatch keys",
+         lambda c: torch.func.vmap(lambda r: c["backend"].cast_transpose(r[None], c["one"], E4M3))(c["x"])),
+        ("neg-view-native-amax", "TypeError", r"^x: .*dispatch keys", lambda c: native.amax(torch._neg_view(c["x"]))),
+        ("not-a-tensor", "TypeError", r"^x2d: expected a torch.Tensor, got list",
+         lambda c: c["backend"].quantize_block([[1.0]], E4M3, tile_rows=1, tile_cols=128)),
+    ]
+
+    # layouts the kernels handle: the reference's bits
+    def agrees(make):
+        @torch.no_grad()
+        def run(c):
+            x = make(c)
+            one, two = c["one"], torch.tensor([2.0])
+            kw = {"tile_rows": 1, "tile_cols": 128}
+            pairs = [
+                ((native.amax(x),), (ref.amax(x),)),
+                (native.cast_transpose(x, two, E4M3), ref.cast_transpose(x, two, E4M3)),
+                (native.cast_transpose(x, one, E5M2, columnwise=False), ref.cast_transpose(x, one, E5M2, columnwise=False)),
+                (native.quantize_block(x, E4M3, **kw), ref.quantize_block(x, E4M3, **kw)),
+                (native.quantize_block(x, E4M3, tile_rows=128, tile_cols=128),
+                 ref.quantize_block(x, E4M3, tile_rows=128, tile_cols=128)),
+                (native.quantize_mxfp8(x, E4M3), ref.quantize_mxfp8(x, E4M3)),
+                (native.quantize_mxfp8(x, E4M3, columnwise=True), ref.quantize_mxfp8(x, E4M3, columnwise=True)),
+                ((native.fp8_to_bf16(ref.cast_to_fp8(x, E4M3).t()),), (ref.cast_to_fp8(x, E4M3).t().to(torch.bfloat16),)),
+            ]
+            for got, want in pairs:
+                same_bits(got, want, f"strides {tuple(x.stride())}")
+            return True
+        return run
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, 192, generator=g).to(torch.bfloat16)
+    cols = torch.randn(96, 1, generator=g)
+    flat = torch.randn(96 * 192, generator=g)
+    cases += [
+        ("stride0-rows", "ok", "", agrees(lambda c: rows.expand(96, 192))),
+        ("stride0-cols", "ok", "", agrees(lambda c: cols.expand(96, 192))),
+        ("stride0-scalar", "ok", "", agrees(lambda c: flat[:1].reshape(1, 1).expand(64, 128))),
+        ("overlapping-rows", "ok", "", agrees(lambda c: flat.as_strided((96, 192), (64, 1)))),
+        ("non-contiguous-cols", "ok", "", agrees(lambda c: flat.reshape(96, 192)[:, ::3])),
+        ("transposed", "ok", "", agrees(lambda c: flat.reshape(192, 96).t())),
+        ("parameter", "ok", "", agrees(lambda c: torch.nn.Parameter(flat.reshape(96, 192).clone()))),
+    ]
+
+    # outputs the kernels cannot write: stride-0, non-contiguous, aliasing
+    x = flat.reshape(96, 192)
+    cases += [
+        ("out-stride0", "ValueError", r"^out_data: .*contiguous",
+         lambda c: native.cast_transpose(x, c["one"], E4M3, out_data=torch.empty(1, 192, dtype=E4M3).expand(96, 192))),
+        ("raw-out-stride0", "ValueError", r"^out_data: .*contiguous",
+         lambda c: native._ext().quantize_block(x, 0, 1, 128, True, 0.0, FLT_MAX,
+                                               torch.empty(96, 1, dtype=E4M3).expand(96, 192), None)),
+        ("out-non-contiguous", "ValueError", r"^out_data_t: .*contiguous",
+         lambda c: native.cast_transpose(x, c["one"], E4M3, out_data_t=torch.empty(96, 192, dtype=E4M3).t())),
+        ("mx-out-non-contiguous", "ValueError", r"^out_data: .*contiguous",
+         lambda c: native.quantize_mxfp8(x, E4M3, out_data=torch.empty(192, 96, dtype=E4M3).t())),
+        ("out-aliases-input", "ValueError", r"^out: shares memory with x",
+         lambda c: native.amax(c["x"], out=c["x"].view(-1)[5:6])),
+        ("outputs-alias-each-other", "ValueError", r"^out_data: shares memory with out_data_t",
+         lambda c: (lambda buf: native.cast_transpose(c["square"], c["one"], E4M3, out_data=buf, out_data_t=buf))(
+             torch.empty(64, 64, dtype=E4M3))),
+        ("scale-not-one-element", "ValueError", r"^scale: expected a 1-element tensor",
+         lambda c: native.cast_transpose(c["x"], torch.ones(2), E4M3)),
+    ]
+    return cases
+
+
+GROUPS: dict[str, Callable[[], list[Case]]] = {"dtensor": _dtensor_cases, "local": _local_cases}
+
+
+def _context(group: str) -> dict:
+    """The tensors the cases of `group` use (in the worker)."""
+    from engine.ops import backend
+
+    backend._choose.cache_clear()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=g)
+    c = {"backend": backend, "x": x, "one": torch.ones(1), "square": torch.randn(64, 64, generator=g),
+         "want_ct2": ref.cast_transpose(x, torch.tensor([2.0]), E4M3)}
+    if group == "dtensor":
+        import torch.distributed as dist
+        from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, distribute_tensor
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        mesh = DeviceMesh("cpu", [0])
+        c["d"] = distribute_tensor(x.clone(), mesh, [Replicate()])
+        c["d1"] = distribute_tensor(torch.ones(1), mesh, [Replicate()])
+        c["d8"] = DTensor.from_local(x.to(E4M3), mesh, [Replicate()], run_check=False)
+        return c
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Sub(torch.Tensor):  # a subclass without __torch_dispatch__
+        pass
+
+    one = torch.ones(1)
+    c["meta"], c["meta1"], c["meta8"] = x.to("meta"), one.to("meta"), x.to(E4M3).to("meta")
+    c["fake_mode"] = mode = FakeTensorMode()
+    with mode:
+        c["fake"], c["fake1"], c["fake8"] = torch.randn(16, 64), torch.ones(1), torch.zeros(16, 64, dtype=E4M3)
+    c["sparse"], c["sparse1"], c["sparse8"] = x.to_sparse(), one.to_sparse(), x.to_sparse().to(E4M3)
+    c["sub"], c["sub1"], c["sub8"] = x.as_subclass(Sub), one.as_subclass(Sub), x.to(E4M3).as_subclass(Sub)
+    c["nested"] = torch.nested.nested_tensor([torch.randn(2, 64), torch.randn(3, 64)])
+    return c
+
+
+def _worker(group: str) -> None:
+    """Run the cases of `group`, one JSON line when each starts and one with its outcome."""
+    torch.set_num_threads(1)
+    assert native.available(), native.why_unavailable()
+    c = _context(group)
+    for name, _, _, fn in GROUPS[group]():
+        print(json.dumps({"start": name}), flush=True)
+        try:
+            value = fn(c)
+            outcome, message = ("ok" if value is True else f"returned {type(value).__name__}"), ""
+        except Exception as exc:  # the outcome is what the test checks
+            outcome, message = type(exc).__name__, str(exc).split("\n")[0]
+        print(json.dumps({"case": name, "outcome": outcome, "message": message}), flush=True)
+    print(json.dumps({"done": True}), flush=True)
+    if group == "dtensor":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def bad_input_reports() -> dict[str, dict]:
+    """Run both groups' workers at once; {case: report}, or a report of the crash."""
+    assert native.available(), native.why_unavailable()  # build (if needed) before the workers load it
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("ENGINE_BACKEND", None)
+    procs = {g: subprocess.Popen([sys.executable, __file__, "--worker", g], cwd=REPO, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for g in GROUPS}
+    reports: dict[str, dict] = {}
+    for group, p in procs.items():
+        out, err = p.communicate(timeout=600)
+        started = None
+        for line in out.splitlines():
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)
+            if "start" in rec:
+                started = rec["start"]
+            elif "case" in rec:
+                reports[rec["case"]] = rec
+                started = None
+        if p.returncode != 0:
+            crash = {"outcome": f"worker died with exit code {p.returncode}", "message": err[-2000:]}
+            if started is not None:
+                reports[started] = dict(crash, outcome=crash["outcome"] + " in this case")
+            reports[f"__{group}__"] = crash
+    return reports
+
+
+ALL_CASES = [case for group in GROUPS.values() for case in group()]
+
+
+@pytest.mark.parametrize("name, outcome, pattern", [c[:3] for c in ALL_CASES], ids=[c[0] for c in ALL_CASES])
+def test_bad_inputs_raise_and_never_crash(bad_input_reports, name, outcome, pattern):
+    report = bad_input_reports.get(name)
+    if report is None:
+        crashed = [v for k, v in bad_input_reports.items() if k.startswith("__")]
+        pytest.fail(f"{name}: no report (the worker crashed before it: {crashed})")
+    assert report["outcome"] == outcome, report
+    assert re.search(pattern, report["message"]), report
+
+
+def test_case_list_covers_the_brief():
+    names = [c[0] for c in ALL_CASES]
+    assert len(names) == len(set(names))
+    for r in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling"):
+        assert f"dtensor-linear-{r}" in names
+    for kind in ("dtensor", "meta", "fake"):
+        for fn in ("amax", "cast_transpose", "quantize_block", "quantize_mxfp8", "fp8_to_bf16"):
+            for where in ("backend", "native", "raw"):
+                assert f"{kind}-{where}-{fn}" in names, (kind, where, fn)
+    assert {"stride0-rows", "stride0-cols", "out-stride0", "out-non-contiguous"} <= set(names)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _worker(sys.argv[2])

@@ -19,6 +19,10 @@ same signature plus optional preallocated outputs (`out_data=`, `out_data_t=`,
 large allocation, which cost more than the kernel. Given outputs must have exactly the
 shape and dtype of the result and be contiguous; they are filled and returned.
 
+Every tensor argument must be a plain, dense CPU tensor (`check_cpu_tensor`): a tensor
+subclass (DTensor, FakeTensor, ...), a meta or sparse tensor gets a TypeError naming the
+argument, here and again in C++ (the kernels read raw memory through data pointers).
+
 Work is split over OpenMP threads (`torch.get_num_threads()`); the kernels run with
 round-to-nearest and without flush-to-zero whatever `torch.set_flush_denormal` says.
 """
@@ -39,6 +43,7 @@ import torch
 
 from engine.formats import fp8_max
 from engine.ops import reference
+from engine.ops.backend import PLAIN_TENSOR_TYPES, check_tensor
 
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
@@ -142,9 +147,26 @@ def _kind(fp8_dtype: torch.dtype) -> int:
     return _FP8_KIND[fp8_dtype]
 
 
+def check_cpu_tensor(x: object, name: str) -> torch.Tensor:
+    """`x` if it is a plain, dense CPU tensor (`engine.ops.backend.check_tensor`), else a TypeError naming `name`."""
+    if type(x) in PLAIN_TENSOR_TYPES and x.is_cpu and x.layout is torch.strided and not x.is_nested:
+        return x  # the common case, in ~0.3 us
+    check_tensor(x, name)
+    raise TypeError(f"{name}: the native kernels take CPU tensors, got a tensor on {x.device}")
+
+
+def _check_outputs(*outputs: tuple[torch.Tensor | None, str]) -> None:
+    for t, name in outputs:
+        if t is not None:
+            check_cpu_tensor(t, name)
+
+
 # ----------------------------------------------------------------------------- contract
 def amax(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """max(|x|) as a 1-element fp32 tensor; 0 for an empty tensor; NaN if x has NaN."""
+    check_cpu_tensor(x, "x")
+    if out is not None:
+        check_cpu_tensor(out, "out")
     if x.dtype not in reference.HIGH_PRECISION_DTYPES:
         result = reference.amax(x)
         return result if out is None else out.copy_(result)
@@ -163,7 +185,12 @@ def cast_transpose(
     out_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """One pass over x2d [M, K]: (sat(x * scale) [M, K] if rowwise, its transpose [K, M] if columnwise, amax [1])."""
+    check_cpu_tensor(x2d, "x2d")
     reference.check_input(x2d, "x2d")
+    check_cpu_tensor(scale, "scale")
+    if scale.numel() != 1:
+        raise ValueError(f"scale: expected a 1-element tensor, got shape {tuple(scale.shape)}")
+    _check_outputs((out_data, "out_data"), (out_data_t, "out_data_t"), (out_amax, "out_amax"))
     kind = _kind(fp8_dtype)
     scale_value = float(scale.float().reshape(()))
     return _ext().cast_transpose(x2d, scale_value, kind, rowwise, columnwise, out_data, out_data_t, out_amax)
@@ -185,6 +212,8 @@ def quantize_block(
 
     x2d may be a transposed view (the 1D columnwise case): it is read in tiles, never copied.
     """
+    check_cpu_tensor(x2d, "x2d")
+    _check_outputs((out_data, "out_data"), (out_scale_inv, "out_scale_inv"))
     kind = _kind(fp8_dtype)
     if x2d.dtype not in reference.HIGH_PRECISION_DTYPES:
         x2d = x2d.float()  # the reference computes on x2d.float() too
@@ -202,7 +231,9 @@ def quantize_mxfp8(
     out_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8, blocks of 32: (data with x's shape, uint8 E8M0 codes [M, ceil(K/32)] or [ceil(M/32), K])."""
+    check_cpu_tensor(x, "x")
     reference.check_input(x)
+    _check_outputs((out_data, "out_data"), (out_scale, "out_scale"))
     if scale_mode not in reference.SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {sorted(reference.SCALE_MODES)}, got {scale_mode!r}")
     kind = _kind(fp8_dtype)
@@ -220,6 +251,9 @@ def quantize_mxfp8(
 
 def fp8_to_bf16(data: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 values as bf16 (exact), same shape. Other dtypes get the reference's plain cast."""
+    check_cpu_tensor(data, "data")
+    if out is not None:
+        check_cpu_tensor(out, "out")
     if data.dtype not in _FP8_KIND:
         result = reference.fp8_to_bf16(data)
         return result if out is None else out.copy_(result)
