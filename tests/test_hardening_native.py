@@ -1,4 +1,4 @@
-"""Hardening of the C++ kernels: NaN bits and inputs they were not written for.
+"""Hardening of the C++ kernels: NaN bits, inputs they were not written for, and the build cache.
 
 * NaN bits: every scheme of `engine.ops.native` (both kernel sets) writes the canonical NaN
   of each format (FP8 0x7F, E8M0 0xFF, fp32 amax 0x7FC00000) for NaNs of either sign and
@@ -11,6 +11,9 @@
   aliasing output buffers get a ValueError. The cases run in two worker subprocesses (this
   file run as a script), which report one JSON line per case: a segfault fails the cases
   it hit instead of killing pytest.
+* The build cache: two copies of the checkout started at once on a fresh
+  TORCH_EXTENSIONS_DIR share ONE build (one real build, 30-60 s on 2 cores), announce it
+  on stderr once, and load it afterwards in well under 2 s without a word.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -448,6 +453,130 @@ def test_case_list_covers_the_brief():
             for where in ("backend", "native", "raw"):
                 assert f"{kind}-{where}-{fn}" in names, (kind, where, fn)
     assert {"stride0-rows", "stride0-cols", "out-stride0", "out-non-contiguous"} <= set(names)
+
+
+# =========================================================================== the build cache
+BUILD_LINE = re.compile(r"engine: building the C\+\+ kernels \(first use, ~30-60 s\) into (\S+)")
+BUILT_LINE = re.compile(r"engine: built the C\+\+ kernels in \d+\.\d s")
+
+
+def test_build_key_follows_the_sources_not_the_path(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(native.CSRC_DIR, a)
+    shutil.copytree(native.CSRC_DIR, b)
+    assert native.build_key(a) == native.build_key(b) == native.build_key()
+    with open(b / "kernels.h", "a") as f:
+        f.write("\n// a change\n")
+    assert native.build_key(b) != native.build_key(a)
+
+
+def test_build_messages_only_when_a_build_happens(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    built = types.ModuleType("built")
+    compiled = []
+
+    def compile_(name, folder):  # stands for torch's build: leaves a library behind
+        compiled.append((name, folder))
+        (folder / f"{name}.so").write_bytes(b"")
+        return built
+
+    monkeypatch.setattr(native, "_compile", compile_)
+    monkeypatch.setattr(native, "_import_built", lambda name, folder: built)
+    folder = tmp_path / f"engine_native_{native.build_key()}"
+    assert native._build() is built
+    err = capsys.readouterr().err.splitlines()
+    assert compiled == [(folder.name, folder)]
+    assert len(err) == 2 and BUILD_LINE.fullmatch(err[0]) and BUILT_LINE.fullmatch(err[1]), err
+    assert BUILD_LINE.fullmatch(err[0]).group(1) == str(folder)
+    assert native._build() is built  # a cache hit: the build's marker is there
+    assert capsys.readouterr().err == "" and len(compiled) == 1
+
+
+def test_a_failed_build_says_so_and_is_retried_next_time(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+    def broken(name, folder):
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(native, "_compile", broken)
+    with pytest.raises(RuntimeError, match="command not found"):
+        native._build()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and BUILD_LINE.fullmatch(err[0]), err
+    assert re.fullmatch(r"engine: building the C\+\+ kernels failed after \d+\.\d s", err[1]), err
+    with pytest.raises(RuntimeError):  # no marker was left: the next process builds again
+        native._build()
+
+
+LOAD_SCRIPT = """
+import json, sys
+import engine
+from engine.ops import native
+ok = native.available()
+print(json.dumps({"ok": ok, "why": native.why_unavailable()[-3000:], "seconds": native.build_seconds,
+                  "engine": engine.__file__, "dir": str(native.build_directory()) if ok else None}))
+"""
+
+
+def _run_loads(copies: list[Path], ext_dir: Path) -> list[tuple[dict, str]]:
+    """Load the extension from each copy at once (one process each): [(report, stderr)]."""
+    procs = []
+    for copy in copies:
+        env = dict(os.environ, PYTHONPATH=str(copy), TORCH_EXTENSIONS_DIR=str(ext_dir))
+        env.pop("ENGINE_NATIVE_VERBOSE", None)
+        procs.append(subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT], cwd=copy, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        results.append((json.loads(out.strip().splitlines()[-1]), err))
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_checkouts(tmp_path_factory):
+    """Two copies of the checkout load the extension at once on a fresh TORCH_EXTENSIONS_DIR
+    (where a killed build left torch's lock file behind), then once more each."""
+    root = tmp_path_factory.mktemp("checkouts")
+    copies = []
+    for name in ("a", "b"):
+        for part in ("engine", "csrc"):
+            shutil.copytree(REPO / part, root / name / part, ignore=shutil.ignore_patterns("__pycache__"))
+        copies.append(root / name)
+    ext_dir = root / "torch_extensions"
+    stale = ext_dir / f"engine_native_{native.build_key()}"
+    stale.mkdir(parents=True)
+    (stale / "lock").write_text("")  # torch's baton from a build that was killed
+    first = _run_loads(copies, ext_dir)
+    libraries = sorted(ext_dir.glob("*/*.so"))
+    stat_before = [(p, p.stat().st_ino, p.stat().st_mtime_ns) for p in libraries]
+    second = _run_loads(copies, ext_dir)
+    stat_after = [(p, p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(ext_dir.glob("*/*.so"))]
+    return {"copies": copies, "ext_dir": ext_dir, "first": first, "second": second,
+            "stat_before": stat_before, "stat_after": stat_after}
+
+
+def test_two_checkouts_started_together_share_one_build(two_checkouts):
+    first = two_checkouts["first"]
+    for (report, err), copy in zip(first, two_checkouts["copies"]):
+        assert report["ok"], report["why"]
+        assert report["engine"].startswith(str(copy)), report["engine"]
+    stderr = "\n".join(err for _, err in first)
+    builds = BUILD_LINE.findall(stderr)
+    assert len(builds) == 1, stderr  # ONE build for both processes
+    assert len(BUILT_LINE.findall(stderr)) == 1, stderr
+    assert builds[0] == first[0][0]["dir"] == first[1][0]["dir"]
+    assert Path(builds[0]).parent == two_checkouts["ext_dir"]
+    assert len(two_checkouts["stat_before"]) == 1  # one library, in one engine_native_<key> folder
+
+
+def test_later_loads_are_fast_silent_and_do_not_rewrite_the_library(two_checkouts):
+    for report, err in two_checkouts["second"]:
+        assert report["ok"], report["why"]
+        assert report["seconds"] < 2.0, report
+        assert "engine:" not in err, err
+    assert two_checkouts["stat_after"] == two_checkouts["stat_before"]
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
