@@ -271,14 +271,15 @@ ENGINE_INLINE __m512i pack_order() {
 }
 
 // Codes of the four magnitude vectors -> 64 bytes in element order; the saturating packs
-// turn NaN into 0xFF (0x7FFF after the signed one), and one bit select keeps 7 code bits
-// (0x7F for NaN) and takes bit 7 from `top` (the input's sign).
+// turn NaN into 0xFF (0x7FFF after the signed one) and leave every other code below 0x80,
+// and one bit select keeps 7 code bits (0x7F for NaN) and takes bit 7 from `top` (the
+// input's sign) unless the code is NaN: NaN is the canonical 0x7F whatever its sign.
 template <Fp8Kind K>
 ENGINE_INLINE __m512i fp8_bytes(const __m512 mag[4], __m512i order, __m512i top) {
   const __m512i w01 = _mm512_packs_epi32(magnitude_codes<K>(mag[0]), magnitude_codes<K>(mag[1]));
   const __m512i w23 = _mm512_packs_epi32(magnitude_codes<K>(mag[2]), magnitude_codes<K>(mag[3]));
   const __m512i b = _mm512_permutexvar_epi8(order, _mm512_packus_epi16(w01, w23));
-  return _mm512_ternarylogic_epi32(b, top, _mm512_set1_epi8(0x7F), 0xE4);  // (b & 0x7F) | (top & 0x80)
+  return _mm512_ternarylogic_epi32(b, top, _mm512_set1_epi8(0x7F), 0xA4);  // (b & 0x7F) | (top & ~b & 0x80)
 }
 
 // Scales for 64 columns (col[0..63]) in the lane order of Block64::mag.

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -133,15 +134,57 @@ at::ScalarType fp8_dtype(Fp8Kind kind) {
   return kind == Fp8Kind::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
 }
 
-void check_cpu(const Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(x.device().is_cpu(), name, ": the native kernels take CPU tensors, got ", x.device());
+// The dispatch keys of a plain CPU tensor, with or without autograd.
+constexpr c10::DispatchKeySet kPlainCpuKeys({c10::DispatchKey::CPU, c10::DispatchKey::ADInplaceOrView,
+                                             c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutocastCPU});
+
+// The kernels read and write raw memory through data pointers, so every tensor they get
+// must be a plain, dense CPU tensor with storage: a tensor subclass (DTensor, FakeTensor,
+// any __torch_dispatch__ wrapper) arrives here as a wrapper with no data of its own, a
+// meta tensor has none, functorch (vmap, grad) and negated/conjugated views wrap or
+// reinterpret theirs. O(1): a few bit tests per argument.
+void check_plain(const Tensor& x, const char* name) {
+  TORCH_CHECK_TYPE(x.defined(), name, ": expected a tensor, got an undefined tensor");
+  TORCH_CHECK_TYPE(!x.unsafeGetTensorImpl()->is_python_dispatch(), name,
+                   ": expected a plain tensor, got a tensor subclass (such as DTensor or FakeTensor), whose data the "
+                   "native kernels cannot read");
+  TORCH_CHECK_TYPE(x.layout() == at::kStrided && !x.is_nested(), name, ": expected a dense (strided) tensor, got layout ",
+                   x.layout(), x.is_nested() ? " (nested)" : "");
+  TORCH_CHECK_TYPE(x.device().is_cpu(), name, ": the native kernels take CPU tensors, got a tensor on ", x.device());
+  const uint64_t extra = x.key_set().raw_repr() & ~kPlainCpuKeys.raw_repr();
+  TORCH_CHECK_TYPE(extra == 0 && x.has_storage(), name, ": expected a plain CPU tensor, got one with dispatch keys ",
+                   x.key_set(), " (a functorch-wrapped, functionalized, negated or conjugated tensor?)");
+}
+
+// Each entry point runs with the Python dispatch keys excluded: a TorchDispatchMode that is
+// active (FakeTensorMode, ...) would otherwise be asked for the outputs and intermediate
+// copies made here, and could hand back tensors without data. The kernels are opaque.
+struct NoPythonDispatch {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::python_ks};
+};
+
+// The bytes [first, last] a strided tensor can touch (non-negative strides).
+std::pair<const char*, const char*> byte_span(const Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const char* first = static_cast<const char*>(t.data_ptr());
+  return {first, first + (last + 1) * t.element_size() - 1};
+}
+
+// A given output must not share memory with an input or another output: the kernels
+// read the input while they write, and write each output in parallel chunks.
+void check_disjoint(const Tensor& out, const char* name, const Tensor& other, const char* other_name) {
+  if (out.numel() == 0 || other.numel() == 0 || !out.storage().is_alias_of(other.storage())) return;
+  const auto a = byte_span(out), b = byte_span(other);
+  TORCH_CHECK_VALUE(a.second < b.first || b.second < a.first, name, ": shares memory with ", other_name,
+                    "; pass a separate buffer");
 }
 
 // A caller-provided output must match exactly; otherwise a new contiguous tensor.
 Tensor output(const optional<Tensor>& given, at::IntArrayRef shape, at::ScalarType dtype, const char* name) {
   if (given.has_value()) {
     const Tensor& t = *given;
-    check_cpu(t, name);
+    check_plain(t, name);
     TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, ", got ", t.sizes());
     TORCH_CHECK_VALUE(t.is_contiguous(), name, ": must be contiguous");
@@ -176,9 +219,11 @@ float amax_of(const Tensor& x) {
 }
 
 Tensor amax(const Tensor& x, const optional<Tensor>& out) {
-  check_cpu(x, "x");
+  NoPythonDispatch no_python;
+  check_plain(x, "x");
   in_type(x, "x");
   Tensor result = output(out, {1}, at::kFloat, "out");
+  check_disjoint(result, "out", x, "x");
   result.data_ptr<float>()[0] = amax_of(x);
   return result;
 }
@@ -189,7 +234,8 @@ using CastTransposeResult = std::tuple<optional<Tensor>, optional<Tensor>, Tenso
 CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t kind_i, bool rowwise, bool columnwise,
                                    const optional<Tensor>& out_data, const optional<Tensor>& out_data_t,
                                    const optional<Tensor>& out_amax) {
-  check_cpu(x_in, "x2d");
+  NoPythonDispatch no_python;
+  check_plain(x_in, "x2d");
   in_type(x_in, "x2d");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x2d: expected a 2D tensor, got ", x_in.dim(), " dims");
   const Fp8Kind kind = fp8_kind(kind_i);
@@ -198,6 +244,12 @@ CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t k
   if (rowwise) data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
   if (columnwise) data_t = output(out_data_t, {K, M}, fp8_dtype(kind), "out_data_t");
   Tensor amax_t = output(out_amax, {1}, at::kFloat, "out_amax");
+  if (data) check_disjoint(*data, "out_data", x_in, "x2d");
+  if (data_t) check_disjoint(*data_t, "out_data_t", x_in, "x2d");
+  check_disjoint(amax_t, "out_amax", x_in, "x2d");
+  if (data && data_t) check_disjoint(*data, "out_data", *data_t, "out_data_t");
+  if (data) check_disjoint(amax_t, "out_amax", *data, "out_data");
+  if (data_t) check_disjoint(amax_t, "out_amax", *data_t, "out_data_t");
   const float scale = static_cast<float>(scale_d);
 
   if (M * K == 0) {
@@ -205,11 +257,10 @@ CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t k
     return {data, data_t, amax_t};
   }
   if (is_nan_f32(scale)) {
-    // x * NaN is the scale's NaN for every element (what torch computes), so the data is
-    // one NaN code; only the amax needs the input.
-    const uint8_t code = static_cast<uint8_t>(0x7F | ((f32_bits(scale) >> 24) & 0x80));
-    if (data) std::memset(bytes(*data), code, static_cast<size_t>(M * K));
-    if (data_t) std::memset(bytes(*data_t), code, static_cast<size_t>(M * K));
+    // x * NaN is NaN for every element, so the data is the canonical NaN code 0x7F
+    // throughout; only the amax needs the input.
+    if (data) std::memset(bytes(*data), 0x7F, static_cast<size_t>(M * K));
+    if (data_t) std::memset(bytes(*data_t), 0x7F, static_cast<size_t>(M * K));
     amax_t.data_ptr<float>()[0] = amax_of(x_in);
     return {data, data_t, amax_t};
   }
@@ -256,7 +307,8 @@ CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t k
 std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, int64_t tile_rows, int64_t tile_cols,
                                           bool pow2, double amax_epsilon, double value_for_inf,
                                           const optional<Tensor>& out_data, const optional<Tensor>& out_scale_inv) {
-  check_cpu(x_in, "x2d");
+  NoPythonDispatch no_python;
+  check_plain(x_in, "x2d");
   in_type(x_in, "x2d");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x2d: expected a 2D tensor, got ", x_in.dim(), " dims");
   TORCH_CHECK_VALUE(tile_rows >= 1 && tile_cols >= 1, "tile_rows and tile_cols must be >= 1, got ", tile_rows, " and ",
@@ -266,6 +318,9 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
   const int64_t tm = (M + tile_rows - 1) / tile_rows, tk = (K + tile_cols - 1) / tile_cols;
   Tensor data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
   Tensor scale_inv = output(out_scale_inv, {tm, tk}, at::kFloat, "out_scale_inv");
+  check_disjoint(data, "out_data", x_in, "x2d");
+  check_disjoint(scale_inv, "out_scale_inv", x_in, "x2d");
+  check_disjoint(scale_inv, "out_scale_inv", data, "out_data");
   if (M * K == 0) return {data, scale_inv};
 
   const Fp8Format f = fp8_format(kind);
@@ -313,7 +368,8 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
 // --------------------------------------------------------------------------------- MXFP8
 std::tuple<Tensor, Tensor> quantize_mxfp8(const Tensor& x_in, int64_t kind_i, bool rceil, bool columnwise,
                                           const optional<Tensor>& out_data, const optional<Tensor>& out_codes) {
-  check_cpu(x_in, "x");
+  NoPythonDispatch no_python;
+  check_plain(x_in, "x");
   in_type(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected the 2D view, got ", x_in.dim(), " dims");
   const Fp8Kind kind = fp8_kind(kind_i);
@@ -323,6 +379,9 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(const Tensor& x_in, int64_t kind_i, bo
   const int64_t code_cols = columnwise ? K : (K + kBlock - 1) / kBlock;
   Tensor data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
   Tensor codes = output(out_codes, {code_rows, code_cols}, at::kByte, "out_scale");
+  check_disjoint(data, "out_data", x_in, "x");
+  check_disjoint(codes, "out_scale", x_in, "x");
+  check_disjoint(codes, "out_scale", data, "out_data");
   if (M * K == 0) return {data, codes};
 
   Tensor x = row_major(x_in).has_value() ? x_in : x_in.contiguous();
@@ -350,13 +409,15 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(const Tensor& x_in, int64_t kind_i, bo
 
 // --------------------------------------------------------------------------- fp8 -> bf16
 Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
-  check_cpu(data_in, "data");
+  NoPythonDispatch no_python;
+  check_plain(data_in, "data");
   const auto dt = data_in.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2,
                    "data: expected dtype float8_e4m3fn or float8_e5m2, got ", dt);
   const Fp8Kind kind = dt == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
   Tensor data = data_in.contiguous();
   Tensor result = output(out, data.sizes(), at::kBFloat16, "out");
+  check_disjoint(result, "out", data_in, "data");
   const uint8_t* codes = static_cast<const uint8_t*>(data.data_ptr());
   uint16_t* dst = static_cast<uint16_t*>(result.data_ptr());
   const Kernels& k = kernels();

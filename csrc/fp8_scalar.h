@@ -92,15 +92,15 @@ static inline Fp8Format fp8_format(Fp8Kind kind) {
   return {57344.0f, 113u, 2, 15, 15};
 }
 
-// Saturating round-to-nearest-even fp32 -> FP8 code, as `x.clamp(-max, max).to(fp8)` in
-// torch: a NaN becomes the code 0x7F with the sign of the input, infinities become +-max,
+// Saturating round-to-nearest-even fp32 -> FP8 code, as `reference.cast_to_fp8`: every NaN
+// (either sign, any payload) becomes the canonical code 0x7F, infinities become +-max,
 // -0.0 keeps its sign, fp8 subnormals are produced.
 static inline uint8_t fp32_to_fp8(float x, Fp8Kind kind) {
   const Fp8Format f = fp8_format(kind);
   const uint32_t bits = f32_bits(x);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   uint32_t mag = bits & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return sign | 0x7Fu;
+  if (mag > 0x7F800000u) return 0x7Fu;
   if (mag > f32_bits(f.max)) mag = f32_bits(f.max);  // saturate (also inf)
   const int drop = 23 - f.mantissa_bits;               // fp32 mantissa bits to drop
   const uint32_t exp = mag >> 23;

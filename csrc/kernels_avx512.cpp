@@ -9,8 +9,8 @@
 // are loaded as magnitudes |x| in fp32, their top bytes (for the signs) and their |x|
 // bits as amax keys. With a scale s > 0 and finite (always the case for block and MX
 // scaling, checked for per-tensor scales), |x * s| = |x| * s and the sign of x * s is the
-// sign of x (a NaN keeps its sign), so the cast works on magnitudes and puts the signs
-// back on the 64 packed bytes at once.
+// sign of x, so the cast works on magnitudes and puts the signs back on the 64 packed
+// bytes at once (except on NaN codes: every NaN is the canonical 0x7F).
 #include <cstdint>
 #include <cstring>
 
@@ -105,10 +105,13 @@ ENGINE_INLINE __m512 load16(const void* base, int64_t i, __mmask16 m) {
   }
 }
 
+// FP8 codes of the products p in 32-bit lanes: the magnitude code (0xFF for NaN, below 0x80
+// otherwise), bit 7 from p's sign unless NaN (the canonical NaN 0x7F has no sign).
 template <Fp8Kind K>
 ENGINE_INLINE __m512i product_codes(__m512 p) {
-  const __m512i code = _mm512_min_epu32(magnitude_codes<K>(_mm512_abs_ps(p)), _mm512_set1_epi32(0x7F));
-  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(_mm512_castps_si512(p), 24), _mm512_set1_epi32(0x80), 0xF8);
+  const __m512i code = _mm512_min_epu32(magnitude_codes<K>(_mm512_abs_ps(p)), _mm512_set1_epi32(0xFF));
+  // bit 7 (C = 0x80): sign & ~code; other bits: code
+  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(_mm512_castps_si512(p), 24), _mm512_set1_epi32(0x80), 0x58);
 }
 
 template <InType T, Fp8Kind K>
@@ -480,21 +483,13 @@ ENGINE_INLINE __m512i e8m0_codes(__m512i keys, bool rceil) {
 }
 
 // 2^(127 - code) per lane: 2^-127 (subnormal) for code 254, NaN for 255. Elements times
-// a NaN multiplier are the multiplier's NaN, which is positive: their sign is dropped.
+// a NaN multiplier are NaN: the canonical code 0x7F (fp8_bytes drops their sign).
 ENGINE_INLINE __m512 e8m0_element_scales(__m512i code) {
   __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23);
   const __mmask16 subnormal = _mm512_cmpeq_epu32_mask(code, _mm512_set1_epi32(254));
   const __mmask16 nan = _mm512_cmpeq_epu32_mask(code, _mm512_set1_epi32(0xFF));
   bits = _mm512_mask_mov_epi32(bits, subnormal, _mm512_set1_epi32(0x00400000));
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000)));
-}
-
-ENGINE_INLINE __mmask16 not_nan_codes(__m512i code) { return _mm512_cmpneq_epu32_mask(code, _mm512_set1_epi32(0xFF)); }
-
-// Sign-keeping bits of a Block64 holding MX blocks b (elements 0-31) and b + 1 (32-63).
-ENGINE_INLINE __mmask64 keep_two_blocks(uint32_t keep, int b) {
-  const uint64_t lo = (keep >> b) & 1u ? 0xFFFFFFFFull : 0ull, hi = (keep >> (b + 1)) & 1u ? 0xFFFFFFFFull : 0ull;
-  return lo | (hi << 32);
 }
 
 // 16 whole blocks (512 elements) of one row starting at element i.
@@ -518,7 +513,6 @@ void mx_row_16_blocks(const void* x, int64_t i, bool rceil, uint8_t* out, uint8_
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(code));
   alignas(64) float sc[16];
   _mm512_store_ps(sc, e8m0_element_scales(code));
-  const uint32_t keep = not_nan_codes(code);
   const __m512i order = pack_order<T>();
   for (int q = 0; q < 8; ++q) {
     prefetch64<T>(x, i + 64 * q + 2048);  // four groups ahead, in a contiguous input
@@ -528,8 +522,7 @@ void mx_row_16_blocks(const void* x, int64_t i, bool rceil, uint8_t* out, uint8_
     b.mag[1] = _mm512_mul_ps(b.mag[1], s0);
     b.mag[2] = _mm512_mul_ps(b.mag[2], s1);
     b.mag[3] = _mm512_mul_ps(b.mag[3], s1);
-    const __m512i top = keep == 0xFFFF ? b.top : _mm512_maskz_mov_epi8(keep_two_blocks(keep, 2 * q), b.top);
-    _mm512_storeu_si512(out + 64 * q, fp8_bytes<K>(b.mag, order, top));
+    _mm512_storeu_si512(out + 64 * q, fp8_bytes<K>(b.mag, order, b.top));
   }
 }
 
@@ -564,8 +557,7 @@ void mx_row_blocks(const void* x, int64_t i, int64_t n, bool rceil, uint8_t* out
     blk.mag[1] = _mm512_mul_ps(blk.mag[1], s0);
     blk.mag[2] = _mm512_mul_ps(blk.mag[2], s1);
     blk.mag[3] = _mm512_mul_ps(blk.mag[3], s1);
-    const __m512i top = _mm512_maskz_mov_epi8(keep_two_blocks(not_nan_codes(code), 0), blk.top);
-    store64(out + c, fp8_bytes<K>(blk.mag, order, top), m);
+    store64(out + c, fp8_bytes<K>(blk.mag, order, blk.top), m);
   }
 }
 
@@ -608,7 +600,6 @@ void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t
   const int64_t width = c1 - c0, chunks = (width + 63) / 64;
   __m512i key[8][4];
   __m512 scale[8][4];
-  __m512i keep[8];  // per chunk: 0xFF bytes where the column's code is not NaN
   for (int64_t br = br0; br < br1; ++br) {
     const int64_t r0 = br * kMx, r1 = imin(M, r0 + kMx);
     for (int64_t j0 = 0; j0 < chunks; j0 += 4) {  // 256 columns at a time: keys stay in registers
@@ -631,15 +622,12 @@ void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t
       __m512i f[4];
       column_keys_f32<T>(key[j], f);
       alignas(64) float col_scale[64];
-      __mmask16 ok[4];
       for (int g = 0; g < 4; ++g) {
         const __m512i code = e8m0_codes<K>(f[g], rceil);
         const int64_t col = 64 * j + 16 * g;
         _mm512_mask_cvtepi32_storeu_epi8(codes + br * Kc + c0 + col, first16(width - col), code);
         _mm512_store_ps(col_scale + 16 * g, e8m0_element_scales(code));
-        ok[g] = not_nan_codes(code);
       }
-      keep[j] = _mm512_movm_epi8(_mm512_kunpackd(_mm512_kunpackw(ok[3], ok[2]), _mm512_kunpackw(ok[1], ok[0])));
       scales_in_block_order<T>(col_scale, scale[j]);
     }
     const int64_t next = next_unit_offset(c0, c1, Kc, kMx, x.ld);
@@ -649,7 +637,7 @@ void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t
         prefetch64<T>(x.data, r * x.ld + c + next);
         Block64<T> b = load64<T>(x.data, r * x.ld + c, c1 - c);
         for (int q = 0; q < 4; ++q) b.mag[q] = _mm512_mul_ps(b.mag[q], scale[j][q]);
-        store64(out + r * Kc + c, fp8_bytes<K>(b.mag, order, _mm512_and_si512(b.top, keep[j])), c1 - c);
+        store64(out + r * Kc + c, fp8_bytes<K>(b.mag, order, b.top), c1 - c);
       }
     }
   }

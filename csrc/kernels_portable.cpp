@@ -134,8 +134,8 @@ uint8_t mx_code(uint32_t key, Fp8Kind kind, bool rceil) {
   return rceil ? e8m0_rceil(amax, static_cast<float>(1.0 / f.max)) : e8m0_floor(amax, f.max_exponent);
 }
 
-// x * 2^(127 - code) cast to FP8. A NaN multiplier (code 255) makes every element the
-// multiplier's NaN, which is positive: code 0x7F whatever the element was.
+// x * 2^(127 - code) cast to FP8. A NaN multiplier (code 255) makes every element NaN:
+// the canonical code 0x7F whatever the element was.
 uint8_t mx_element(float v, uint8_t code, Fp8Kind kind) {
   if (code == kE8M0NaN) return 0x7F;
   return fp32_to_fp8(v * e8m0_element_scale(code), kind);

@@ -48,3 +48,32 @@ def test_without_native_kernels_the_reference_runs_with_one_warning(monkeypatch)
     monkeypatch.setenv("ENGINE_BACKEND", "native")
     with pytest.raises(RuntimeError, match="unavailable"):
         backend.backend_for(CPU)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (no __torch_dispatch__): its data would be readable, but it is refused too."""
+
+
+@pytest.mark.parametrize("forced", [None, "reference", "native"])
+def test_subclasses_and_meta_tensors_are_refused_whichever_backend_runs(monkeypatch, forced):
+    if forced is not None:
+        monkeypatch.setenv("ENGINE_BACKEND", forced)
+    x = torch.randn(4, 64)
+    e4m3 = torch.float8_e4m3fn
+    for bad, what in ((x.to("meta"), "meta tensor"), (x.as_subclass(_Sub), "tensor subclass .*_Sub")):
+        with pytest.raises(TypeError, match=f"^x: .*{what}"):
+            backend.amax(bad)
+        with pytest.raises(TypeError, match=f"^x2d: .*{what}"):
+            backend.cast_transpose(bad, torch.ones(1), e4m3)
+        with pytest.raises(TypeError, match=f"^scale: .*{what}"):
+            backend.cast_transpose(x, bad[0, :1], e4m3)
+        with pytest.raises(TypeError, match=f"^x2d: .*{what}"):
+            backend.quantize_block(bad, e4m3, tile_rows=1, tile_cols=128)
+        with pytest.raises(TypeError, match=f"^x: .*{what}"):
+            backend.quantize_mxfp8(bad, e4m3)
+        with pytest.raises(TypeError, match=f"^data: .*{what}"):
+            backend.fp8_to_bf16(bad.to(e4m3))
+    with pytest.raises(TypeError, match="^x: .*layout torch.sparse_coo"):
+        backend.amax(x.to_sparse())
+    # an nn.Parameter is a plain tensor
+    assert backend.amax(torch.nn.Parameter(x)).item() == x.abs().max().item()

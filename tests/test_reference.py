@@ -405,6 +405,61 @@ def test_cast_nan_stays_nan(in_dtype, fp8):
     assert torch.isnan(got.float()).tolist() == [True, False, True]
 
 
+# NaNs of both signs with non-default payloads, quiet and signalling, as raw bits
+NAN_BITS = {
+    torch.float32: [0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFFFFFFF, 0x7F800001, 0xFF812345],
+    torch.bfloat16: [0x7FC0, 0xFFC0, 0x7FC1, 0xFFFF, 0x7F81, 0xFF81],
+    torch.float16: [0x7E00, 0xFE00, 0x7E01, 0xFFFF, 0x7C01, 0xFC01],
+}
+
+
+def nans(in_dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
+    """Every NaN of NAN_BITS[in_dtype], `repeat` times over, built from its bits."""
+    b = torch.tensor(NAN_BITS[in_dtype] * repeat, dtype=torch.int64)
+    return (b.to(torch.int32) if in_dtype == torch.float32 else b.to(torch.int16)).view(in_dtype)
+
+
+@param_in
+@param_fp8
+@pytest.mark.parametrize("repeat", [1, 40], ids=["short", "long"])  # torch's scalar and vector loops
+def test_every_nan_casts_to_the_canonical_0x7f(in_dtype, fp8, repeat):
+    x = nans(in_dtype, repeat)
+    assert torch.isnan(x).all() and torch.signbit(x).any() and not torch.signbit(x).all()
+    assert bits(ref.cast_to_fp8(x, fp8)).tolist() == [0x7F] * len(x)
+
+
+@param_in
+@pytest.mark.parametrize("which", range(6))
+def test_nan_amax_is_the_canonical_0x7fc00000(in_dtype, which):
+    x = torch.ones(50, dtype=in_dtype)
+    x[17] = nans(in_dtype)[which]
+    assert ref.amax(x).view(torch.int32).tolist() == [0x7FC00000]
+    _, _, a = ref.quantize_current_scaling(x, E4)
+    assert a.view(torch.int32).tolist() == [0x7FC00000]
+
+
+@param_in
+def test_nan_bits_of_every_scheme(in_dtype):
+    """A NaN anywhere: its FP8 code is 0x7F (per-tensor, block), its MX block is 0x7F throughout
+    with the E8M0 code 0xFF, the amax is 0x7FC00000."""
+    x = torch.full((64, 128), 2.0, dtype=in_dtype)
+    x.view(-1)[[5, 200, 6000]] = nans(in_dtype)[[1, 3, 5]]  # negative NaNs with payloads
+    nan = torch.isnan(x)
+    q = ref.quantize_per_tensor(x, torch.tensor([4.0]), E5)
+    assert torch.equal(bits(q)[nan], torch.full((3,), 0x7F, dtype=torch.uint8))
+    _, data_t, amax = ref.cast_transpose(x, torch.tensor([4.0]), E4)
+    assert torch.equal(bits(data_t)[nan.t()], torch.full((3,), 0x7F, dtype=torch.uint8))
+    assert amax.view(torch.int32).tolist() == [0x7FC00000]
+    for data, _ in (ref.quantize_block_1d(x, E4), ref.quantize_block_2d(x, E4)):
+        assert torch.equal(bits(data)[nan], torch.full((3,), 0x7F, dtype=torch.uint8))
+    for mode in ("rceil", "floor"):
+        data, codes = ref.quantize_mxfp8(x, E4, scale_mode=mode)
+        assert codes.view(-1)[[5 // 32, 200 // 32, 6000 // 32]].tolist() == [0xFF] * 3
+        assert bits(data)[0, :32].tolist() == [0x7F] * 32  # the whole block of element 5
+        data, codes = ref.quantize_mxfp8(x, E4, scale_mode=mode, columnwise=True)
+        assert codes[0, 5].item() == 0xFF and bits(data)[:32, 5].tolist() == [0x7F] * 32
+
+
 @param_fp8
 def test_cast_matches_bruteforce_rne(fp8):
     fmt = FMT[fp8]

@@ -7,7 +7,8 @@ process: the workers compute every case's Triton outputs and save them with `tor
 the tests here rebuild the same inputs (seeded), run `engine.ops.reference` and compare.
 
 Comparisons are bitwise: FP8 data as uint8 codes, E8M0 codes exactly, fp32 scales and
-amaxes by their bits (NaN where the reference has NaN), bf16 by its bits.
+amaxes by their bits, bf16 by its bits, NaN bits included (every backend writes the
+canonical NaN of each format, whatever the sign and payload of the input NaN).
 
 A third subprocess compiles every kernel for sm_80 and sm_90 (no GPU needed) and the PTX
 is checked for what bit-exactness on a GPU relies on. The three run concurrently (the
@@ -49,6 +50,24 @@ SPECIALS = [
     57344.0, -57344.0, 59392.0, 61440.0, 65504.0, 1e30, FLT_MAX, -FLT_MAX,
     math.inf, -math.inf, math.nan, -math.nan,
 ]
+
+# NaNs of both signs with non-default payloads, quiet and signalling, as raw bits per dtype
+NAN_BITS = {
+    torch.float32: [0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFFFFFFF, 0x7F800001, 0xFF812345],
+    torch.bfloat16: [0x7FC0, 0xFFC0, 0x7FC1, 0xFFFF, 0x7F81, 0xFF81],
+    torch.float16: [0x7E00, 0xFE00, 0x7E01, 0xFFFF, 0x7C01, 0xFC01],
+}
+
+
+def nan_payloads(shape, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Random values with one NaN of each kind in NAN_BITS at random places (set by bits)."""
+    x = _spread(shape, g).to(dtype)
+    n = x.numel()
+    bits = torch.tensor(NAN_BITS[dtype], dtype=torch.int64)
+    bits = bits.to(torch.int32) if dtype == torch.float32 else bits.to(torch.int16)
+    flat = x.reshape(-1).view(bits.dtype)
+    flat[torch.randperm(n, generator=g)[: len(bits)]] = bits[: min(n, len(bits))]
+    return x
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -153,6 +172,9 @@ def make_input(inp: Inp) -> torch.Tensor:
             x[-1] = -math.nan
             x[n // 3] = -math.inf
         x = x.reshape(shape)
+    elif inp.kind == "nan_payloads":  # NaNs of both signs and several payloads, by bits, in inp.dtype
+        x = nan_payloads(shape, inp.dtype, g)
+        return x.t() if inp.transposed else x
     elif inp.kind == "all_bf16":  # every bf16 bit pattern
         x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     elif inp.kind == "dense_fp32":
@@ -211,12 +233,16 @@ def build_cases() -> list[Case]:
         c.append(Case("cast", Inp("all_bf16", (1 << 16,)), fmt))
         c.append(Case("cast", Inp("dense_fp32", (0,), fmt=fmt), fmt))
         c.append(Case("cast", Inp("specials", (64, 65)), fmt))
+        for dt in HP_DTYPES:
+            c.append(Case("cast", Inp("nan_payloads", (16, 40), dt), fmt))
     # -- amax
     for dt in HP_DTYPES:
         for shape in [(1, 1), (3, 5), (7, 129), (130, 257)]:
             c.append(Case("amax", Inp("rand", shape, dt), None))
         c.append(Case("amax", Inp("nan_inf", (130, 257), dt), None))
         c.append(Case("amax", Inp("specials", (33, 70), dt, seed=1), None))
+        c.append(Case("amax", Inp("nan_payloads", (2, 3), dt), None))  # NaNs only: payloads decide
+        c.append(Case("amax", Inp("nan_payloads", (33, 70), dt), None))
     c.append(Case("amax", Inp("zeros", (17, 9)), None))
     c.append(Case("amax", Inp("subnormal", (17, 9)), None))
     c.append(Case("amax", Inp("rand", (0, 5)), None))
@@ -236,6 +262,9 @@ def build_cases() -> list[Case]:
         for dt in (F32, BF16, F16):
             c.append(Case("cast_transpose", Inp("ties", (40, 97), dt, fmt=fmt), fmt, scale=1.0))
         c.append(Case("cast_transpose", Inp("nan_inf", (65, 66)), fmt, scale=0.75))
+        for dt in HP_DTYPES:
+            c.append(Case("cast_transpose", Inp("nan_payloads", (33, 70), dt), fmt, scale=3.0))
+        c.append(Case("cast_transpose", Inp("rand", (9, 9), seed=3), fmt, scale=-math.nan))
     for rw, cw in [(True, False), (False, True), (False, False)]:
         c.append(Case("cast_transpose", Inp("specials", (33, 70), BF16), E4, _kw(rowwise=rw, columnwise=cw), 2.0))
     c.append(Case("cast_transpose", Inp("rand", (70, 33), F16, transposed=True), E4, scale=5.0))
@@ -256,6 +285,8 @@ def build_cases() -> list[Case]:
             c.append(Case("block", Inp("ties_with_max", (130, 257), fmt=fmt), fmt, _kw(tile_rows=tr)))
             c.append(Case("block", Inp("outlier", (130, 257)), fmt, _kw(tile_rows=tr)))
             c.append(Case("block", Inp("nan_inf", (130, 257)), fmt, _kw(tile_rows=tr)))
+            for dt in HP_DTYPES:
+                c.append(Case("block", Inp("nan_payloads", (130, 140), dt), fmt, _kw(tile_rows=tr)))
     for tr in (1, 128):
         for shape in [(1, 1), (3, 5), (7, 129), (257, 130)]:
             c.append(Case("block", Inp("rand", shape, seed=5), E4, _kw(tile_rows=tr)))
@@ -281,6 +312,8 @@ def build_cases() -> list[Case]:
                     c.append(Case("mx", Inp("specials", (64, 96), dt), fmt, _kw(scale_mode=mode, columnwise=cw)))
                 for kind in ("ties_with_max", "zeros", "subnormal", "tiny", "huge", "outlier", "nan_inf"):
                     c.append(Case("mx", Inp(kind, (64, 64), fmt=fmt), fmt, _kw(scale_mode=mode, columnwise=cw)))
+                for dt in HP_DTYPES:
+                    c.append(Case("mx", Inp("nan_payloads", (64, 64), dt), fmt, _kw(scale_mode=mode, columnwise=cw)))
     for cw in (False, True):
         for shape in [(32, 32), (2, 32, 64), (96, 160), (7, 45), (33, 70), (0, 64)]:
             c.append(Case("mx", Inp("rand", shape, seed=8), E4, _kw(columnwise=cw)))
@@ -519,18 +552,11 @@ def assert_same(got, want, what: str) -> None:
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.is_contiguous(), f"{what}: not contiguous"
-    if want.dtype == torch.float32:
-        # NaN payloads of an amax are not specified: NaN where the reference has NaN, bits elsewhere
-        gn, wn = torch.isnan(got), torch.isnan(want)
-        assert torch.equal(gn, wn), f"{what}: NaN positions differ"
-        g, w = _bits(got)[~wn], _bits(want)[~wn]
-    else:
-        g, w = _bits(got).reshape(-1), _bits(want).reshape(-1)
+    g, w = _bits(got).reshape(-1), _bits(want).reshape(-1)  # NaN bits included
     bad = (g != w).nonzero().flatten()
     if len(bad):
         i = int(bad[0])
-        gv = got.reshape(-1)[~torch.isnan(want.reshape(-1))][i] if want.dtype == torch.float32 else got.reshape(-1)[i]
-        wv = want.reshape(-1)[~torch.isnan(want.reshape(-1))][i] if want.dtype == torch.float32 else want.reshape(-1)[i]
+        gv, wv = got.reshape(-1)[i], want.reshape(-1)[i]
         raise AssertionError(f"{what}: {len(bad)} of {g.numel()} differ; first at flat index {i}: "
                              f"got bits {int(g[i])} ({float(gv.float())}), want bits {int(w[i])} ({float(wv.float())})")
 
@@ -600,6 +626,15 @@ def test_cases_cover_the_brief():
     assert {dict(c.kw).get("scale_mode", "rceil") for c in CASES if c.op == "mx"} >= {"rceil", "floor"}
     assert {dict(c.kw).get("force_pow_2_scales", True) for c in CASES if c.op == "block"} == {True, False}
     assert {dict(c.kw).get("tile_rows") for c in CASES if c.op == "block"} >= {1, 128}
+    # NaNs of both signs and several payloads, in every input dtype, for every op and format
+    for op in ("cast", "amax", "cast_transpose", "block", "mx"):
+        sel = [c for c in CASES if c.op == op and c.inp.kind == "nan_payloads"]
+        assert {c.inp.dtype for c in sel} == set(HP_DTYPES), op
+        if op != "amax":
+            assert {c.fmt for c in sel} == {E4, E5}, op
+    mx_nan = {(dict(c.kw).get("scale_mode"), dict(c.kw).get("columnwise")) for c in CASES
+              if c.op == "mx" and c.inp.kind == "nan_payloads"}
+    assert mx_nan == {(m, cw) for m in ("rceil", "floor") for cw in (False, True)}
     # the values the interpreter's own FP8 cast gets wrong are among the specials
     for v in (7.98, 1.0625, 3 * 2.0**-10, 500.0, 1e30):
         assert v in SPECIALS

@@ -14,6 +14,10 @@ Contract (x2d is a 2D fp32/bf16/fp16 tensor; outputs are new contiguous tensors)
 * `quantize_mxfp8(x, fp8_dtype, *, scale_mode, columnwise) -> (data x.shape, uint8 codes)`, a partial
   last block where the blocked dim is not a multiple of 32.
 * `fp8_to_bf16(data) -> bf16 tensor of data's shape` (exact).
+
+Every tensor argument must be a plain, dense tensor with data (`check_tensor`): a tensor
+subclass (DTensor, FakeTensor, ...), a meta, sparse or nested tensor gets a TypeError
+naming the argument here, whichever backend is chosen, and never reaches a kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +33,35 @@ import torch
 from engine.ops import reference
 
 BACKENDS = ("reference", "native", "triton")
+
+
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def check_tensor(x: object, name: str) -> torch.Tensor:
+    """`x` if the quantization kernels can read it: a plain dense torch.Tensor with data.
+
+    The kernels read raw memory. A tensor subclass (DTensor, FakeTensor, any
+    `__torch_dispatch__` wrapper) has no data of its own there, a meta tensor has none at
+    all, sparse/nested/mkldnn tensors are laid out otherwise: each gets a TypeError naming
+    `name`. `nn.Parameter` is a plain tensor. A few attribute reads (~0.3 us) when `x` is fine.
+    """
+    if type(x) in PLAIN_TENSOR_TYPES and not x.is_meta and x.layout is torch.strided and not x.is_nested:
+        return x
+    cls = type(x)
+    if cls not in PLAIN_TENSOR_TYPES:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {cls.__name__}")
+        hint = " (pass x.to_local() or x.full_tensor())" if cls.__name__ == "DTensor" else ""
+        raise TypeError(f"{name}: expected a plain torch.Tensor, got a tensor subclass "
+                        f"{cls.__module__}.{cls.__qualname__}{hint}; engine's quantization kernels read raw "
+                        "memory and do not dispatch tensor subclasses")
+    if x.is_meta:
+        raise TypeError(f"{name}: expected a tensor with data, got a meta tensor of shape {tuple(x.shape)}")
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got "
+                        f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
+    return x
 
 
 def forced_backend() -> str | None:
@@ -77,25 +110,31 @@ def _choose(device_type: str, forced: str | None) -> ModuleType:
     if forced == "native":
         raise RuntimeError(f"ENGINE_BACKEND=native, but the C++ kernels are unavailable: {_native_or_reason()[1]}")
     warnings.warn("engine: the C++ CPU kernels are unavailable; quantization runs the slow reference path "
-                  f"({_native_or_reason()[1]})", RuntimeWarning, stacklevel=4)
+                  f"({_native_or_reason()[1]})", RuntimeWarning, stacklevel=5)
     return reference
 
 
+def _route(x: torch.Tensor, name: str) -> ModuleType:
+    """The backend for the tensor argument `name`: checked once here, then chosen by its device."""
+    return backend_for(check_tensor(x, name).device)
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
-    return backend_for(x.device).amax(x)
+    return _route(x, "x").amax(x)
 
 
 def cast_transpose(x2d: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, **kw: Any) -> tuple:
-    return backend_for(x2d.device).cast_transpose(x2d, scale, fp8_dtype, **kw)
+    check_tensor(scale, "scale")
+    return _route(x2d, "x2d").cast_transpose(x2d, scale, fp8_dtype, **kw)
 
 
 def quantize_block(x2d: torch.Tensor, fp8_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return backend_for(x2d.device).quantize_block(x2d, fp8_dtype, **kw)
+    return _route(x2d, "x2d").quantize_block(x2d, fp8_dtype, **kw)
 
 
 def quantize_mxfp8(x: torch.Tensor, fp8_dtype: torch.dtype, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return backend_for(x.device).quantize_mxfp8(x, fp8_dtype, **kw)
+    return _route(x, "x").quantize_mxfp8(x, fp8_dtype, **kw)
 
 
 def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
-    return backend_for(data.device).fp8_to_bf16(data)
+    return _route(data, "data").fp8_to_bf16(data)

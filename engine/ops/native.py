@@ -2,10 +2,15 @@
 
 The extension is built from `csrc/` (next to the `engine` package) with
 `torch.utils.cpp_extension.load` the first time it is needed, and cached in torch's
-extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), so
-later processes only load it. It needs a C++ compiler with OpenMP and `ninja`. If the
-build fails, `available()` is False and `why_unavailable()` says why; importing this
-module never raises.
+extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions/py<ver>_cpu`)
+under `engine_native_<key>`, where the key hashes the contents of `csrc/`, the compiler
+flags, the torch and Python versions: checkouts and virtualenvs with the same sources share
+one build, and different ones never overwrite each other's. A build runs under an
+exclusive file lock in its directory (processes that start together build once; the
+others wait and load it) and announces itself on stderr with its duration; a cache hit
+loads the library directly, in well under a second, and prints nothing. It needs a C++
+compiler with OpenMP and `ninja`. If the build fails, `available()` is False and
+`why_unavailable()` says why; importing this module never raises.
 
 One build holds two versions of the kernels: a portable one (no `-march` flag: any
 x86-64 or other CPU) and an AVX-512 one (F/BW/DQ/VL/VBMI, compiled with a target
@@ -19,6 +24,10 @@ same signature plus optional preallocated outputs (`out_data=`, `out_data_t=`,
 large allocation, which cost more than the kernel. Given outputs must have exactly the
 shape and dtype of the result and be contiguous; they are filled and returned.
 
+Every tensor argument must be a plain, dense CPU tensor (`check_cpu_tensor`): a tensor
+subclass (DTensor, FakeTensor, ...), a meta or sparse tensor gets a TypeError naming the
+argument, here and again in C++ (the kernels read raw memory through data pointers).
+
 Work is split over OpenMP threads (`torch.get_num_threads()`); the kernels run with
 round-to-nearest and without flush-to-zero whatever `torch.set_flush_denormal` says.
 """
@@ -26,8 +35,12 @@ round-to-nearest and without flush-to-zero whatever `torch.set_flush_denormal` s
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import os
+import platform
 import shutil
+import sys
 import sysconfig
 import threading
 import time
@@ -39,6 +52,12 @@ import torch
 
 from engine.formats import fp8_max
 from engine.ops import reference
+from engine.ops.backend import PLAIN_TENSOR_TYPES, check_tensor
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (concurrent first builds may then collide)
+    fcntl = None  # type: ignore[assignment]
 
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
@@ -47,6 +66,8 @@ SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp")
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
+DONE_MARKER = "engine_build_complete"  # written into the build directory after a build that loaded
+LOCK_FILE = "engine_build.lock"
 
 _FP8_KIND = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
@@ -56,24 +77,119 @@ _error: str | None = None
 build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
 
 
-def _build() -> ModuleType:
-    """Compile (or load the cached build of) the extension."""
+def build_key(csrc_dir: Path | None = None) -> str:
+    """16 hex digits identifying a build: csrc/ contents, flags, compiler, torch, Python, machine.
+
+    Not the checkout's path: two checkouts with the same sources share one build.
+    """
+    folder = CSRC_DIR if csrc_dir is None else csrc_dir
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        h.update(path.read_bytes())
+    facts = (CFLAGS, LDFLAGS, os.environ.get("CXX", ""), torch.__version__, sys.implementation.cache_tag,
+             getattr(sys, "abiflags", ""), platform.machine())
+    h.update(repr(facts).encode())
+    return h.hexdigest()[:16]
+
+
+def build_directory(key: str | None = None) -> Path:
+    """Where the build of `key` (default: this checkout's) lives: torch's extension root / engine_native_<key>."""
     from torch.utils import cpp_extension
 
-    missing = [name for name in SOURCES if not (CSRC_DIR / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"C++ sources not found in {CSRC_DIR}: {', '.join(missing)}")
+    name = f"{EXTENSION_NAME}_{build_key() if key is None else key}"
+    return Path(cpp_extension._get_build_directory(name, verbose=False))  # creates it; honours TORCH_EXTENSIONS_DIR
+
+
+def _library(name: str, folder: Path) -> Path:
+    from torch.utils import cpp_extension
+
+    return folder / f"{name}{cpp_extension.LIB_EXT}"
+
+
+def _is_built(name: str, folder: Path) -> bool:
+    """A build finished (and loaded) in `folder`: its marker and its library are there."""
+    return (folder / DONE_MARKER).is_file() and _library(name, folder).is_file()
+
+
+def _import_built(name: str, folder: Path) -> ModuleType:
+    """Load the built library as a Python module (what torch's load does after a build)."""
+    path = _library(name, folder)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _exclusive(folder: Path) -> Iterator[None]:
+    """An exclusive flock on the build directory's lock file, held while building."""
+    if fcntl is None:
+        yield
+        return
+    with open(folder / LOCK_FILE, "a+b") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"engine: waiting for another process building the C++ kernels into {folder}")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _compile(name: str, folder: Path) -> ModuleType:
+    """Compile with torch's JIT loader into `folder` and load the result."""
+    from torch.utils import cpp_extension
+
     scripts = sysconfig.get_path("scripts")  # where pip put the `ninja` wheel's binary (e.g. .venv/bin)
     if shutil.which("ninja") is None and scripts:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(CSRC_DIR / name) for name in SOURCES],
+        name=name,
+        sources=[str(CSRC_DIR / source) for source in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC_DIR)],
+        build_directory=str(folder),
         verbose=bool(os.environ.get("ENGINE_NATIVE_VERBOSE")),
     )
+
+
+def _build() -> ModuleType:
+    """Load the cached build of these sources, or build it (once across processes) and load it."""
+    missing = [name for name in SOURCES if not (CSRC_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"C++ sources not found in {CSRC_DIR}: {', '.join(missing)}")
+    key = build_key()
+    name = f"{EXTENSION_NAME}_{key}"
+    folder = build_directory(key)
+    if _is_built(name, folder):
+        return _import_built(name, folder)  # the common case: no lock, no ninja
+    with _exclusive(folder):
+        if _is_built(name, folder):  # built by the process we waited for
+            return _import_built(name, folder)
+        # Under our lock nobody else is inside torch's loader for this directory: a `lock`
+        # file of torch's is left over from a killed build, and would make torch wait forever.
+        with contextlib.suppress(FileNotFoundError):
+            (folder / "lock").unlink()
+        _say(f"engine: building the C++ kernels (first use, ~30-60 s) into {folder}")
+        start = time.perf_counter()
+        try:
+            module = _compile(name, folder)
+        except BaseException:
+            _say(f"engine: building the C++ kernels failed after {time.perf_counter() - start:.1f} s")
+            raise
+        (folder / DONE_MARKER).write_text(f"{name}\n")
+        _say(f"engine: built the C++ kernels in {time.perf_counter() - start:.1f} s")
+        return module
 
 
 def _describe(err: BaseException) -> str:
@@ -142,9 +258,26 @@ def _kind(fp8_dtype: torch.dtype) -> int:
     return _FP8_KIND[fp8_dtype]
 
 
+def check_cpu_tensor(x: object, name: str) -> torch.Tensor:
+    """`x` if it is a plain, dense CPU tensor (`engine.ops.backend.check_tensor`), else a TypeError naming `name`."""
+    if type(x) in PLAIN_TENSOR_TYPES and x.is_cpu and x.layout is torch.strided and not x.is_nested:
+        return x  # the common case, in ~0.3 us
+    check_tensor(x, name)
+    raise TypeError(f"{name}: the native kernels take CPU tensors, got a tensor on {x.device}")
+
+
+def _check_outputs(*outputs: tuple[torch.Tensor | None, str]) -> None:
+    for t, name in outputs:
+        if t is not None:
+            check_cpu_tensor(t, name)
+
+
 # ----------------------------------------------------------------------------- contract
 def amax(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """max(|x|) as a 1-element fp32 tensor; 0 for an empty tensor; NaN if x has NaN."""
+    check_cpu_tensor(x, "x")
+    if out is not None:
+        check_cpu_tensor(out, "out")
     if x.dtype not in reference.HIGH_PRECISION_DTYPES:
         result = reference.amax(x)
         return result if out is None else out.copy_(result)
@@ -163,7 +296,12 @@ def cast_transpose(
     out_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """One pass over x2d [M, K]: (sat(x * scale) [M, K] if rowwise, its transpose [K, M] if columnwise, amax [1])."""
+    check_cpu_tensor(x2d, "x2d")
     reference.check_input(x2d, "x2d")
+    check_cpu_tensor(scale, "scale")
+    if scale.numel() != 1:
+        raise ValueError(f"scale: expected a 1-element tensor, got shape {tuple(scale.shape)}")
+    _check_outputs((out_data, "out_data"), (out_data_t, "out_data_t"), (out_amax, "out_amax"))
     kind = _kind(fp8_dtype)
     scale_value = float(scale.float().reshape(()))
     return _ext().cast_transpose(x2d, scale_value, kind, rowwise, columnwise, out_data, out_data_t, out_amax)
@@ -185,6 +323,8 @@ def quantize_block(
 
     x2d may be a transposed view (the 1D columnwise case): it is read in tiles, never copied.
     """
+    check_cpu_tensor(x2d, "x2d")
+    _check_outputs((out_data, "out_data"), (out_scale_inv, "out_scale_inv"))
     kind = _kind(fp8_dtype)
     if x2d.dtype not in reference.HIGH_PRECISION_DTYPES:
         x2d = x2d.float()  # the reference computes on x2d.float() too
@@ -202,7 +342,9 @@ def quantize_mxfp8(
     out_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8, blocks of 32: (data with x's shape, uint8 E8M0 codes [M, ceil(K/32)] or [ceil(M/32), K])."""
+    check_cpu_tensor(x, "x")
     reference.check_input(x)
+    _check_outputs((out_data, "out_data"), (out_scale, "out_scale"))
     if scale_mode not in reference.SCALE_MODES:
         raise ValueError(f"scale_mode: expected one of {sorted(reference.SCALE_MODES)}, got {scale_mode!r}")
     kind = _kind(fp8_dtype)
@@ -220,6 +362,9 @@ def quantize_mxfp8(
 
 def fp8_to_bf16(data: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 values as bf16 (exact), same shape. Other dtypes get the reference's plain cast."""
+    check_cpu_tensor(data, "data")
+    if out is not None:
+        check_cpu_tensor(out, "out")
     if data.dtype not in _FP8_KIND:
         result = reference.fp8_to_bf16(data)
         return result if out is None else out.copy_(result)

@@ -14,6 +14,11 @@ functions. They favour being obviously right over being fast. Conventions:
   cast, so inf becomes ±max and only NaN stays NaN.
 * amax propagates NaN (torch semantics). A NaN amax gives per-tensor and block scales of 1
   (the current-scaling rule) and the NaN E8M0 code 255 for an MX block.
+* NaN has one bit pattern per format, whatever the sign and payload of the NaN that made
+  it, in every backend: FP8 E4M3 and E5M2 `0x7F` (positive NaN, what NVIDIA's cvt
+  instructions produce), E8M0 `0xFF`, an fp32 amax `0x7FC00000` (the default quiet NaN),
+  bf16 from `fp8_to_bf16` `0x7FC0`. Only these functions fix it (torch's own casts keep
+  the sign of a NaN, on some code paths only), so the tests compare NaN bits too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ BLOCK_128 = 128
 MX_BLOCK = 32
 E8M0_NAN = 0xFF
 E8M0_BIAS = 127
+FP8_NAN = 0x7F  # the canonical FP8 NaN code (E4M3 and E5M2)
+F32_NAN_BITS = 0x7FC00000  # the canonical fp32 NaN (of an amax)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -48,16 +55,19 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max(|x|) as a 1-element fp32 tensor; 0 for an empty tensor; NaN if x has NaN."""
+    """max(|x|) as a 1-element fp32 tensor; 0 for an empty tensor; the canonical NaN if x has NaN."""
     if x.numel() == 0:
         return torch.zeros(1, dtype=torch.float32, device=x.device)
-    return x.abs().amax().float().reshape(1)
+    a = x.abs().amax().float().reshape(1)
+    return a.view(torch.int32).masked_fill(torch.isnan(a), F32_NAN_BITS).view(torch.float32)
 
 
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Saturating round-to-nearest-even cast of an fp32 tensor to an FP8 dtype."""
+    """Saturating round-to-nearest-even cast of an fp32 tensor to an FP8 dtype; NaN -> 0x7F."""
     limit = fp8_max(fp8_dtype)
-    return x.float().clamp(-limit, limit).to(fp8_dtype)
+    xf = x.float()
+    q = xf.clamp(-limit, limit).to(fp8_dtype)
+    return q.view(torch.uint8).masked_fill(torch.isnan(xf), FP8_NAN).view(fp8_dtype)
 
 
 _SIGN_AND_EXPONENT = -0x800000  # 0xFF800000 as int32: clearing the mantissa rounds down to a power of 2

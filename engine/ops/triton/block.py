@@ -112,9 +112,7 @@ def _block_rows_kernel(
 
     row_amax = tl.max(abs_bits(x), axis=1)  # [ROWS], NaN-propagating (integer max)
     scale, scale_inv = _tile_scale(row_amax, eps_bits, vfi_bits, FP8_MAX, POW2)
-    y = x * scale[:, None]
-    y = tl.where(x != x, x, y)  # a NaN input keeps its sign (as on CPUs; GPUs return a canonical NaN)
-    q = fp32_to_fp8_bits(y, MAN_BITS, BIAS, MAX_CODE)
+    q = fp32_to_fp8_bits(x * scale[:, None], MAN_BITS, BIAS, MAX_CODE)  # NaN -> the canonical 0x7F
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     tl.store(sinv_ptr + rows * n_tiles_k + pid_c, scale_inv, mask=row_ok)
 
@@ -158,9 +156,7 @@ def _block_tiles_kernel(
         mask = ((in_tile_r < TILE_R) & (rows < M))[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
-        y = x * scale
-        y = tl.where(x != x, x, y)  # a NaN input keeps its sign (see _block_rows_kernel)
-        q = fp32_to_fp8_bits(y, MAN_BITS, BIAS, MAX_CODE)
+        q = fp32_to_fp8_bits(x * scale, MAN_BITS, BIAS, MAX_CODE)
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     tl.store(sinv_ptr + pid, scale_inv)
 

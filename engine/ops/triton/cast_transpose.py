@@ -24,7 +24,9 @@ Each program reduces its tile to one number, and the programs combine theirs wit
 ``tl.atomic_max`` on an int32 buffer holding the fp32 bits of ``|x|``: non-negative
 floats order like their bit patterns, and NaN's bits (sign cleared) are larger than
 +inf's, so the integer max is the float max *and* propagates NaN, which a float
-``atomic_max``/``tl.max`` (``maxnum`` semantics on GPUs) would not. The buffer starts at 0
+``atomic_max``/``tl.max`` (``maxnum`` semantics on GPUs) would not. Each program makes a
+NaN amax the canonical ``0x7FC00000`` before the atomic max (which then stays canonical:
+it is above every number), so the payload does not depend on the input. The buffer starts at 0
 (the amax of an empty tile); max is associative and commutative, so the result does not
 depend on the order the programs finish in.
 
@@ -39,10 +41,9 @@ so that the writes of both outputs run along contiguous memory. The input may be
 NaN
 ---
 
-A NaN input stays NaN (the integer cast maps it to ``0x7F | sign``). Its sign is taken
-from the input itself (``tl.where(x != x, x, x * scale)``): a CPU multiply returns the NaN
-operand, sign included, which is what the reference gives, while a GPU multiply returns
-a canonical positive NaN; the select makes both give the reference's bits.
+A NaN input stays NaN: the integer cast maps every NaN to the canonical code ``0x7F``, so
+it does not matter which NaN the multiply returns (a CPU returns the NaN operand, a GPU a
+canonical positive NaN).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import triton.language as tl
 
 from engine.ops import reference
 from engine.ops.triton.tiles import load_tile
-from engine.ops.triton.fp8_bits import abs_bits, fp8_params, fp32_to_fp8_bits
+from engine.ops.triton.fp8_bits import abs_bits, canonical_amax_bits, fp8_params, fp32_to_fp8_bits
 
 # %%
 # Kernels
@@ -64,7 +65,7 @@ from engine.ops.triton.fp8_bits import abs_bits, fp8_params, fp32_to_fp8_bits
 def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(abs_bits(x), axis=0))
+    tl.atomic_max(amax_ptr, canonical_amax_bits(tl.max(abs_bits(x), axis=0)))
 
 
 @triton.jit
@@ -77,9 +78,7 @@ def _cast_transpose_kernel(
 ):
     x, offs_m, offs_k, mask = load_tile(x_ptr, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     scale = tl.load(scale_ptr)
-    y = x * scale
-    y = tl.where(x != x, x, y)  # a NaN input keeps its sign (as on CPUs; GPUs return a canonical NaN)
-    q = fp32_to_fp8_bits(y, MAN_BITS, BIAS, MAX_CODE)
+    q = fp32_to_fp8_bits(x * scale, MAN_BITS, BIAS, MAX_CODE)
 
     if ROWWISE:
         tl.store(out_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
@@ -88,7 +87,7 @@ def _cast_transpose_kernel(
 
     # masked elements were loaded as 0.0, which cannot raise the max
     tile_amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, tile_amax)
+    tl.atomic_max(amax_ptr, canonical_amax_bits(tile_amax))
 
 
 # %%
@@ -106,7 +105,7 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as fp32 ``[1]``; NaN if x has a NaN; 0 for an empty tensor.
+    """max|x| as fp32 ``[1]``; the canonical NaN if x has a NaN; 0 for an empty tensor.
 
     fp32/bf16/fp16 run the kernel; other dtypes (which the quantizers never pass) get the
     same definition with torch ops.

@@ -11,6 +11,7 @@ In it you will find:
   to E4M3 / E5M2, returning the 8-bit code as ``tl.uint8``,
 * :func:`fp8_bits_to_bf16_bits`: the exact decode of an FP8 code into bf16 bits,
 * :func:`abs_bits`: NaN-propagating ``|x|`` as ordered integers (for amax reductions),
+* :func:`canonical_amax_bits`: any NaN amax as the canonical fp32 NaN ``0x7FC00000``,
 * :func:`f32_bits` (Python side): the fp32 bit pattern of a constant, so kernels get exact
   constants as int32 arguments,
 * :func:`fp8_params`: the per-format constants (Python side) the kernels are
@@ -20,8 +21,8 @@ Why not ``x.to(tl.float8e4nv)``?
 --------------------------------
 
 The reference (``engine.ops.reference.cast_to_fp8``) is ``x.clamp(-max, max).to(fp8)``:
-saturation, then round-to-nearest-even (RNE) including FP8 subnormals, with torch's
-NaN encoding (``0x7F | sign``). Triton's own downcast does not give those bits everywhere:
+saturation, then round-to-nearest-even (RNE) including FP8 subnormals, and every NaN
+becomes the canonical code ``0x7F``. Triton's own downcast does not give those bits everywhere:
 
 * under ``TRITON_INTERPRET=1`` (how this package is tested on machines without a GPU) it is
   plainly wrong: no carry into the exponent when the mantissa rounds up (7.98 becomes 4.0
@@ -46,9 +47,9 @@ So we round ourselves. An fp32 value is ``(-1)^s * 1.m * 2^(e-127)``; with the f
 * **Saturation**: every non-NaN code above the largest finite code (this includes
   +inf and every value that rounds past the max) becomes the max code: exactly what
   clamping to ``±max`` before the cast does.
-* **NaN** becomes ``0x7F`` with the sign bit of the fp32 NaN, as torch encodes it for both
-  formats. (On GPUs the NaN a multiply produces is usually the canonical positive NaN,
-  whatever the operands were; the sign of the FP8 NaN follows the fp32 value it is given.)
+* **NaN** becomes ``0x7F`` whatever its sign and payload (the canonical NaN of
+  ``engine.ops.reference``; NVIDIA's cvt instructions give it too), so it does not matter
+  which NaN a multiply returns: CPUs return a NaN operand, GPUs a canonical positive NaN.
 
 Only ``&``, ``|``, shifts, adds, compares and selects on int32 are used: the result is
 the same on the interpreter and on any GPU, and is tested against torch on all 2^16
@@ -113,6 +114,16 @@ def abs_bits(x):
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
+@triton.jit
+def canonical_amax_bits(bits):
+    """An amax given as `abs_bits` (>= 0) with every NaN made the canonical 0x7FC00000.
+
+    Canonical NaNs still compare above +inf, so an integer max over canonical values stays
+    canonical (a program canonicalizes its own amax before the cross-program atomic max).
+    """
+    return tl.where(bits > 0x7F800000, 0x7FC00000, bits)
+
+
 # %%
 # fp32 -> FP8
 # -----------
@@ -151,8 +162,8 @@ def fp32_to_fp8_bits(x, MAN_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl
 
     code = tl.where(e8 <= 0, sub_code, normal_code)
     code = tl.minimum(code, MAX_CODE)  # saturation (also maps +-inf to +-max)
-    code = tl.where(is_nan, 0x7F, code)
-    return (code | sign).to(tl.uint8)
+    code = tl.where(is_nan, 0x7F, code | sign)  # the canonical NaN has no sign
+    return code.to(tl.uint8)
 
 
 # %%
