@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_seconds, print_table  # noqa: E402
 
-from engine.ops.gemm import general_gemm  # noqa: E402
+from engine.gemm import general_gemm  # noqa: E402
 from engine.quantizers import (  # noqa: E402
     Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer,
 )

@@ -127,7 +127,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
     dtypes (fp32 partial sums, bf16 operands) are not recast op by op.
     """
     device_type = inp.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return LinearFunction.apply(inp, weight, bias, args)
     inp = inp.to(torch.get_autocast_dtype(device_type))
     with torch.autocast(device_type, enabled=False):
@@ -164,7 +164,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         device_type = grad_out.device.type
-        if torch.is_autocast_enabled(device_type):  # backward called inside torch.autocast: compute as forward did
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):  # backward called inside torch.autocast: compute as forward did
             with torch.autocast(device_type, enabled=False):
                 return LinearFunction._backward(ctx, grad_out)
         return LinearFunction._backward(ctx, grad_out)
