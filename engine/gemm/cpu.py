@@ -17,7 +17,7 @@ import torch
 
 from engine.gemm.operand import GemmOperand
 from engine.gemm.scales import split_scales, times_pow2
-from engine.ops import backend as ops
+from engine.ops import quantize as ops
 
 FP32 = torch.finfo(torch.float32)
 

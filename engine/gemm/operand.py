@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops import backend as ops
+from engine.ops import quantize as ops
 from engine.ops import reference as ref
 from engine.schemes import ScaleEncoding
 from engine.tensors.quantized import QuantizedTensor, storage_of

@@ -47,7 +47,8 @@ class LayerNormLinear(NormalizedInput, FP8Module):
         self.register_parameter("bias", b)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch)
+        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch,
+                    weight=self.weight)
         (args,) = self._prepare(inp.device, is_first_microbatch)
         ln_out = self._normalize(inp)
         self._calibrate(args, ln_out, self.weight)

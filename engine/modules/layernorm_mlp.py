@@ -55,7 +55,8 @@ class LayerNormMLP(NormalizedInput, FP8Module):
         self.register_parameter("fc2_bias", fc2_bias)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.hidden_size, type(self).__name__, is_first_microbatch)
+        check_input(inp, self.hidden_size, type(self).__name__, is_first_microbatch,
+                    weight=self.fc1_weight)
         fc1_args, fc2_args = self._prepare(inp.device, is_first_microbatch)
         ln_out = self._normalize(inp)
         self._calibrate(fc1_args, ln_out, self.fc1_weight)

@@ -20,9 +20,13 @@ def check_features(value: int, name: str) -> int:
     return value
 
 
-def check_input(inp: torch.Tensor, features: int, owner: str, is_first_microbatch: bool | None = None) -> None:
+def check_input(inp: torch.Tensor, features: int, owner: str, is_first_microbatch: bool | None = None,
+                weight: torch.Tensor | None = None) -> None:
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{owner}: inp must be a torch.Tensor, got {type(inp).__name__}")
+    if weight is not None and inp.is_meta and not weight.is_meta:
+        raise TypeError(f"{owner}: inp is a meta tensor (no data) but the weights hold data on {weight.device}; "
+                        "run the module on tensors with data, or build it on the meta device too")
     if inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"{owner}: inp must be float32, bfloat16 or float16, got {inp.dtype}")
     if inp.dim() < 1 or inp.shape[-1] != features:
@@ -91,7 +95,8 @@ class Linear(FP8Module):
         self.register_parameter("bias", b)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch)
+        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch,
+                    weight=self.weight)
         (args,) = self._prepare(inp.device, is_first_microbatch)
         self._calibrate(args, inp, self.weight)
         bias = None if self.return_bias else self.bias

@@ -64,6 +64,19 @@ def check_tensor(x: object, name: str) -> torch.Tensor:
     return x
 
 
+def check_not_subclass(x: object, name: str) -> None:
+    """A tensor subclass (DTensor, ...) cannot go into engine's ops; FakeTensors can (the ops' fake
+    implementations trace them), and meta tensors too (their shapes only)."""
+    if isinstance(x, torch.Tensor) and type(x) not in PLAIN_TENSOR_TYPES and not _is_fake(x):
+        check_tensor(x, name)
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
 def forced_backend() -> str | None:
     name = os.environ.get("ENGINE_BACKEND") or None
     if name is not None and name not in BACKENDS:
@@ -90,6 +103,15 @@ def _triton() -> ModuleType:
     from engine.ops import triton as triton_ops
 
     return triton_ops
+
+
+def module(name: str) -> tuple[ModuleType | None, str]:
+    """The kernels of backend `name` ("native", "triton" or "reference"), or None and why not."""
+    if name == "native":
+        return _native_or_reason()
+    if name == "triton":
+        return _triton(), ""
+    return reference, ""
 
 
 def backend_for(device: torch.device) -> ModuleType:

@@ -1,25 +1,105 @@
-"""quantize(x, scheme, ...): the four buffers of x under a scheme, from the fastest backend that has them.
+"""Quantization as torch.library custom ops: `engine::quantize`, `engine::amax`, `engine::fp8_to_bf16`.
 
-`KERNELS[layout]` says which backend functions make a layout's buffers; a scheme whose
-layout has no entry runs the generic reference (`quantize_blocked`), so a new scheme can
-land with its reference alone. Every function here takes and returns plain tensors.
+Each op checks its tensor arguments (plain and dense, `backend.check_tensor`), runs the
+kernel the registry names for its scheme's layout and device, and has a fake (meta)
+implementation, so FakeTensor mode and torch.compile trace it without running it. The
+functions at the bottom are what the layers above call: plain tensors in, plain tensors
+(and None for what was not asked for) out.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Optional
 
 import torch
 
-from engine.ops import backend
+from engine.ops import backend, registry
 from engine.ops import reference as ref
-from engine.ops.blocked import quantize_blocked
-from engine.schemes import Scheme
+from engine.schemes import Scheme, get_scheme
 
-Buffers = dict[str, "torch.Tensor | None"]
-BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+Buffers = registry.Buffers
+QuantizeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _shares_scale(scheme: Scheme, rowwise: bool, columnwise: bool) -> bool:
+    """One scale per tensor, both usages: the op returns it once; both usages hold that one tensor."""
+    return scheme.rowwise_block.is_tensor and rowwise and columnwise
+
+
+def _output_specs(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool) -> list[tuple]:
+    """(shape, dtype) of the op's five outputs; a usage not asked for is an empty tensor."""
+    specs = []
+    for wanted, col in ((rowwise, False), (columnwise, True)):
+        specs.append((scheme.data_shape(x.shape, col) if wanted else (0,), scheme.element))
+    shared = _shares_scale(scheme, rowwise, columnwise)
+    for wanted, col in ((rowwise, False), (columnwise, True)):
+        present = wanted and not (col and shared)
+        specs.append((scheme.scale_shape(x.shape, col) if present else (0,), scheme.scale.dtype))
+    specs.append(((1,) if scheme.rowwise_block.is_tensor else (0,), torch.float32))
+    return specs  # row data, col data, row scale_inv, col scale_inv, amax
+
+
+@torch.library.custom_op("engine::quantize", mutates_args=())
+def quantize_op(
+    x: torch.Tensor, scheme: str, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
+    amax_epsilon: float, scale_mode: str,
+) -> QuantizeOutputs:
+    """x quantized by the named scheme: (row data, col data, row scale_inv, col scale_inv, amax)."""
+    s = get_scheme(scheme)
+    backend.check_tensor(x, "x")
+    if scale is not None:
+        backend.check_tensor(scale, "scale")
+    buffers, amax = registry.kernel("quantize", s.layout, x.device.type)(
+        x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon, scale_mode=scale_mode)
+    if s.rowwise_block.is_tensor and amax is None:
+        amax = ref.amax(x)
+    got = [buffers["rowwise_data"], buffers["columnwise_data"], buffers["rowwise_scale_inv"],
+           None if _shares_scale(s, rowwise, columnwise) else buffers["columnwise_scale_inv"], amax]
+    outputs, storages = [], {x.untyped_storage().data_ptr()}
+    for t, (shape, dtype) in zip(got, _output_specs(x, s, rowwise, columnwise)):
+        if t is None:
+            t = torch.empty(shape, dtype=dtype, device=x.device)
+        elif t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()  # a transpose that needed no copy (a dim of 1) is a view: custom ops return no aliases
+        storages.add(t.untyped_storage().data_ptr())
+        outputs.append(t)
+    return tuple(outputs)
+
+
+@quantize_op.register_fake
+def _quantize_fake(x, scheme, rowwise, columnwise, scale, amax_epsilon, scale_mode):
+    specs = _output_specs(x, get_scheme(scheme), rowwise, columnwise)
+    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in specs)
+
+
+@torch.library.custom_op("engine::amax", mutates_args=())
+def amax_op(x: torch.Tensor) -> torch.Tensor:
+    """max|x| as fp32 [1] (NaN if x has NaN, 0 for an empty tensor)."""
+    backend.check_tensor(x, "x")
+    return registry.kernel("amax", registry.ANY, x.device.type)(x)
+
+
+@amax_op.register_fake
+def _amax_fake(x):
+    return x.new_empty(1, dtype=torch.float32)
+
+
+@torch.library.custom_op("engine::fp8_to_bf16", mutates_args=())
+def fp8_to_bf16_op(data: torch.Tensor) -> torch.Tensor:
+    """FP8 values as bf16 (exact), same shape."""
+    backend.check_tensor(data, "data")
+    return registry.kernel("fp8_to_bf16", registry.ANY, data.device.type)(data)
+
+
+@fp8_to_bf16_op.register_fake
+def _fp8_to_bf16_fake(data):
+    return data.new_empty(data.shape, dtype=torch.bfloat16)
+
+
+OPS = (quantize_op, amax_op, fp8_to_bf16_op)
+
+
+# ------------------------------------------------------------------------------- what callers use
 def quantize(
     x: torch.Tensor,
     scheme: Scheme,
@@ -30,82 +110,31 @@ def quantize(
     amax_epsilon: float = 0.0,
     scale_mode: str = "rceil",
 ) -> tuple[Buffers, torch.Tensor | None]:
-    """(buffers for the asked usages, max|x| as fp32 [1] where the kernel measured it, else None).
+    """(the buffers of x under `scheme` for the asked usages, max|x| for per-tensor schemes else None).
 
     `scale`: a given per-tensor scale (delayed scaling); otherwise scales come from the data
     (the current-scaling rule with `amax_epsilon`, or E8M0 by `scale_mode`).
     """
-    kernel = KERNELS.get(scheme.layout, _generic)
-    return kernel(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon,
-                  scale_mode=scale_mode)
-
-
-def _generic(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool, **rule) -> tuple[Buffers, None]:
-    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
-    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
-        if wanted:
-            out[f"{usage}_data"], out[f"{usage}_scale_inv"] = quantize_blocked(
-                x, scheme, columnwise=usage == "columnwise", **rule)
-    return out, None
-
-
-def _per_tensor(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool, scale: torch.Tensor | None,
-                amax_epsilon: float, scale_mode: str) -> tuple[Buffers, torch.Tensor]:
-    """One pass over x: rowwise data, its 2D transpose and amax (a first amax pass when no scale is given)."""
-    if scale is None:
-        scale = ref.compute_scale(backend.amax(x), scheme.element, force_pow_2_scales=scheme.scale.is_pow2,
-                                  amax_epsilon=amax_epsilon)
-    data, data_t, amax = backend.cast_transpose(ref.as_2d(x), scale, scheme.element, rowwise=rowwise,
-                                                columnwise=columnwise)
-    scale_inv = ref.reciprocal(scale).reshape(1).to(x.device)  # one tensor shared by both usages
-    return {
-        "rowwise_data": None if data is None else data.view(x.shape),
-        "rowwise_scale_inv": scale_inv if rowwise else None,
-        "columnwise_data": data_t,
-        "columnwise_scale_inv": scale_inv if columnwise else None,
-    }, amax
-
-
-def _per_tile(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool, scale: torch.Tensor | None,
-              amax_epsilon: float, scale_mode: str) -> tuple[Buffers, None]:
-    """Float8 block scaling: one scale per tile (a 2D tile's columnwise form is the exact transpose)."""
-    x2d = ref.as_2d(x)
-    block = scheme.rowwise_block
-    opts = {"tile_cols": block.cols, "force_pow_2_scales": scheme.scale.is_pow2, "amax_epsilon": amax_epsilon,
-            "value_for_inf": ref.block_value_for_inf(x.dtype)}
-    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
-    if scheme.derivable:
-        data, scale_inv = backend.quantize_block(x2d, scheme.element, tile_rows=block.rows, **opts)
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = data.view(x.shape), scale_inv
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = data.t().contiguous(), scale_inv.t().contiguous()
-        return out, None
-    if rowwise:
-        data, out["rowwise_scale_inv"] = backend.quantize_block(x2d, scheme.element, tile_rows=block.rows, **opts)
-        out["rowwise_data"] = data.view(x.shape)
-    if columnwise:  # the transposed tensor in the same 1 x cols tiles
-        out["columnwise_data"], out["columnwise_scale_inv"] = backend.quantize_block(
-            x2d.t(), scheme.element, tile_rows=block.rows, **opts)
-    return out, None
-
-
-def _mx(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool, scale: torch.Tensor | None,
-        amax_epsilon: float, scale_mode: str) -> tuple[Buffers, None]:
-    """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape)."""
-    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
-    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
-        if wanted:
-            out[f"{usage}_data"], out[f"{usage}_scale_inv"] = backend.quantize_mxfp8(
-                x, scheme.element, scale_mode=scale_mode, columnwise=usage == "columnwise")
-    return out, None
-
-
-Kernel = Callable[..., tuple[Buffers, "torch.Tensor | None"]]
-#: layout -> the function that makes its buffers with the fast backends
-KERNELS: dict[str, Kernel] = {"tensor": _per_tensor, "block1d": _per_tile, "block2d": _per_tile, "mx": _mx}
+    backend.check_not_subclass(x, "x")
+    row_data, col_data, row_scale, col_scale, amax = quantize_op(
+        x, scheme.name, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
+    if _shares_scale(scheme, rowwise, columnwise):
+        col_scale = row_scale
+    buffers = {
+        "rowwise_data": row_data if rowwise else None, "rowwise_scale_inv": row_scale if rowwise else None,
+        "columnwise_data": col_data if columnwise else None,
+        "columnwise_scale_inv": col_scale if columnwise else None,
+    }
+    return buffers, (amax if scheme.rowwise_block.is_tensor else None)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as fp32 [1] (NaN if x has NaN, 0 for an empty tensor)."""
-    return backend.amax(x)
+    backend.check_not_subclass(x, "x")
+    return amax_op(x)
+
+
+def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
+    """FP8 values as bf16 (exact), same shape."""
+    backend.check_not_subclass(data, "data")
+    return fp8_to_bf16_op(data)

@@ -1,0 +1,155 @@
+"""Which kernel runs an op for a scheme layout on a device: one table, with a per-op reference fallback.
+
+`KERNELS[(op, layout, device type)]` names a backend ("native": the C++ kernels of csrc/,
+"triton": engine/ops/triton) and the function that makes the op's result from that
+backend's kernels. An op without an entry - a new scheme that has only its reference - or
+whose backend is unavailable (the C++ build failed) runs the plain-PyTorch reference, with
+a one-time warning. `ENGINE_BACKEND=reference|native|triton` forces a backend for every op.
+Each entry is enrolled in the bitwise tests (tests/test_registry.py) by iterating this table.
+
+Kernel functions take and return plain tensors:
+`quantize(x, scheme, *, rowwise, columnwise, scale, amax_epsilon, scale_mode)` returns the
+four buffers (None for a usage not asked for) and max|x| where the kernel measured it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from engine.ops import backend
+from engine.ops import reference as ref
+from engine.ops.blocked import quantize_blocked
+from engine.schemes import Scheme
+
+Buffers = dict[str, "torch.Tensor | None"]
+BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+Result = tuple[Buffers, "torch.Tensor | None"]
+
+
+# ------------------------------------------------------------------ kernels, generic over a backend module
+def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool, **rule) -> Result:
+    """Any scheme, one usage at a time, by the generic reference."""
+    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
+    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if wanted:
+            out[f"{usage}_data"], out[f"{usage}_scale_inv"] = quantize_blocked(
+                x, scheme, columnwise=usage == "columnwise", **rule)
+    return out, None
+
+
+def quantize_per_tensor(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                        scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
+    """One pass over x: rowwise data, its 2D transpose and amax (a first amax pass when no scale is given)."""
+    if scale is None:
+        scale = ref.compute_scale(kernels.amax(x), scheme.element, force_pow_2_scales=scheme.scale.is_pow2,
+                                  amax_epsilon=amax_epsilon)
+    data, data_t, amax = kernels.cast_transpose(ref.as_2d(x), scale, scheme.element, rowwise=rowwise,
+                                                columnwise=columnwise)
+    scale_inv = ref.reciprocal(scale).reshape(1).to(x.device)  # one tensor for both usages
+    return {
+        "rowwise_data": None if data is None else data.view(x.shape),
+        "rowwise_scale_inv": scale_inv if rowwise else None,
+        "columnwise_data": data_t,
+        "columnwise_scale_inv": scale_inv if columnwise else None,
+    }, amax
+
+
+def quantize_per_tile(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                      scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
+    """Float8 block scaling: a scale per tile (a square tile's columnwise form is the exact transpose)."""
+    x2d, block = ref.as_2d(x), scheme.rowwise_block
+    opts = {"tile_rows": block.rows, "tile_cols": block.cols, "force_pow_2_scales": scheme.scale.is_pow2,
+            "amax_epsilon": amax_epsilon, "value_for_inf": ref.block_value_for_inf(x.dtype)}
+    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
+    if scheme.derivable:
+        data, scale_inv = kernels.quantize_block(x2d, scheme.element, **opts)
+        if rowwise:
+            out["rowwise_data"], out["rowwise_scale_inv"] = data.view(x.shape), scale_inv
+        if columnwise:
+            out["columnwise_data"], out["columnwise_scale_inv"] = data.t().contiguous(), scale_inv.t().contiguous()
+        return out, None
+    if rowwise:
+        data, out["rowwise_scale_inv"] = kernels.quantize_block(x2d, scheme.element, **opts)
+        out["rowwise_data"] = data.view(x.shape)
+    if columnwise:  # the transposed tensor in the same 1 x cols tiles
+        out["columnwise_data"], out["columnwise_scale_inv"] = kernels.quantize_block(x2d.t(), scheme.element, **opts)
+    return out, None
+
+
+def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
+    """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape)."""
+    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
+    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if wanted:
+            out[f"{usage}_data"], out[f"{usage}_scale_inv"] = kernels.quantize_mxfp8(
+                x, scheme.element, scale_mode=scale_mode, columnwise=usage == "columnwise")
+    return out, None
+
+
+def amax_kernel(kernels: ModuleType, x: torch.Tensor) -> torch.Tensor:
+    return kernels.amax(x)
+
+
+def fp8_to_bf16_kernel(kernels: ModuleType, data: torch.Tensor) -> torch.Tensor:
+    return kernels.fp8_to_bf16(data)
+
+
+# ------------------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class Kernel:
+    backend: str  # "native" | "triton"
+    fn: Callable
+
+
+ANY = "*"  # an op that does not depend on the scheme
+_LAYOUT_KERNELS = {"tensor": quantize_per_tensor, "block1d": quantize_per_tile, "block2d": quantize_per_tile,
+                   "mx": quantize_mx}
+KERNELS: dict[tuple[str, str, str], Kernel] = {
+    **{("quantize", layout, device): Kernel(name, fn) for layout, fn in _LAYOUT_KERNELS.items()
+       for device, name in (("cpu", "native"), ("cuda", "triton"))},
+    **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
+       for device, name in (("cpu", "native"), ("cuda", "triton"))},
+}
+REFERENCE: dict[str, Callable] = {
+    "quantize": quantize_reference,
+    "amax": ref.amax,
+    "fp8_to_bf16": ref.fp8_to_bf16,
+}
+
+
+def kernel(op: str, layout: str, device_type: str) -> Callable:
+    """The function that runs `op` for `layout` on `device_type` (see the module docstring)."""
+    return _resolve(op, layout, device_type, backend.forced_backend())
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(op: str, layout: str, device_type: str, forced: str | None) -> Callable:
+    """Decided once per (op, layout, device, forced backend), so each fallback warning is shown once."""
+    if forced == "reference":
+        return REFERENCE[op]
+    if forced is None:
+        entry = KERNELS.get((op, layout, device_type)) or KERNELS.get((op, ANY, device_type))
+    else:  # the forced backend's kernel for this op and layout, whatever device it is registered for
+        entry = next((k for (o, lay, _), k in KERNELS.items() if o == op and lay in (layout, ANY)
+                      and k.backend == forced), None)
+        if entry is None:
+            raise RuntimeError(f"ENGINE_BACKEND={forced}: there is no {forced} kernel for {op} ({layout})")
+    if entry is None:
+        warnings.warn(f"engine: no {op} kernel for the {layout} layout on {device_type}; the reference runs (slow)",
+                      RuntimeWarning, stacklevel=4)
+        return REFERENCE[op]
+    module, why = backend.module(entry.backend)
+    if module is None:
+        if forced:
+            raise RuntimeError(f"ENGINE_BACKEND={forced}, but those kernels are unavailable: {why}")
+        warnings.warn(f"engine: the {entry.backend} kernels are unavailable ({why}); {op} runs the slow reference "
+                      "path", RuntimeWarning, stacklevel=4)
+        return REFERENCE[op]
+    return functools.partial(entry.fn, module)
