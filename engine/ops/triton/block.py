@@ -58,6 +58,7 @@ import triton.language as tl
 
 from engine.ops import reference
 from engine.ops.triton.fp8_bits import abs_bits, f32_bits, fp8_params, fp32_to_fp8_bits
+from engine.ops.triton.tiles import to_fp32
 
 FLT_MAX = reference.FLT_MAX
 
@@ -108,7 +109,7 @@ def _block_rows_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & ((in_tile < TILE_C) & (cols < K))[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = to_fp32(x)
 
     row_amax = tl.max(abs_bits(x), axis=1)  # [ROWS], NaN-propagating (integer max)
     scale, scale_inv = _tile_scale(row_amax, eps_bits, vfi_bits, FP8_MAX, POW2)
@@ -145,7 +146,7 @@ def _block_tiles_kernel(
         rows = row0 + in_tile_r
         mask = ((in_tile_r < TILE_R) & (rows < M))[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-        acc = tl.maximum(acc, abs_bits(x.to(tl.float32)))
+        acc = tl.maximum(acc, abs_bits(to_fp32(x)))
     tile_amax = tl.max(tl.max(acc, axis=1), axis=0)
     scale, scale_inv = _tile_scale(tile_amax, eps_bits, vfi_bits, FP8_MAX, POW2)
 
@@ -155,7 +156,7 @@ def _block_tiles_kernel(
         rows = row0 + in_tile_r
         mask = ((in_tile_r < TILE_R) & (rows < M))[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        x = to_fp32(x)
         q = fp32_to_fp8_bits(x * scale, MAN_BITS, BIAS, MAX_CODE)
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     tl.store(sinv_ptr + pid, scale_inv)

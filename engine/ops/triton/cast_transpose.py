@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from engine.ops import reference
-from engine.ops.triton.tiles import load_tile
+from engine.ops.triton.tiles import load_tile, to_fp32
 from engine.ops.triton.fp8_bits import abs_bits, canonical_amax_bits, fp8_params, fp32_to_fp8_bits
 
 # %%
@@ -64,7 +64,7 @@ from engine.ops.triton.fp8_bits import abs_bits, canonical_amax_bits, fp8_params
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    x = to_fp32(tl.load(x_ptr + offs, mask=offs < n, other=0.0))
     tl.atomic_max(amax_ptr, canonical_amax_bits(tl.max(abs_bits(x), axis=0)))
 
 

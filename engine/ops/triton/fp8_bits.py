@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton.tiles import to_fp32
+
 
 class FP8Params(NamedTuple):
     """Compile-time constants of an FP8 format, as the kernels take them."""
@@ -211,7 +213,7 @@ def _fp32_to_fp8_kernel(x_ptr, out_ptr, n, MAN_BITS: tl.constexpr, BIAS: tl.cons
                         MAX_CODE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = to_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     tl.store(out_ptr + offs, fp32_to_fp8_bits(x, MAN_BITS, BIAS, MAX_CODE), mask=mask)
 
 

@@ -1,0 +1,196 @@
+"""The kernel registry and the custom ops.
+
+* Every entry of `registry.KERNELS` is enrolled here by iterating the table: CPU entries run
+  in-process, CUDA (Triton) entries under `TRITON_INTERPRET=1` in a subprocess on CPU
+  tensors; each is compared bit for bit (NaN bits included) with the generic reference on
+  random data and edge cases, for every scheme of its layout.
+* `torch.library.opcheck` passes for each custom op.
+* An op without a kernel runs the reference with one warning, so a scheme can land as data
+  and its reference alone (a per-row scheme made up here goes through quantize, dequantize
+  and the GEMM).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from engine.gemm import general_gemm
+from engine.ops import backend, registry
+from engine.ops import quantize as qops
+from engine.ops.blocked import dequantize_blocked
+from engine.schemes import SCHEMES, Block, ScaleEncoding, Scheme
+from engine.tensors.storage import QuantizedTensorBase
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def edge_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random data and the edge cases: zeros, subnormals, +-max, saturation, inf, NaN of both signs, odd shapes."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.finfo(dtype).max
+    x = (torch.randn(67, 130, generator=g) * torch.rand(67, 130, generator=g) * 600).to(dtype)
+    flat = x.view(-1)
+    flat[:8] = torch.tensor([0.0, -0.0, big, -big, 1e-40, -3e-45, float("inf"), float("-inf")]).to(dtype)
+    nan_bits = {torch.float32: [0x7FC00000, -0x00400000, 0x7F800001], torch.bfloat16: [0x7FC0, -0x40, 0x7F81],
+                torch.float16: [0x7E00, -0x200, 0x7C01]}[dtype]
+    int_dtype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    flat[200:203] = torch.tensor(nan_bits, dtype=int_dtype).view(dtype)
+    return {"random+edges": x, "zeros": torch.zeros(32, 64, dtype=dtype), "3d-odd": x[:63].reshape(3, 21, 130),
+            "empty": torch.zeros(0, 64, dtype=dtype), "one-row": x[:1, :70]}
+
+
+def bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.int32)
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def compare_entry(op: str, layout: str, fn) -> list[str]:
+    """Mismatches between a registered kernel and the reference, over every scheme of its layout."""
+    bad = []
+    for dtype in DTYPES:
+        for name, x in edge_inputs(dtype).items():
+            if op == "amax":
+                if not same_bits(fn(x), registry.REFERENCE["amax"](x)):
+                    bad.append(f"amax {dtype} {name}")
+                continue
+            if op == "fp8_to_bf16":
+                for element in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    codes = torch.arange(256, dtype=torch.uint8).view(element)
+                    if not same_bits(fn(codes), registry.REFERENCE["fp8_to_bf16"](codes)):
+                        bad.append(f"fp8_to_bf16 {element}")
+                continue
+            for scheme in (s for s in SCHEMES.values() if s.layout == layout):
+                for scale in ([None, torch.tensor([3.0])] if layout == "tensor" else [None]):
+                    for rule in ({"amax_epsilon": 0.0, "scale_mode": "rceil"}, {"amax_epsilon": 1e-3, "scale_mode": "floor"}):
+                        got, _ = fn(x, scheme, rowwise=True, columnwise=True, scale=scale, **rule)
+                        want, _ = registry.quantize_reference(x, scheme, rowwise=True, columnwise=True, scale=scale,
+                                                              **rule)
+                        for field in registry.BUFFER_FIELDS:
+                            if not same_bits(got[field], want[field]):
+                                bad.append(f"{scheme.name} {dtype} {name} scale={scale} {rule} {field}")
+    return bad
+
+
+@pytest.mark.parametrize("key", [k for k in registry.KERNELS if k[2] == "cpu"], ids=lambda k: "-".join(k))
+def test_every_cpu_kernel_matches_the_reference_bitwise(key):
+    entry = registry.KERNELS[key]
+    module, why = backend.module(entry.backend)
+    assert module is not None, why
+    bad = compare_entry(key[0], key[1], functools.partial(entry.fn, module))
+    assert not bad, bad[:10]
+
+
+def _worker() -> None:
+    """Run under TRITON_INTERPRET=1: every CUDA entry on CPU tensors; print mismatches as JSON."""
+    torch.set_num_threads(1)
+    from engine.ops import triton as triton_kernels
+
+    out = {}
+    for (op, layout, device), entry in registry.KERNELS.items():
+        if device == "cuda":
+            assert entry.backend == "triton"
+            out["-".join((op, layout, device))] = compare_entry(op, layout, functools.partial(entry.fn, triton_kernels))
+    print(json.dumps(out))
+
+
+def test_every_cuda_kernel_matches_the_reference_bitwise_under_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(results) == {"-".join(k) for k in registry.KERNELS if k[2] == "cuda"}
+    assert not any(results.values()), {k: v[:5] for k, v in results.items() if v}
+
+
+# ------------------------------------------------------------------------------------------- opcheck
+@pytest.mark.parametrize("scheme", ["tensor_e4m3", "tensor_e5m2_pow2", "block1d_e4m3_pow2", "block2d_e4m3",
+                                    "mx_e4m3", "mx_e5m2"])
+def test_opcheck_quantize(scheme):
+    x = torch.randn(48, 160)
+    scale = torch.tensor([2.0]) if scheme.startswith("tensor") else None
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(qops.quantize_op, (x, scheme, rowwise, columnwise, scale, 0.0, "rceil"))
+
+
+def test_opcheck_amax_and_fp8_to_bf16():
+    torch.library.opcheck(qops.amax_op, (torch.randn(33, 70),))
+    # test_schema perturbs its inputs arithmetically, which FP8 tensors do not support
+    torch.library.opcheck(qops.fp8_to_bf16_op, (torch.randn(33, 70).to(torch.float8_e4m3fn),),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+# ------------------------------------------------------------------------- fallback and a new scheme
+@pytest.fixture()
+def fresh_registry():
+    registry._resolve.cache_clear()
+    yield
+    registry._resolve.cache_clear()
+
+
+def test_a_missing_kernel_runs_the_reference_with_one_warning(monkeypatch, fresh_registry):
+    monkeypatch.delenv("ENGINE_BACKEND", raising=False)
+    monkeypatch.delitem(registry.KERNELS, ("quantize", "mx", "cpu"))
+    x = edge_inputs(torch.float32)["random+edges"]
+    scheme = SCHEMES["mx_e4m3"]
+    with pytest.warns(RuntimeWarning, match="no quantize kernel for the mx layout"):
+        got, _ = qops.quantize(x, scheme, rowwise=True, columnwise=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qops.quantize(x, scheme, rowwise=True, columnwise=False)  # decided once: no second warning
+    want, _ = registry.quantize_reference(x, scheme, rowwise=True, columnwise=True, scale=None, amax_epsilon=0.0,
+                                          scale_mode="rceil")
+    assert all(same_bits(got[f], want[f]) for f in registry.BUFFER_FIELDS)
+
+
+def test_an_unavailable_backend_falls_back_per_op_and_forcing_it_is_an_error(monkeypatch, fresh_registry):
+    monkeypatch.delenv("ENGINE_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "module", lambda name: (None, "no compiler") if name == "native" else (backend.reference, ""))
+    with pytest.warns(RuntimeWarning, match="native kernels are unavailable"):
+        assert registry.kernel("amax", registry.ANY, "cpu") is registry.REFERENCE["amax"]
+    monkeypatch.setenv("ENGINE_BACKEND", "native")
+    with pytest.raises(RuntimeError, match="ENGINE_BACKEND=native"):
+        registry.kernel("amax", registry.ANY, "cpu")
+
+
+ROW_SCHEME = Scheme("row", torch.float8_e4m3fn, ScaleEncoding.FP32_POW2, Block(1, 0), Block(0, 1), True)
+
+
+def test_a_new_scheme_lands_as_data_and_its_reference(monkeypatch, fresh_registry):
+    """Per-row power-of-2 scales: a registry entry and the generic reference are all it takes."""
+    monkeypatch.setitem(SCHEMES, ROW_SCHEME.name, ROW_SCHEME)
+    x, w = torch.randn(24, 96) * torch.arange(1, 25)[:, None], torch.randn(40, 96)
+    with pytest.warns(RuntimeWarning, match="reference runs"):
+        xb, _ = qops.quantize(x, ROW_SCHEME, rowwise=True, columnwise=True)
+        wb, _ = qops.quantize(w, ROW_SCHEME, rowwise=True, columnwise=False)
+    assert xb["rowwise_scale_inv"].shape == (24, 1) and xb["columnwise_scale_inv"].shape == (96, 1)
+    xs = QuantizedTensorBase(scheme=ROW_SCHEME, shape=x.shape, nominal_dtype=x.dtype, **xb)
+    ws = QuantizedTensorBase(scheme=ROW_SCHEME, shape=w.shape, nominal_dtype=w.dtype, **wb)
+    # each row's largest |x| lands on E4M3's top binade: the per-row scale is 448 / amax, rounded down to 2^k
+    row_max = xs.rowwise_data.float().abs().amax(1)
+    assert ((row_max >= 224) & (row_max <= 448)).all()
+    value = dequantize_blocked(xs.rowwise_data, xs.rowwise_scale_inv, ROW_SCHEME, shape=x.shape)
+    # E4M3 rounding: half an ulp (2^-4 relative) for normals, half the smallest subnormal step (2^-10) below
+    assert ((value - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * xs.rowwise_scale_inv).all()
+    got = general_gemm(xs, ws, out_dtype=torch.float32)
+    want = xs.dequantize(torch.float64) @ ws.dequantize(torch.float64).t()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
