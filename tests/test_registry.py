@@ -25,7 +25,7 @@ import torch
 from engine.gemm import general_gemm
 from engine.ops import backend, registry
 from engine.ops import quantize as qops
-from engine.ops.blocked import dequantize_blocked
+from engine.ops.reference import dequantize_blocked
 from engine.schemes import SCHEMES, Block, ScaleEncoding, Scheme
 from engine.tensors.storage import QuantizedTensorBase
 

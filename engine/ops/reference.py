@@ -28,11 +28,10 @@ import math
 import torch
 
 from engine.formats import fp8_max
+from engine.schemes import BLOCK_128, MX_BLOCK, ScaleEncoding, Scheme, fp8_scheme  # noqa: F401 (re-exported)
 
 FLT_MAX = torch.finfo(torch.float32).max
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_128 = 128
-MX_BLOCK = 32
 E8M0_NAN = 0xFF
 E8M0_BIAS = 127
 FP8_NAN = 0x7F  # the canonical FP8 NaN code (E4M3 and E5M2)
@@ -101,11 +100,116 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(scale, dtype=torch.float32) / scale.float()
 
 
-# -------------------------------------------------------------- per-tensor (delayed and current)
+# ------------------------------------------------------------------------ the one blocked rule
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_tiles(
+    x2d: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    tile_rows: int,
+    tile_cols: int,
+    encoding: ScaleEncoding = ScaleEncoding.FP32,
+    scale: torch.Tensor | None = None,
+    amax_epsilon: float = 0.0,
+    value_for_inf: float = FLT_MAX,
+    scale_mode: str = "rceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2D tensor in tiles of `tile_rows x tile_cols` (0 = the whole dim), one scale per tile.
+
+    Each tile's scale is the given `scale` (one per tensor), or comes from the tile's amax:
+    E8M0 codes by `scale_mode`, otherwise the current-scaling rule (`compute_scale`, power of
+    2 for a power-of-2 encoding). Then q = sat_rne(x * scale). Edge tiles are partial (the
+    tensor is zero-padded for the amax, which zeros cannot change). Returns (data `[M, K]`,
+    scale_inv `[ceil(M/tile_rows), ceil(K/tile_cols)]`: fp32, or uint8 E8M0 codes).
+    """
+    m, k = x2d.shape
+    tr, tc = tile_rows or m, tile_cols or k
+    gr, gc = (_ceil_div(m, tr) if tile_rows else 1), (_ceil_div(k, tc) if tile_cols else 1)
+    tiles = _pad_to(x2d.float(), gr * tr, gc * tc).reshape(gr, tr, gc, tc)
+    if scale is None:
+        tile_amax = tiles.abs().amax(dim=(1, 3)) if tiles.numel() else torch.zeros(gr, gc, device=x2d.device)
+    if encoding is ScaleEncoding.E8M0:
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode: expected one of {sorted(SCALE_MODES)}, got {scale_mode!r}")
+        scale_inv = SCALE_MODES[scale_mode](tile_amax, fp8_dtype)
+        multiplier = e8m0_to_element_scale(scale_inv)
+    else:
+        if scale is None:
+            scale = compute_scale(tile_amax, fp8_dtype, force_pow_2_scales=encoding.is_pow2,
+                                  amax_epsilon=amax_epsilon, value_for_inf=value_for_inf)
+        multiplier = scale.float().reshape(gr, gc)
+        scale_inv = reciprocal(multiplier)
+    q = cast_to_fp8(tiles * multiplier[:, None, :, None], fp8_dtype)
+    return q.reshape(gr * tr, gc * tc)[:m, :k].contiguous(), scale_inv
+
+
+def quantize_blocked(
+    x: torch.Tensor,
+    scheme: Scheme,
+    *,
+    columnwise: bool = False,
+    scale: torch.Tensor | None = None,
+    amax_epsilon: float = 0.0,
+    scale_mode: str = "rceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized by `scheme` for one usage: (data, scale_inv) as the scheme stores them.
+
+    The usage's blocks come from the scheme (transposed data for a transposed columnwise
+    layout); scales are a given per-tensor `scale` (delayed scaling) or come from each block
+    (`quantize_tiles`; a scale that overflows becomes FLT_MAX for a whole tensor and the input
+    dtype's max for a block, as TE does).
+    """
+    check_input(x)
+    x2d = as_2d(x)
+    transposed = columnwise and scheme.columnwise_transposed
+    block = scheme.stored_block(columnwise)
+    data, scale_inv = quantize_tiles(
+        x2d.t() if transposed else x2d, scheme.element, tile_rows=block.rows, tile_cols=block.cols,
+        encoding=scheme.scale, scale=scale, amax_epsilon=amax_epsilon, scale_mode=scale_mode,
+        value_for_inf=FLT_MAX if block.is_tensor else block_value_for_inf(x.dtype))
+    return (data if transposed else data.reshape(x.shape)), scale_inv.reshape(scheme.scale_shape(x.shape, columnwise))
+
+
+def dequantize_block(
+    data: torch.Tensor, scale_inv: torch.Tensor, *, tile_rows: int, tile_cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """2D data times its fp32 scale_inv per `tile_rows x tile_cols` tile (0 = the whole dim)."""
+    m, k = data.shape
+    tr, tc = tile_rows or max(m, 1), tile_cols or max(k, 1)
+    grid = scale_inv.float().reshape(_ceil_div(m, tr) if tile_rows else 1, _ceil_div(k, tc) if tile_cols else 1)
+    expanded = grid.repeat_interleave(tr, 0)[:m].repeat_interleave(tc, 1)[:, :k]
+    return (data.float() * expanded).to(dtype)
+
+
+def dequantize_blocked(
+    data: torch.Tensor, scale_inv: torch.Tensor, scheme: Scheme, *, shape: torch.Size, columnwise: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The value of one usage's (data, scale_inv), with the tensor's `shape`: each block times its scale."""
+    transposed = columnwise and scheme.columnwise_transposed
+    block = scheme.stored_block(columnwise)
+    factors = e8m0_to_float(scale_inv) if scheme.scale is ScaleEncoding.E8M0 else scale_inv
+    value = dequantize_block(data if transposed else as_2d(data), factors, tile_rows=block.rows,
+                             tile_cols=block.cols, dtype=dtype)
+    return (value.t().contiguous() if transposed else value).reshape(shape)
+
+
+def block_value_for_inf(dtype: torch.dtype) -> float:
+    """A tile scale that overflows fp32 becomes the input dtype's max (as TE does)."""
+    return torch.finfo(dtype).max
+
+
+# ------------------------------------------------------ today's schemes, as instances of the rule
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """q = sat_rne(x * scale), same shape as x. `scale` is a 1-element fp32 tensor."""
-    check_input(x)
-    return cast_to_fp8(x.float() * scale.float().reshape(()), fp8_dtype)
+    return quantize_blocked(x, fp8_scheme("tensor", fp8_dtype), scale=scale)[0]
 
 
 def transpose_2d(data: torch.Tensor) -> torch.Tensor:
@@ -127,60 +231,22 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: to
 
 
 def quantize_current_scaling(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    force_pow_2_scales: bool = False,
-    amax_epsilon: float = 0.0,
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, force_pow_2_scales: bool = False, amax_epsilon: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor scale from this tensor's own amax. Returns (data, scale_inv, amax)."""
-    check_input(x)
-    a = amax(x)
-    scale = compute_scale(a, fp8_dtype, force_pow_2_scales=force_pow_2_scales, amax_epsilon=amax_epsilon)
-    return quantize_per_tensor(x, scale, fp8_dtype), reciprocal(scale), a
-
-
-# ------------------------------------------------------------------------- float8 block scaling
-def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+    scheme = fp8_scheme("tensor", fp8_dtype, pow2=force_pow_2_scales)
+    data, scale_inv = quantize_blocked(x, scheme, amax_epsilon=amax_epsilon)
+    return data, scale_inv, amax(x)
 
 
 def quantize_block(
-    x2d: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    tile_rows: int,
-    tile_cols: int,
-    force_pow_2_scales: bool = True,
-    amax_epsilon: float = 0.0,
-    value_for_inf: float = FLT_MAX,
+    x2d: torch.Tensor, fp8_dtype: torch.dtype, *, tile_rows: int, tile_cols: int, force_pow_2_scales: bool = True,
+    amax_epsilon: float = 0.0, value_for_inf: float = FLT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2D tensor in tiles of `tile_rows x tile_cols`, one scale per tile.
-
-    Edge tiles are partial (the tensor is zero-padded for the amax, which zeros cannot
-    change). Returns (data `[M, K]`, scale_inv fp32 `[ceil(M/tile_rows), ceil(K/tile_cols)]`).
-    """
-    m, k = x2d.shape
-    tm, tk = _ceil_div(m, tile_rows), _ceil_div(k, tile_cols)
-    padded = _pad_to(x2d.float(), tm * tile_rows, tk * tile_cols)
-    tiles = padded.reshape(tm, tile_rows, tk, tile_cols)
-    tile_amax = tiles.abs().amax(dim=(1, 3)) if padded.numel() else torch.zeros(tm, tk)
-    scale = compute_scale(
-        tile_amax, fp8_dtype, force_pow_2_scales=force_pow_2_scales,
-        amax_epsilon=amax_epsilon, value_for_inf=value_for_inf,
-    )
-    q = cast_to_fp8(tiles * scale[:, None, :, None], fp8_dtype)
-    data = q.reshape(tm * tile_rows, tk * tile_cols)[:m, :k].contiguous()
-    return data, reciprocal(scale)
-
-
-def block_value_for_inf(dtype: torch.dtype) -> float:
-    """A tile scale that overflows fp32 becomes the input dtype's max (as TE does)."""
-    return torch.finfo(dtype).max
+    """Float8 block scaling of a 2D tensor in `tile_rows x tile_cols` tiles: (data [M, K], fp32 scale_inv)."""
+    encoding = ScaleEncoding.FP32_POW2 if force_pow_2_scales else ScaleEncoding.FP32
+    return quantize_tiles(x2d, fp8_dtype, tile_rows=tile_rows, tile_cols=tile_cols, encoding=encoding,
+                          amax_epsilon=amax_epsilon, value_for_inf=value_for_inf)
 
 
 def quantize_block_1d(
@@ -192,14 +258,9 @@ def quantize_block_1d(
     Columnwise: the same rule on the transposed tensor, i.e. 128x1 tiles of x running
     along M: data `[K, M]`, scale_inv `[K, ceil(M/128)]`.
     """
-    check_input(x)
-    x2d = as_2d(x)
-    if columnwise:
-        x2d = x2d.t()
-    return quantize_block(
-        x2d, fp8_dtype, tile_rows=1, tile_cols=BLOCK_128, force_pow_2_scales=force_pow_2_scales,
-        amax_epsilon=amax_epsilon, value_for_inf=block_value_for_inf(x.dtype),
-    )
+    data, scale_inv = quantize_blocked(x, fp8_scheme("block1d", fp8_dtype, pow2=force_pow_2_scales),
+                                       columnwise=columnwise, amax_epsilon=amax_epsilon)
+    return as_2d(data), scale_inv
 
 
 def quantize_block_2d(
@@ -211,23 +272,9 @@ def quantize_block_2d(
     Square tiles map onto themselves under transposition, so the columnwise form is
     exactly the transpose of the rowwise data and scales (`[K, M]`, `[ceil(K/128), ceil(M/128)]`).
     """
-    check_input(x)
-    data, scale_inv = quantize_block(
-        as_2d(x), fp8_dtype, tile_rows=BLOCK_128, tile_cols=BLOCK_128, force_pow_2_scales=force_pow_2_scales,
-        amax_epsilon=amax_epsilon, value_for_inf=block_value_for_inf(x.dtype),
-    )
-    if columnwise:
-        return data.t().contiguous(), scale_inv.t().contiguous()
-    return data, scale_inv
-
-
-def dequantize_block(
-    data: torch.Tensor, scale_inv: torch.Tensor, *, tile_rows: int, tile_cols: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Inverse of `quantize_block` on 2D data (each tile times its scale_inv)."""
-    m, k = data.shape
-    expanded = scale_inv.float().repeat_interleave(tile_rows, 0)[:m].repeat_interleave(tile_cols, 1)[:, :k]
-    return (data.float() * expanded).to(dtype)
+    data, scale_inv = quantize_blocked(x, fp8_scheme("block2d", fp8_dtype, pow2=force_pow_2_scales),
+                                       columnwise=columnwise, amax_epsilon=amax_epsilon)
+    return as_2d(data), scale_inv
 
 
 # ----------------------------------------------------------------------------------- MXFP8
@@ -302,35 +349,15 @@ def quantize_mxfp8(
     transposed), scales are `[ceil(M/32), K]`. A dim that is not a multiple of 32 ends in
     a partial block, whose scale comes from the elements it has (the same as zero padding).
     """
-    check_input(x)
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode: expected one of {sorted(SCALE_MODES)}, got {scale_mode!r}")
-    x2d = as_2d(x).float()
-    if columnwise:
-        x2d = x2d.t()
-    rows, cols = x2d.shape
-    nblocks = mx_blocks(cols)
-    blocks = _pad_to(x2d, rows, nblocks * MX_BLOCK).reshape(rows, nblocks, MX_BLOCK)
-    block_amax = blocks.abs().amax(dim=2) if blocks.numel() else torch.zeros(rows, nblocks)
-    codes = SCALE_MODES[scale_mode](block_amax, fp8_dtype)
-    q = cast_to_fp8(blocks * e8m0_to_element_scale(codes)[:, :, None], fp8_dtype)
-    q = q.reshape(rows, nblocks * MX_BLOCK)[:, :cols]
-    if columnwise:
-        return q.t().contiguous().reshape(x.shape), codes.t().contiguous()
-    return q.contiguous().reshape(x.shape), codes
+    return quantize_blocked(x, fp8_scheme("mx", fp8_dtype), columnwise=columnwise, scale_mode=scale_mode)
 
 
 def dequantize_mxfp8(
     data: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype, columnwise: bool = False
 ) -> torch.Tensor:
     """data * 2^(code - 127) per block; `columnwise` selects 32x1 blocks."""
-    d2 = as_2d(data)
-    factors = e8m0_to_float(scale)
-    if columnwise:
-        factors = factors.repeat_interleave(MX_BLOCK, 0)[: d2.shape[0]]
-    else:
-        factors = factors.repeat_interleave(MX_BLOCK, 1)[:, : d2.shape[1]]
-    return (d2.float() * factors).to(dtype).reshape(data.shape)
+    scheme = fp8_scheme("mx", data.dtype)
+    return dequantize_blocked(data, scale, scheme, shape=data.shape, columnwise=columnwise, dtype=dtype)
 
 
 def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from engine.ops import backend
 from engine.ops import reference as ref
-from engine.ops.blocked import quantize_blocked
+from engine.ops.reference import quantize_blocked
 from engine.schemes import Scheme
 
 Buffers = dict[str, "torch.Tensor | None"]

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.ops import reference as ref
-from engine.ops.blocked import dequantize_blocked
+from engine.ops.reference import dequantize_blocked
 from engine.schemes import ScaleEncoding, Scheme, dims_2d, fp8_scheme
 
 BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
