@@ -2,8 +2,9 @@
 
 `make_quantizer(kind, ...)` builds one of the quantizer kinds the tests parametrize over;
 `reference_buffers(kind, x, ...)` computes the four buffers with `engine.ops.reference`
-called directly (never through the quantizer); `expected_layout` is the README's buffer
-layout table written out by hand.
+called directly (never through the quantizer); `brute_dequantize` dequantizes buffers with
+the independent tests/brute_force.py; `expected_layout` is the README's buffer layout table
+written out by hand.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import pytest
 import torch
 
+import brute_force
 from engine.ops import reference as ref
 from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
 
@@ -107,25 +109,41 @@ def reference_buffers(kind: str, x: torch.Tensor, *, rowwise: bool = True, colum
     return out
 
 
-def reference_dequantize(kind: str, buffers: dict, shape, dtype: torch.dtype, *, from_columnwise: bool = False):
-    """Dequantization of reference buffers with engine.ops.reference directly."""
-    shape = torch.Size(shape)
-    if not from_columnwise:
-        data, sinv = buffers["rowwise_data"], buffers["rowwise_scale_inv"]
-        if kind in PER_TENSOR:
-            return ref.dequantize_per_tensor(data, sinv, dtype)
-        if kind in ("block1d", "block2d"):
-            tr = 1 if kind == "block1d" else 128
-            return ref.dequantize_block(data.reshape(-1, shape[-1]), sinv, tile_rows=tr, tile_cols=128,
-                                        dtype=dtype).reshape(shape)
-        return ref.dequantize_mxfp8(data, sinv, dtype=dtype)
-    data, sinv = buffers["columnwise_data"], buffers["columnwise_scale_inv"]
-    if kind in PER_TENSOR:
-        return ref.dequantize_per_tensor(data, sinv, dtype).t().reshape(shape)
-    if kind in ("block1d", "block2d"):
-        tr = 1 if kind == "block1d" else 128
-        return ref.dequantize_block(data, sinv, tile_rows=tr, tile_cols=128, dtype=dtype).t().reshape(shape)
-    return ref.dequantize_mxfp8(data, sinv, dtype=dtype, columnwise=True)
+#: the README layout of each kind's buffers, and the scale rule brute_force checks it against
+KIND_LAYOUT = {**dict.fromkeys(PER_TENSOR, "tensor"), "block1d": "block1d", "block2d": "block2d",
+               **dict.fromkeys(MX, "mx")}
+KIND_RULE = {"delayed_e4m3": "delayed", "delayed_e5m2": "delayed", "current_e4m3": "current",
+             "current_e5m2": "current", "block1d": "current_pow2", "block2d": "current_pow2",
+             "mx_rceil": "rceil", "mx_floor": "floor"}
+
+
+def brute_dequantize(kind: str, buffers: dict, shape, dtype: torch.dtype, *, from_columnwise: bool = False):
+    """One usage of `buffers` dequantized by tests/brute_force.py (exact, then fp32, then `dtype`)."""
+    usage = "columnwise" if from_columnwise else "rowwise"
+    exact = brute_force.dequantize(buffers[f"{usage}_data"], buffers[f"{usage}_scale_inv"], layout=KIND_LAYOUT[kind],
+                                   shape=tuple(shape), columnwise=from_columnwise)
+    return brute_force.as_dtype(exact, dtype)
+
+
+def special_input(shape, dtype=torch.float32, seed: int = 0, *, nonfinite: bool = False) -> torch.Tensor:
+    """`make_input` with edge values written into it: signed zeros, subnormals of `dtype`, +-max of
+    `dtype`, values at and beyond the FP8 maxima, a zero row; with `nonfinite`, +-inf and NaN too.
+
+    The specials sit in the first rows and columns, so blocks elsewhere keep ordinary values.
+    """
+    x = make_input(shape, torch.float32, seed).to(dtype)
+    x2d = x.view(-1, shape[-1])
+    fi = torch.finfo(dtype)
+    tiny_sub = fi.smallest_normal * fi.eps  # the smallest subnormal: 2^-(mantissa bits) of the smallest normal
+    specials = [0.0, -0.0, tiny_sub, -tiny_sub, fi.smallest_normal / 3, -fi.smallest_normal * 0.75,
+                fi.max, -fi.max, 448.0, -464.0, 480.0, 57344.0, -61440.0, 1e-3, 2.0 ** -10]
+    if nonfinite:
+        specials += [math.inf, -math.inf, math.nan]
+    k = shape[-1]
+    for n, v in enumerate(specials):
+        x2d[(n * 5) % x2d.shape[0], (n * 37) % k] = v
+    x2d[min(3, x2d.shape[0] - 1)] = 0.0  # a zero row: blocks of all zeros
+    return x
 
 
 def expected_layout(kind: str, shape, fp8_dtype: torch.dtype = E4M3, *, rowwise: bool = True,

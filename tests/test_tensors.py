@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import warnings
 
 import pytest
 import torch
 
+import brute_force
 from conftest import (
-    DELAYED_SCALE, E4M3, FIELDS, MX, PER_TENSOR, USAGES, assert_buffers_equal, bits, expected_layout,
-    kind_fp8_dtype, kind_shapes, make_input, make_quantizer, reference_buffers, reference_dequantize, storage_of,
+    DELAYED_SCALE, DTYPES, E4M3, E5M2, FIELDS, KIND_LAYOUT, KIND_RULE, MX, PER_TENSOR, USAGES, assert_buffers_equal,
+    bits, brute_dequantize, expected_layout, kind_fp8_dtype, kind_shapes, make_input, make_quantizer,
+    reference_buffers, special_input, storage_of,
 )
-from engine.quantizers import Float8Quantizer
+from engine.ops.blocked import dequantize_blocked, quantize_blocked
+from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
+from engine.schemes import SCHEMES, ScaleEncoding
 from engine.tensors import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedFallbackWarning, QuantizedTensor,
     QuantizedTensorBase,
@@ -171,26 +176,144 @@ def test_saving_inside_autograd_function(kind, internal):
     assert len(seen["rest"]) == 1 and seen["rest"][0] is not None and torch.equal(seen["rest"][0], w)
     assert_buffers_equal(seen["buffers"], want)
     # dL/dx = grad * dequantize(q(x)) with grad = 1
-    assert torch.equal(x.grad, reference_dequantize(kind, want, shape, torch.float32))
+    assert torch.equal(x.grad, brute_dequantize(kind, want, shape, torch.float32))
     assert torch.equal(w.grad, torch.full(shape, 2.0))
 
 
 # ============================================================================ dequantize
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+# partial 128-tiles and 32-blocks along both dims, 2D and 3D (one full-size case per kind below)
+SMALL, THREE_D, BIG = (33, 130), (3, 70, 130), (256, 256)
+
+
+def edge_inputs(shape, dtype, *, all_kinds: bool = True) -> list[torch.Tensor]:
+    """Edge values (zeros, subnormals, +-max, saturating) with +-inf and NaN; with `all_kinds` also ordinary
+    values, the edge values without inf/NaN, and only zeros and subnormals (scales that overflow fp32)."""
+    inputs = [special_input(shape, dtype, seed=3, nonfinite=True)]
+    if all_kinds:
+        tiny = torch.zeros(shape, dtype=dtype)
+        sub = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+        tiny.view(-1)[::7] = sub
+        tiny.view(-1)[3::11] = -sub * 5
+        inputs += [make_input(shape, dtype, seed=1), special_input(shape, dtype, seed=2), tiny]
+    return inputs
+
+
+def brute_cases(dtype, *, big: bool = False):
+    """(shape, input) pairs: every kind of input on the small shape, edge values on the 3D one."""
+    cases = [(SMALL, x) for x in edge_inputs(SMALL, dtype)]
+    cases += [(THREE_D, x) for x in edge_inputs(THREE_D, dtype, all_kinds=False)]
+    return cases + ([(BIG, make_input(BIG, dtype, seed=4))] if big else [])
+
+
+def one_usage(st, columnwise: bool):
+    """The storage with only one usage's buffers (what dequantize reads then)."""
+    drop = "rowwise" if columnwise else "columnwise"
+    return st.replace(**{f"{drop}_data": None, f"{drop}_scale_inv": None})
+
+
+def test_brute_force_decodes_and_rounds_like_the_format_definitions():
+    """tests/brute_force.py itself: its decoding against torch's FP8/E8M0 dtypes and known values,
+    and its nearest-code search against torch's saturated RNE cast on midpoints and neighbours."""
+    for element, dtype, top, top_code, tiny in (("e4m3", E4M3, 448.0, 0x7E, 2.0**-9),
+                                                ("e5m2", E5M2, 57344.0, 0x7B, 2.0**-16)):
+        table = brute_force.fp8_table(element)
+        by_torch = torch.arange(256, dtype=torch.uint8).view(dtype).double()
+        brute_force.assert_same_values(table, by_torch, element)
+        assert table[top_code] == top and table[0x80 | top_code] == -top and table[1] == tiny
+        assert brute_force.fp8_max(element) == top
+        finite = table[:128][torch.isfinite(table[:128])]
+        mids = (finite[1:] + finite[:-1]) / 2  # ties: RNE picks the even code
+        probes = torch.cat([finite, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                            torch.tensor([top * 1.04, top * 1.1, 1e30, math.inf])])
+        probes = torch.cat([probes, -probes, torch.tensor([math.nan])]).float().double()  # fp32 values
+        want = probes.float().clamp(-top, top).to(dtype).view(torch.uint8).long()
+        got = brute_force.nearest_codes(probes, element)
+        nan = torch.isnan(probes)
+        assert torch.equal(got[~nan], want[~nan]) and bool((got[nan] == 255).all())
+        assert brute_force.fp8_emax(element) == {"e4m3": 8, "e5m2": 15}[element]
+    e8m0 = brute_force.e8m0_table()
+    brute_force.assert_same_values(e8m0, torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).double(),
+                                   "e8m0")
+    assert e8m0[127] == 1.0 and e8m0[0] == 2.0**-127 and e8m0[254] == 2.0**127 and math.isnan(e8m0[255])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("usage", ["row", "col", "both"])
-def test_dequantize_matches_reference(kind, usage, dtype):
+def test_dequantize_matches_brute_force(kind, usage, dtype):
+    """dequantize() is each element's code times its block's scale, read by the README's layout rules."""
     rowwise, columnwise = USAGES[usage]
-    for i, shape in enumerate(kind_shapes(kind)):
-        x = make_input(shape, dtype, seed=i)
+    for shape, x in brute_cases(dtype, big=dtype == torch.bfloat16):
         t = make_quantizer(kind, rowwise=rowwise, columnwise=columnwise)(x)
-        want_bufs = reference_buffers(kind, x)
-        want = reference_dequantize(kind, want_bufs, shape, dtype, from_columnwise=not rowwise)
+        st = t.qstorage
+        exact = {col: brute_force.dequantize(getattr(st, f"{u}_data"), getattr(st, f"{u}_scale_inv"),
+                                             layout=KIND_LAYOUT[kind], shape=shape, columnwise=col)
+                 for u, col, on in (("rowwise", False, rowwise), ("columnwise", True, columnwise)) if on}
         got = t.dequantize()
         assert type(got) is torch.Tensor and got.dtype == dtype and got.shape == torch.Size(shape)
-        assert torch.equal(got, want)
-        want32 = reference_dequantize(kind, want_bufs, shape, torch.float32, from_columnwise=not rowwise)
-        assert torch.equal(t.dequantize(torch.float32), want32)
-        assert torch.equal(t.qstorage.dequantize(torch.float32), want32)
+        first = exact[not rowwise]  # rowwise data when present
+        brute_force.assert_same_values(got, brute_force.as_dtype(first, dtype), f"{kind} {usage} {dtype} {shape}")
+        for out in (torch.float32, torch.float64):
+            brute_force.assert_same_values(st.dequantize(out), brute_force.as_dtype(first, out), f"{kind} {out}")
+        if usage == "both":  # the columnwise buffers alone
+            brute_force.assert_same_values(one_usage(st, True).dequantize(torch.float32),
+                                           brute_force.as_dtype(exact[True], torch.float32), f"{kind} columnwise")
+
+
+# quantizers beyond conftest.KINDS whose scale rules differ: (quantizer, layout, rule)
+RULE_CASES = {
+    "current_e4m3_pow2": (lambda: Float8CurrentScalingQuantizer(E4M3, force_pow_2_scales=True), "tensor",
+                          "current_pow2"),
+    "block1d_e5m2_f32": (lambda: Float8BlockQuantizer(E5M2, force_pow_2_scales=False), "block1d", "current"),
+    "block2d_f32": (lambda: Float8BlockQuantizer(E4M3, block_scaling_dim=2, force_pow_2_scales=False), "block2d",
+                    "current"),
+    "mx_rceil_e5m2": (lambda: MXFP8Quantizer(E5M2), "mx", "rceil"),
+    "mx_floor_e5m2": (lambda: MXFP8Quantizer(E5M2, scale_mode="floor"), "mx", "floor"),
+    **{k: (lambda k=k: make_quantizer(k), KIND_LAYOUT[k], KIND_RULE[k]) for k in KIND_RULE},
+}
+
+
+@pytest.mark.parametrize("case, dtype", [pytest.param(case, dtype, id=f"{case}-{str(dtype)[6:]}")
+                                         for case in RULE_CASES for dtype in DTYPES
+                                         if case in KIND_RULE or dtype != torch.float16])  # time: extras skip fp16
+def test_quantized_codes_are_nearest_and_scales_follow_the_rule(case, dtype):
+    """Each block's scale_inv is the documented rule's (current scaling, power-of-2, E8M0 RCEIL/FLOOR, or
+    the delayed scale); each code is the round-to-nearest-even, saturating code of x times that scale."""
+    make, layout, rule = RULE_CASES[case]
+    for shape, x in brute_cases(dtype, big=dtype == torch.bfloat16 and case in KIND_RULE):
+        st = make()(x).qstorage
+        for columnwise in (False, True):
+            usage = "columnwise" if columnwise else "rowwise"
+            brute_force.check_quantized(x, getattr(st, f"{usage}_data"), getattr(st, f"{usage}_scale_inv"),
+                                        layout=layout, rule=rule, columnwise=columnwise, scale=DELAYED_SCALE)
+
+
+GENERIC_CASES = [(name, mode) for name, scheme in SCHEMES.items()
+                 for mode in (("rceil", "floor") if scheme.scale is ScaleEncoding.E8M0 else ("",))]
+GENERIC_CASES += [(name, "delayed") for name, scheme in SCHEMES.items() if scheme.layout == "tensor"]
+
+
+@pytest.mark.parametrize("name, mode", GENERIC_CASES, ids=[f"{n}-{m}" if m else n for n, m in GENERIC_CASES])
+def test_generic_reference_of_every_scheme_follows_the_rules(name, mode):
+    """quantize_blocked / dequantize_blocked (the reference every scheme's storage dequantizes with) against
+    the brute-force rules: README buffer shapes, scale rules, nearest codes, and exact values."""
+    scheme = SCHEMES[name]
+    if mode in ("rceil", "floor", "delayed"):
+        rule = mode
+    else:
+        rule = "current_pow2" if scheme.scale is ScaleEncoding.FP32_POW2 else "current"
+    extra = {"scale_mode": mode} if mode in ("rceil", "floor") else {}
+    if mode == "delayed":
+        extra = {"scale": torch.tensor([DELAYED_SCALE])}
+    for shape, dtype in ((SMALL, torch.float32), (THREE_D, torch.bfloat16)):
+        x = special_input(shape, dtype, seed=5, nonfinite=True)
+        for columnwise in (False, True):
+            data, scale_inv = quantize_blocked(x, scheme, columnwise=columnwise, **extra)
+            brute_force.check_quantized(x, data, scale_inv, layout=scheme.layout, rule=rule, columnwise=columnwise,
+                                        scale=DELAYED_SCALE)
+            exact = brute_force.dequantize(data, scale_inv, layout=scheme.layout, shape=shape, columnwise=columnwise)
+            got = dequantize_blocked(data, scale_inv, scheme, shape=torch.Size(shape), columnwise=columnwise,
+                                     dtype=dtype)
+            brute_force.assert_same_values(got, brute_force.as_dtype(exact, dtype), f"{name} {shape}")
 
 
 @pytest.mark.parametrize("kind", DERIVABLE)
@@ -331,7 +454,7 @@ def test_copy_from_other_kind_or_settings_requantizes(src_kind, dst_kind):
     before = ptrs(dst)
     with no_warnings():
         assert dst.copy_(src) is dst
-    src_value = reference_dequantize(src_kind, reference_buffers(src_kind, x), shape, torch.float32)
+    src_value = brute_dequantize(src_kind, reference_buffers(src_kind, x), shape, torch.float32)
     assert type(dst) is TENSOR_CLASS[dst_kind] and dst.fp8_dtype == kind_fp8_dtype(dst_kind)
     assert_buffers_equal(dst.qstorage.buffers(), reference_buffers(dst_kind, src_value))
     assert ptrs(dst) == before  # into the existing buffers
@@ -355,7 +478,7 @@ def test_copy_into_plain_tensor_dequantizes(kind, dtype):
     with no_warnings():
         plain.copy_(t)
     assert type(plain) is torch.Tensor
-    want = reference_dequantize(kind, reference_buffers(kind, x), x.shape, dtype).float()
+    want = brute_dequantize(kind, reference_buffers(kind, x), x.shape, dtype).float()
     assert torch.equal(plain, want)
 
 
@@ -367,7 +490,7 @@ def test_to_dtype_dequantizes(kind, nominal, target):
     with no_warnings():
         out = t.to(target)
     assert type(out) is torch.Tensor and out.dtype == target
-    assert torch.equal(out, reference_dequantize(kind, reference_buffers(kind, x), x.shape, target))
+    assert torch.equal(out, brute_dequantize(kind, reference_buffers(kind, x), x.shape, target))
 
 
 def test_to_device_copy(kind):
@@ -429,7 +552,7 @@ def test_view_changing_last_dim_falls_back(kind):
     with pytest.warns(QuantizedFallbackWarning):
         v = t.view(new_shape)
     assert type(v) is torch.Tensor
-    assert torch.equal(v, reference_dequantize(kind, reference_buffers(kind, x), shape, torch.float32).view(new_shape))
+    assert torch.equal(v, brute_dequantize(kind, reference_buffers(kind, x), shape, torch.float32).view(new_shape))
 
 
 @pytest.mark.parametrize("kind", ["current_e4m3", "delayed_e5m2", "block1d", "block2d"])
@@ -438,7 +561,7 @@ def test_reshape_changing_last_dim_of_columnwise_only_tensor(kind):
     shape = (3, 70, 130)
     x = make_input(shape)
     t = make_quantizer(kind, rowwise=False)(x)
-    want = reference_dequantize(kind, reference_buffers(kind, x), shape, torch.float32, from_columnwise=True)
+    want = brute_dequantize(kind, reference_buffers(kind, x), shape, torch.float32, from_columnwise=True)
     with pytest.warns(QuantizedFallbackWarning):
         v = t.reshape(3, 130, 70)
     assert torch.equal(v, want.reshape(3, 130, 70))
@@ -472,7 +595,7 @@ def test_t_on_other_schemes_falls_back(kind):
     t = make_quantizer(kind)(x)
     with pytest.warns(QuantizedFallbackWarning):
         tt = t.t()
-    assert torch.equal(tt, reference_dequantize(kind, reference_buffers(kind, x), x.shape, torch.float32).t())
+    assert torch.equal(tt, brute_dequantize(kind, reference_buffers(kind, x), x.shape, torch.float32).t())
 
 
 @pytest.mark.parametrize("usage", ["row", "col", "both"])
@@ -499,7 +622,7 @@ def test_empty_like_and_new_empty(kind, usage):
 def test_fallback_add(kind):
     x = make_input(kind_shapes(kind)[0])
     t = make_quantizer(kind)(x)
-    deq = reference_dequantize(kind, reference_buffers(kind, x), x.shape, torch.float32)
+    deq = brute_dequantize(kind, reference_buffers(kind, x), x.shape, torch.float32)
     with pytest.warns(QuantizedFallbackWarning, match="add"):
         out = torch.add(t, 1.5)
     assert type(out) is torch.Tensor and torch.equal(out, deq + 1.5)
@@ -512,7 +635,7 @@ def test_fallback_matmul(kind):
     shape = kind_shapes(kind)[0]  # 2D
     x = make_input(shape)
     t = make_quantizer(kind)(x)
-    deq = reference_dequantize(kind, reference_buffers(kind, x), shape, torch.float32)
+    deq = brute_dequantize(kind, reference_buffers(kind, x), shape, torch.float32)
     w = make_input((shape[1], 8), seed=5)
     with pytest.warns(QuantizedFallbackWarning):
         out = t @ w
@@ -526,7 +649,7 @@ def test_fallback_matmul(kind):
 def test_fallback_reduction_and_indexing(kind):
     x = make_input(kind_shapes(kind)[1])
     t = make_quantizer(kind)(x)
-    deq = reference_dequantize(kind, reference_buffers(kind, x), x.shape, torch.float32)
+    deq = brute_dequantize(kind, reference_buffers(kind, x), x.shape, torch.float32)
     with pytest.warns(QuantizedFallbackWarning):
         s = t.abs().amax()
     assert s.item() == deq.abs().amax().item()
@@ -544,7 +667,7 @@ def test_inplace_update_writes_back_quantized_without_warning(kind):
     assert r is t and type(t) is TENSOR_CLASS[kind]
     # stored as the quantization of 2 * old (2 * old is exact in fp32)
     assert_buffers_equal(t.qstorage.buffers(), reference_buffers(kind, old * 2))
-    assert torch.equal(t.dequantize(), reference_dequantize(kind, reference_buffers(kind, old * 2), x.shape,
+    assert torch.equal(t.dequantize(), brute_dequantize(kind, reference_buffers(kind, old * 2), x.shape,
                                                             torch.float32))
 
 
@@ -739,7 +862,7 @@ def test_parameter_keeps_class(kind):
     assert [id(a) for a in m.parameters()] == [id(p)]
     p.dequantize().sum().backward()
     assert torch.equal(p.grad, torch.ones(x.shape))
-    assert torch.equal(p.dequantize(), reference_dequantize(kind, reference_buffers(kind, x), x.shape,
+    assert torch.equal(p.dequantize(), brute_dequantize(kind, reference_buffers(kind, x), x.shape,
                                                             torch.float32))
 
 
