@@ -17,7 +17,7 @@ from conftest import (
     bits, brute_dequantize, expected_layout, kind_fp8_dtype, kind_shapes, make_input, make_quantizer,
     reference_buffers, special_input, storage_of,
 )
-from engine.ops.blocked import dequantize_blocked, quantize_blocked
+from engine.ops.reference import dequantize_blocked, quantize_blocked
 from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
 from engine.schemes import SCHEMES, ScaleEncoding
 from engine.tensors import (
