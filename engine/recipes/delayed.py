@@ -153,7 +153,8 @@ class DelayedScalingState(RecipeState):
         """Turn the history into the next scales (in place, so the quantizers see them)."""
         recipe: DelayedScaling = self.recipe
         history = self.amax_history
-        history.masked_fill_(~torch.isfinite(history), 0.0)  # a NaN/inf batch never reaches the max
+        # a NaN/inf batch never reaches the max; older rows were cleaned at earlier updates (or checked at load)
+        torch.nan_to_num_(history[0], nan=0.0, posinf=0.0, neginf=0.0)
         algo = recipe.amax_compute_algo
         if algo == "max":
             amax = history.max(dim=0).values
