@@ -41,11 +41,11 @@ def _output_specs(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bo
     return specs  # row data, col data, row scale_inv, col scale_inv, amax
 
 
-def _quantize(
+def _buffers(
     x: torch.Tensor, s: Scheme, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
     amax_epsilon: float, scale_mode: str,
-) -> QuantizeOutputs:
-    """The implementation of engine::quantize (what the op runs, and what eager calls runs directly)."""
+) -> tuple[Buffers, torch.Tensor | None]:
+    """Checked inputs, then the registry's kernel: the buffers and max|x| (per-tensor schemes)."""
     backend.check_tensor(x, "x")
     if scale is not None:
         backend.check_tensor(scale, "scale")
@@ -53,6 +53,15 @@ def _quantize(
         x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon, scale_mode=scale_mode)
     if s.rowwise_block.is_tensor and amax is None:
         amax = ref.amax(x)
+    return buffers, amax
+
+
+def _quantize(
+    x: torch.Tensor, s: Scheme, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
+    amax_epsilon: float, scale_mode: str,
+) -> QuantizeOutputs:
+    """The implementation of engine::quantize: the buffers as five tensors (empty where absent)."""
+    buffers, amax = _buffers(x, s, rowwise, columnwise, scale, amax_epsilon, scale_mode)
     got = [buffers["rowwise_data"], buffers["columnwise_data"], buffers["rowwise_scale_inv"],
            None if _shares_scale(s, rowwise, columnwise) else buffers["columnwise_scale_inv"], amax]
     outputs, storages = [], {x.untyped_storage().data_ptr()}
@@ -142,9 +151,11 @@ def quantize(
     (the current-scaling rule with `amax_epsilon`, or E8M0 by `scale_mode`).
     """
     backend.check_not_subclass(x, "x")
-    op = quantize_op if _traced(x) else _quantize
-    row_data, col_data, row_scale, col_scale, amax = op(
-        x, scheme.name if op is quantize_op else scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
+    if not _traced(x):  # eager: the op's implementation, without packing its outputs into five tensors
+        buffers, amax = _buffers(x, scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
+        return buffers, amax
+    row_data, col_data, row_scale, col_scale, amax = quantize_op(
+        x, scheme.name, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
     if _shares_scale(scheme, rowwise, columnwise):
         col_scale = row_scale
     buffers = {
