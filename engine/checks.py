@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from engine.ops.reference import HIGH_PRECISION_DTYPES
 
 
 def check_bool(value: Any, name: str) -> bool:

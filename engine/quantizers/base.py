@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.checks import check_bool
 from engine.ops import reference as ref
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
 from engine.schemes import Scheme, get_scheme
@@ -22,12 +23,6 @@ from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
 
 Buffers = dict[str, torch.Tensor | None]
 RULES: dict[str, type[ScaleRule]] = {cls.__name__: cls for cls in (DelayedRule, CurrentRule, E8M0Rule)}
-
-
-def check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {value!r}")
-    return value
 
 
 class Quantizer:

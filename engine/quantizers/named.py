@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.quantizers.base import Quantizer, check_bool, dtype_name
+from engine.checks import check_bool
+from engine.quantizers.base import Quantizer, dtype_name
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule
 from engine.schemes import fp8_scheme
 
