@@ -80,8 +80,9 @@ def weight_uses(weight: torch.Tensor, args: LinearArgs, need_dgrad: bool) -> tup
         if need_dgrad and q_dgrad is not None and not storage.has_columnwise:
             storage.update_usage(columnwise_usage=True)
         plain = weight.dequantize() if q_fprop is None or (need_dgrad and q_dgrad is None) else None
-        return (plain if q_fprop is None else storage), (None if not need_dgrad else plain if q_dgrad is None
-                                                         else storage)
+        w_fprop = storage if q_fprop is not None else plain
+        w_dgrad = None if not need_dgrad else storage if q_dgrad is not None else plain
+        return w_fprop, w_dgrad
     cached = args.cache.value
     if args.is_first_microbatch is False and cached is not None and (cached[1] is not None or not need_dgrad):
         args.fwd.hold(args.fwd.slot(Role.WEIGHT, args.gemm))  # nothing new was seen for this weight

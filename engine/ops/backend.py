@@ -108,7 +108,8 @@ def _triton() -> ModuleType:
 def module(name: str) -> tuple[ModuleType | None, str]:
     """The kernels of backend `name` ("native", "triton" or "reference"), or None and why not."""
     if name == "native":
-        return _native_or_reason()
+        kernels = _native()
+        return kernels, ("" if kernels is not None else _native_or_reason()[1])
     if name == "triton":
         return _triton(), ""
     return reference, ""
@@ -122,17 +123,14 @@ def backend_for(device: torch.device) -> ModuleType:
 @functools.lru_cache(maxsize=None)
 def _choose(device_type: str, forced: str | None) -> ModuleType:
     """Decided once per (device type, forced backend), so the fallback warning is shown once."""
-    if forced == "reference":
-        return reference
-    if forced == "triton" or (forced is None and device_type == "cuda"):
-        return _triton()
-    native = _native()
-    if native is not None:
-        return native
-    if forced == "native":
-        raise RuntimeError(f"ENGINE_BACKEND=native, but the C++ kernels are unavailable: {_native_or_reason()[1]}")
-    warnings.warn("engine: the C++ CPU kernels are unavailable; quantization runs the slow reference path "
-                  f"({_native_or_reason()[1]})", RuntimeWarning, stacklevel=5)
+    name = forced or ("triton" if device_type == "cuda" else "native")
+    kernels, why = module(name)
+    if kernels is not None:
+        return kernels
+    if forced:
+        raise RuntimeError(f"ENGINE_BACKEND={forced}, but the C++ kernels are unavailable: {why}")
+    warnings.warn(f"engine: the C++ CPU kernels are unavailable; quantization runs the slow reference path ({why})",
+                  RuntimeWarning, stacklevel=5)
     return reference
 
 

@@ -36,7 +36,8 @@ class Quantizer:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        Quantizer._by_name[cls.__name__] = cls
+        if not cls.__name__.startswith("_"):  # a private base is not a quantizer a checkpoint can name
+            Quantizer._by_name[cls.__name__] = cls
 
     def __init__(
         self, scheme: Scheme, rule: ScaleRule, *, rowwise: bool = True, columnwise: bool = True,

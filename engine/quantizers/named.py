@@ -48,7 +48,19 @@ class Float8Quantizer(Quantizer):
         return {"fp8_dtype": dtype_name(self.fp8_dtype)}
 
 
-class Float8CurrentScalingQuantizer(Quantizer):
+class _FromTheData(Quantizer):
+    """Settings of the quantizers whose scales come from the data (CurrentRule)."""
+
+    @property
+    def force_pow_2_scales(self) -> bool:
+        return self.scheme.scale.is_pow2
+
+    @property
+    def amax_epsilon(self) -> float:
+        return self.rule.amax_epsilon
+
+
+class Float8CurrentScalingQuantizer(_FromTheData):
     """Current scaling: the scale comes from this tensor's own amax (all-reduced over a group if given)."""
 
     def __init__(
@@ -61,14 +73,6 @@ class Float8CurrentScalingQuantizer(Quantizer):
                          rowwise=rowwise, columnwise=columnwise, internal=internal)
 
     @property
-    def force_pow_2_scales(self) -> bool:
-        return self.scheme.scale.is_pow2
-
-    @property
-    def amax_epsilon(self) -> float:
-        return self.rule.amax_epsilon
-
-    @property
     def amax_reduction_group(self) -> dist.ProcessGroup | None:
         return self.rule.amax_reduction_group
 
@@ -77,7 +81,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
                 "amax_epsilon": self.amax_epsilon}
 
 
-class Float8BlockQuantizer(Quantizer):
+class Float8BlockQuantizer(_FromTheData):
     """DeepSeek-V3-style tiles, 1x128 (1D) or 128x128 (2D); power-of-2 scales by default (exact to apply)."""
 
     def __init__(
@@ -94,14 +98,6 @@ class Float8BlockQuantizer(Quantizer):
     @property
     def block_scaling_dim(self) -> int:
         return 2 if self.scheme.layout == "block2d" else 1
-
-    @property
-    def force_pow_2_scales(self) -> bool:
-        return self.scheme.scale.is_pow2
-
-    @property
-    def amax_epsilon(self) -> float:
-        return self.rule.amax_epsilon
 
     def config(self) -> dict[str, Any]:
         return {"fp8_dtype": dtype_name(self.fp8_dtype), "block_scaling_dim": self.block_scaling_dim,

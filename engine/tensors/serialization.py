@@ -34,7 +34,7 @@ def parse_dtype(name: Any, field: str) -> torch.dtype:
 #: quantizers sit above the tensors, which must not import them)
 QUANTIZER_LOADERS: dict[str, Callable[[Any], Any]] = {}
 
-_LEGACY_LAYOUTS = {"Float8TensorStorage": "tensor", "MXFP8TensorStorage": "mx"}
+_LEGACY_LAYOUTS = {"Float8TensorStorage": "tensor", "Float8BlockwiseTensorStorage": "block", "MXFP8TensorStorage": "mx"}
 
 
 def _scheme_of(fields: dict[str, Any], quantizer_state: Any) -> Scheme:
@@ -47,17 +47,16 @@ def _scheme_of(fields: dict[str, Any], quantizer_state: Any) -> Scheme:
     fp8_dtype = parse_dtype(fields.pop("fp8_dtype"), "fp8_dtype")
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype: expected float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
-    if name == "Float8BlockwiseTensorStorage":
+    if name not in _LEGACY_LAYOUTS:
+        raise ValueError(f"storage_class: expected one of {sorted(_LEGACY_LAYOUTS)}, got {name!r}")
+    layout = _LEGACY_LAYOUTS[name]
+    if layout == "block":
         dim = fields.pop("block_scaling_dim", 1)
         if dim not in (1, 2) or isinstance(dim, bool):
             raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dim!r}")
-        pow2 = bool(isinstance(quantizer_state, dict) and quantizer_state.get("force_pow_2_scales"))
-        return fp8_scheme(f"block{dim}d", fp8_dtype, pow2=pow2)
-    if name not in _LEGACY_LAYOUTS:
-        raise ValueError(f"storage_class: expected one of {sorted([*_LEGACY_LAYOUTS, 'Float8BlockwiseTensorStorage'])}, "
-                         f"got {name!r}")
-    pow2 = bool(isinstance(quantizer_state, dict) and quantizer_state.get("force_pow_2_scales"))
-    return fp8_scheme(_LEGACY_LAYOUTS[name], fp8_dtype, pow2=pow2 and name != "MXFP8TensorStorage")
+        layout = f"block{dim}d"
+    pow2 = isinstance(quantizer_state, dict) and quantizer_state.get("force_pow_2_scales") is True
+    return fp8_scheme(layout, fp8_dtype, pow2=pow2 and layout != "mx")
 
 
 def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:

@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 import torch
 
 from engine.ops import reference as ref
+from engine.ops.registry import BUFFER_FIELDS
 from engine.ops.reference import dequantize_blocked
 from engine.schemes import ScaleEncoding, Scheme, dims_2d, fp8_scheme
 
-BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 #: dtypes a quantized value can be dequantized into (float64 too, for `.double()` and checks)
 DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -92,7 +92,8 @@ class QuantizedTensorBase:
         **legacy: Any,
     ) -> None:
         if scheme is None:
-            scheme = self._legacy_scheme(quantizer=quantizer, **legacy)
+            # pre-scheme arguments: the quantizer's scheme when there is one (it knows the scale encoding)
+            scheme = quantizer.scheme if quantizer is not None else self._legacy_scheme(**legacy)
         elif legacy:
             raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(legacy)} next to scheme=")
         if self.layouts and scheme.layout not in self.layouts:
@@ -112,10 +113,8 @@ class QuantizedTensorBase:
         return QuantizedTensorBase._by_layout.get(scheme.layout, QuantizedTensorBase)
 
     @classmethod
-    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
+    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
         """The scheme of a storage built with the pre-scheme arguments of a layout class."""
-        if quantizer is not None:
-            return quantizer.scheme
         raise TypeError(f"{cls.__name__}: expected scheme= (an engine.schemes.Scheme)")
 
     # ------------------------------------------------------------------ metadata
@@ -378,9 +377,7 @@ class Float8TensorStorage(QuantizedTensorBase):
     layouts = ("tensor",)
 
     @classmethod
-    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
-        if quantizer is not None:
-            return quantizer.scheme
+    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
         return fp8_scheme("tensor", fp8_dtype, **kw)
 
 
@@ -390,10 +387,8 @@ class Float8BlockwiseTensorStorage(QuantizedTensorBase):
     layouts = ("block1d", "block2d")
 
     @classmethod
-    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None,
-                       block_scaling_dim: int = 1, **kw: Any) -> Scheme:
-        if quantizer is not None:
-            return quantizer.scheme
+    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, block_scaling_dim: int = 1,
+                       **kw: Any) -> Scheme:
         if block_scaling_dim not in (1, 2) or isinstance(block_scaling_dim, bool):
             raise ValueError(f"block_scaling_dim: expected 1 (1x128 tiles) or 2 (128x128 tiles), "
                              f"got {block_scaling_dim!r}")
@@ -406,7 +401,5 @@ class MXFP8TensorStorage(QuantizedTensorBase):
     layouts = ("mx",)
 
     @classmethod
-    def _legacy_scheme(cls, *, quantizer: Any = None, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
-        if quantizer is not None:
-            return quantizer.scheme
+    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
         return fp8_scheme("mx", fp8_dtype, **kw)
