@@ -4,11 +4,18 @@ Like `torch.autocast`, the settings belong to the thread that entered the contex
 thread that never entered `fp8_autocast` runs in high precision whatever other threads do.
 
 `fp8_autocast` says which recipe the modules run under. Delayed-scaling state that a
-module used inside it is updated at two moments, as in Transformer Engine:
+module used inside it is updated:
 
-* forward slots (input, weight, output) when the outermost `fp8_autocast` exits;
-* backward slots (grad_output, grad_input) when the backward of the first module that
-  ran in that autocast finishes - by then every other module's backward has run.
+* forward slots (input, weight, output) when the outermost `fp8_autocast` exits, as in
+  Transformer Engine;
+* backward slots (grad_output, grad_input) of this step and the previous one when the
+  outermost `fp8_autocast` exits and when the next one is entered. An update leaves slots
+  that recorded nothing since the last one as they are (`DelayedScalingState`), so this
+  folds each backward in exactly once, before the next backward quantizes: with the
+  backward inside the autocast (at its exit) or after it (at the next entry), and with
+  recomputation or a compiled backward, where nothing runs in Python at the end of the
+  backward. (Transformer Engine updates at the end of the first module's backward; the
+  scales each GEMM uses are the same.)
 
 Before each update the recorded amaxes of all those states are all-reduced (MAX) in one
 collective over `fp8_group` (default: the world), when torch.distributed is initialised,
@@ -37,7 +44,6 @@ class AutocastStep:
     group: dist.ProcessGroup | None
     forward_states: dict[int, RecipeState] = field(default_factory=dict)
     backward_states: dict[int, RecipeState] = field(default_factory=dict)
-    backward_done: bool = False
 
 
 class _AutocastState(threading.local):
@@ -50,6 +56,7 @@ class _AutocastState(threading.local):
         self.group: dist.ProcessGroup | None = None
         self.depth = 0
         self.step: AutocastStep | None = None
+        self.pending: AutocastStep | None = None  # the last step: its backward states may still record
         self.model_init_enabled = False
         self.model_init_recipe: Recipe | None = None
         self.preserve_high_precision_init_val = False
@@ -88,6 +95,8 @@ def fp8_autocast(
     _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = enabled, calibrating, recipe, fp8_group
     if _STATE.depth == 0:
         _STATE.step = AutocastStep(group=fp8_group)
+        if _STATE.pending is not None:  # a backward after the last autocast: fold it in before this step
+            update_states(list(_STATE.pending.backward_states.values()), _STATE.pending.group)
     _STATE.depth += 1
     try:
         yield
@@ -95,8 +104,11 @@ def fp8_autocast(
         _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = saved
         _STATE.depth -= 1
         if _STATE.depth == 0:
-            step, _STATE.step = _STATE.step, None
-            update_states(list(step.forward_states.values()), step.group)
+            step, last, _STATE.step, _STATE.pending = _STATE.step, _STATE.pending, None, None
+            backward = dict(last.backward_states) if last is not None else {}
+            backward.update(step.backward_states)
+            update_states([*step.forward_states.values(), *backward.values()], step.group)
+            _STATE.pending = step if step.backward_states else None
 
 
 def is_fp8_enabled() -> bool:
@@ -130,26 +142,11 @@ def register_forward_state(state: RecipeState) -> None:
     _STATE.step.forward_states[id(state)] = state
 
 
-def register_backward_state(state: RecipeState) -> AutocastStep | None:
-    """A module will use `state` in backward. Returns the step to finish if it is the first such module.
-
-    The module that gets a step back calls `finish_backward(step)` at the end of its
-    backward; all others get None.
-    """
-    step = _STATE.step
-    if step is None:
+def register_backward_state(state: RecipeState) -> None:
+    """A module will use `state` in backward: update it after this step's backward (see the module docstring)."""
+    if _STATE.step is None:
         raise RuntimeError("register_backward_state: called outside fp8_autocast")
-    first = not step.backward_states
-    step.backward_states.setdefault(id(state), state)
-    return step if first else None
-
-
-def finish_backward(step: AutocastStep) -> None:
-    """Update the backward states of `step` (once, however often it is called)."""
-    if step.backward_done:
-        return
-    step.backward_done = True
-    update_states(list(step.backward_states.values()), step.group)
+    _STATE.step.backward_states[id(state)] = state
 
 
 @contextlib.contextmanager

@@ -60,25 +60,35 @@ def test_forward_scales_update_when_the_outermost_autocast_exits():
             record_forward(state, 8.0)
         assert state.scale.tolist() == [1.0, 1.0, 1.0]  # the inner exit does not update
     assert state.scale.tolist() == [56.0, 56.0, 56.0]  # 448 / max(4, 8)
-    assert state.amax_history.tolist() == [[0.0] * 3, [8.0] * 3]
+    assert state.amax_history.tolist() == [[-1.0] * 3, [8.0] * 3]  # row 0: nothing recorded yet
 
 
-def test_backward_scales_update_once_after_the_first_modules_backward():
-    recipe = DelayedScaling(amax_history_len=1)
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_backward_scales_fold_in_once_before_the_next_backward(backward_inside):
+    """Backward slots update at the outermost exit (if the backward ran inside) or at the next entry."""
+    recipe = DelayedScaling(amax_history_len=2)
     first, second = recipe.make_state(forward=False), recipe.make_state(forward=False)
+
+    def backward(amax):  # the second module's gradients first, then the first module's
+        second.quantizers[0](torch.tensor([amax / 2]))
+        first.quantizers[0](torch.tensor([amax]))
+
     with fp8_autocast(recipe=recipe):
-        step = autocast.register_backward_state(first)
-        assert autocast.register_backward_state(second) is None
-        assert autocast.register_backward_state(first) is None
-    assert step is not None
-    # backward runs in reverse: the second module's gradients first, then the first module's
-    second.quantizers[0](torch.tensor([2.0]))
-    first.quantizers[0](torch.tensor([4.0]))
-    assert first.scale.tolist() == [1.0, 1.0]
-    autocast.finish_backward(step)
-    assert first.scale[0].item() == 57344.0 / 4 and second.scale[0].item() == 57344.0 / 2
-    first.quantizers[0](torch.tensor([1.0]))
-    autocast.finish_backward(step)  # a second call changes nothing
+        autocast.register_backward_state(first)
+        autocast.register_backward_state(second)
+        if backward_inside:
+            backward(4.0)
+    if not backward_inside:
+        backward(4.0)
+        assert first.scale.tolist() == [1.0, 1.0]  # not yet: at the next entry
+    with fp8_autocast(recipe=recipe):
+        assert first.scale[0].item() == 57344.0 / 4 and second.scale[0].item() == 57344.0 / 2
+        assert first.scale[1].item() == 1.0  # grad_input slot: never recorded, left as it is
+    # the exit above and later entries/exits without a new backward change nothing
+    for _ in range(2):
+        with fp8_autocast(recipe=recipe):
+            pass
+    assert first.amax_history[:, 0].tolist() == [-1.0, 4.0]
     assert first.scale[0].item() == 57344.0 / 4
 
 

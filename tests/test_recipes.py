@@ -7,6 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
+from engine.recipes.delayed import NOT_RECORDED
 from engine.recipes import (
     RECIPES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, Role,
 )
@@ -141,7 +142,7 @@ def test_block_and_mx_settings_reach_the_quantizers():
 
 # ------------------------------------------------------------------------------ delayed scaling state
 def spec_update(history, scale, algo, margin, fp8_max):
-    """The update rule of NUMERICS.md on Python lists (history: rows of floats, row 0 first)."""
+    """The update rule of NUMERICS.md on Python lists (history: rows of floats, row 0 first; every slot recorded)."""
     n = len(scale)
     history = [[v if math.isfinite(v) else 0.0 for v in row] for row in history]  # NaN/inf amaxes are dropped
     if algo == "max":
@@ -159,7 +160,7 @@ def spec_update(history, scale, algo, margin, fp8_max):
         sf = ((torch.tensor(fp8_max, dtype=f32) / torch.tensor(a, dtype=f32)) / 2**margin).item()
         new_scale.append(FLT_MAX if math.isinf(sf) else sf)
     rolled = history[1:] + [history[0]]
-    rolled[0] = [0.0] * n
+    rolled[0] = [NOT_RECORDED] * n
     return rolled, new_scale
 
 
@@ -185,7 +186,7 @@ def test_delayed_scaling_sequence_matches_the_spec_step_by_step(algo, margin):
     history_len = 4
     recipe = DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo, margin=margin)
     state = recipe.make_state(forward=True)
-    history = [[0.0] * 3 for _ in range(history_len)]
+    history = [[NOT_RECORDED] * 3] + [[0.0] * 3 for _ in range(history_len - 1)]
     scale = [1.0, 1.0, 1.0]
     for step, amaxes in enumerate(AMAX_SEQUENCE):
         for slot, a in enumerate(amaxes):
@@ -239,18 +240,23 @@ def test_custom_scaling_factor_algo_gets_amax_scale_max_and_recipe():
     assert fp8_max == 448.0 and got_recipe is recipe
 
 
-def test_held_slot_keeps_history_and_scale():
+def test_a_slot_that_recorded_nothing_keeps_history_and_scale():
     state = DelayedScaling(amax_history_len=3).make_state(forward=True)
+    assert state.amax_history[0].tolist() == [NOT_RECORDED] * 3
     for slot in range(3):
         state.quantizers[slot](torch.tensor([2.0]))
-    state.update()  # all slots: scale 224, history [[0], [0], [2]]
-    state.quantizers[0](torch.tensor([4.0]))
-    state.hold(1)  # the weight was cached this step
+    state.update()  # all slots: scale 224, history [[-1], [0], [2]]
+    state.quantizers[0](torch.tensor([4.0]))  # slot 1 (a cached weight) and slot 2 record nothing
     state.update()
     assert state.scale.tolist() == [112.0, 224.0, 224.0]
-    assert state.amax_history[:, 1].tolist() == [0.0, 0.0, 2.0]
-    assert state.amax_history[:, 0].tolist() == [0.0, 2.0, 4.0]
-    assert not state.held  # released after the update
+    assert state.amax_history[:, 1].tolist() == [NOT_RECORDED, 0.0, 2.0]
+    assert state.amax_history[:, 0].tolist() == [NOT_RECORDED, 2.0, 4.0]
+    state.update()  # nothing recorded anywhere: nothing moves
+    assert state.scale.tolist() == [112.0, 224.0, 224.0]
+    assert state.amax_history[:, 0].tolist() == [NOT_RECORDED, 2.0, 4.0]
+    state.quantizers[1](torch.tensor([float("nan")]))  # a NaN batch was recorded: the slot advances
+    state.update()
+    assert state.amax_history[:, 1].tolist() == [NOT_RECORDED, 2.0, 0.0]
 
 
 def test_quantizers_see_scale_updates_in_place():

@@ -105,13 +105,12 @@ class FP8Module(torch.nn.Module):
         if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
             self._build_states(recipe, device)
         autocast.register_forward_state(self._fwd_state)
-        step = None
         if fp8 and grad:
-            step = autocast.register_backward_state(self._bwd_state)
+            autocast.register_backward_state(self._bwd_state)
         return [
             LinearArgs(fp8=fp8, fwd=self._fwd_state, bwd=self._bwd_state, gemm=g, cache=self._weight_caches[g],
                        is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                       backward_step=step if g == 0 else None, grad_enabled=grad)
+                       grad_enabled=grad)
             for g in range(self.num_gemms)
         ]
 

@@ -16,8 +16,6 @@ from typing import Any, Union
 
 import torch
 
-from engine import autocast
-from engine.autocast import AutocastStep
 from engine.gemm import general_gemm
 from engine.recipes import RecipeState, Role
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
@@ -45,7 +43,6 @@ class LinearArgs:
     cache: WeightCache | None = None
     is_first_microbatch: bool | None = None
     fuse_wgrad_accumulation: bool = False
-    backward_step: AutocastStep | None = None
     grad_enabled: bool = True  # grad mode at the call (inside forward it is always off)
 
 
@@ -85,8 +82,7 @@ def weight_uses(weight: torch.Tensor, args: LinearArgs, need_dgrad: bool) -> tup
         return w_fprop, w_dgrad
     cached = args.cache.value
     if args.is_first_microbatch is False and cached is not None and (cached[1] is not None or not need_dgrad):
-        args.fwd.hold(args.fwd.slot(Role.WEIGHT, args.gemm))  # nothing new was seen for this weight
-        return cached
+        return cached  # nothing recorded for this weight: delayed scaling leaves its slot as it is
     # no cache yet, or one made without gradients (no dgrad form): quantize afresh with the same scale
     uses = quantize_uses(weight, args.fwd, Role.WEIGHT, args.gemm, rowwise=True, columnwise=need_dgrad)
     if args.is_first_microbatch is not None:
@@ -200,6 +196,4 @@ class LinearFunction(torch.autograd.Function):
                     dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True,
                                       out_dtype=ctx.weight_dtype)
         dbias = dy.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        if args.backward_step is not None:
-            autocast.finish_backward(args.backward_step)
         return dx, dw, dbias, None

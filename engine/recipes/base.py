@@ -2,7 +2,7 @@
 
 A recipe makes a `RecipeState` for a module: the quantizers of the operands its forward
 (input, weight) or backward (grad_output) quantizes, for each of its GEMMs, plus any
-scaling state they share. Stateful scaling (delayed) overrides the hooks `update`, `hold`,
+scaling state they share. Stateful scaling (delayed) overrides the hooks `update`,
 `record_amax` and the checkpoint methods; for every other recipe they do nothing, so
 modules and autocast call them without asking which recipe runs. Recipes know nothing of
 modules.
@@ -126,9 +126,6 @@ class RecipeState:
     # ---------------------------------------------------------------- hooks of stateful scaling
     def record_amax(self, slot: int, x: torch.Tensor) -> None:
         """Calibration: remember max|x| for a slot without quantizing (nothing to remember here)."""
-
-    def hold(self, slot: int) -> None:
-        """A cached weight: leave this slot as it is at the next update (nothing to hold here)."""
 
     def amaxes_to_reduce(self) -> list[torch.Tensor]:
         """Amax tensors to all-reduce (MAX) across ranks before `update`."""

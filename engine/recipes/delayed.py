@@ -7,9 +7,18 @@ into the next scale, as Transformer Engine does:
 
     history = history with every non-finite amax replaced by 0
     amax    = history.max(0)   ("max") | history[0] ("most_recent") | algo(history)
-    history = roll(history, -1, dim=0); history[0] = 0
+    history = roll(history, -1, dim=0); history[0] = NOT_RECORDED
     scale   = (fp8_max / amax) * 2**-margin, keeping the old scale where amax <= 0 or is
               not finite, and FLT_MAX where the new scale is inf.
+
+Row 0 starts each step at NOT_RECORDED (-1, below every amax): a slot that recorded
+nothing since the last update (a weight reused from the micro-batch cache, a backward that
+has not run yet) keeps its history and scale at that update. So `update()` may run at any
+moment after a step - autocast runs it when the outermost `fp8_autocast` is entered and
+when it exits - and the history still advances exactly once per recorded step. Nothing
+outside the recorded tensors says "this slot ran", which is what lets the quantizing run
+inside opaque custom ops and compiled graphs. Checkpoints save row 0 as 0 where it holds
+the marker, as Transformer Engine's layout has it.
 
 A NaN or inf amax (a batch with a NaN or an inf in it) is dropped from the history at the
 next update, so it never reaches the max: the step after such a batch uses a scale from
@@ -41,6 +50,8 @@ ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torc
 
 
 MAX_MARGIN = 126
+#: row 0 of an amax history before anything was recorded in this step (every amax is >= 0 or NaN)
+NOT_RECORDED = -1.0
 MAX_HISTORY_LEN = 1 << 16
 
 
@@ -110,7 +121,6 @@ class DelayedScalingState(RecipeState):
         with torch.inference_mode(False):  # made during an eval, the state must still update in training
             self.scale = torch.ones(n, dtype=torch.float32, device=device)
             self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
-        self.held: set[int] = set()
         dtype = recipe.fp8_format.forward_dtype if forward else recipe.fp8_format.backward_dtype
         self.fp8_max = fp8_max(dtype)
         self.quantizers = [Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], dtype)
@@ -121,6 +131,8 @@ class DelayedScalingState(RecipeState):
                 quantizer = self.quantizers[gemm * SLOTS_PER_GEMM[forward] + SLOT_OF[role]]
                 by_operand.update({(use, gemm): quantizer for use in role.uses})
         super().__init__(recipe, forward, num_gemms, by_operand)
+        with torch.inference_mode(False):
+            self.amax_history[0].fill_(NOT_RECORDED)  # after the quantizers checked their amax >= 0
 
     @property
     def current_amax(self) -> torch.Tensor:
@@ -130,12 +142,10 @@ class DelayedScalingState(RecipeState):
     def amaxes_to_reduce(self) -> list[torch.Tensor]:
         return [self.current_amax] if self.recipe.reduce_amax else []
 
-    def hold(self, slot: int) -> None:
-        """Leave this slot's history and scale as they are at the next update (a cached weight)."""
-        self.held.add(slot)
-
     def to_plain(self) -> dict[str, torch.Tensor]:
-        return {"scale": self.scale.detach().clone(), "amax_history": self.amax_history.detach().clone()}
+        history = self.amax_history.detach().clone()
+        history[0].clamp_min_(0.0)  # the NOT_RECORDED marker is saved as TE's 0
+        return {"scale": self.scale.detach().clone(), "amax_history": history}
 
     def load_plain(self, part: dict[str, torch.Tensor]) -> None:
         """A checked saved state: its scale, and the history rows that fit."""
@@ -150,9 +160,11 @@ class DelayedScalingState(RecipeState):
             self.load_plain(old.to_plain())
 
     def update(self) -> None:
-        """Turn the history into the next scales (in place, so the quantizers see them)."""
+        """Turn the history into the next scales (in place, so the quantizers see them); slots that
+        recorded nothing since the last update keep their history and scale."""
         recipe: DelayedScaling = self.recipe
         history = self.amax_history
+        held = history[0] < 0  # NOT_RECORDED (NaN compares False: a NaN batch was recorded)
         # a NaN/inf batch never reaches the max; older rows were cleaned at earlier updates (or checked at load)
         torch.nan_to_num_(history[0], nan=0.0, posinf=0.0, neginf=0.0)
         algo = recipe.amax_compute_algo
@@ -161,7 +173,7 @@ class DelayedScalingState(RecipeState):
         elif algo == "most_recent":
             amax = history[0].clone()
         else:
-            amax = _checked_result(algo(history.clone()), self.scale, "amax_compute_algo", "amax")
+            amax = _checked_result(algo(history.clamp_min(0.0)), self.scale, "amax_compute_algo", "amax")
         if recipe.scaling_factor_compute_algo is None:
             new_scale = default_scale(amax, self.scale, self.fp8_max, recipe.margin)
         else:
@@ -171,16 +183,9 @@ class DelayedScalingState(RecipeState):
                 raise ValueError(f"scaling_factor_compute_algo: returned scales that are not finite and > 0: "
                                  f"{new_scale.tolist()}")
         rolled = torch.roll(history, -1, dims=0)
-        rolled[0].zero_()
-        new_scale = new_scale.to(self.scale)
-        if self.held:  # held slots keep their history and scale
-            keep = torch.zeros(self.scale.shape, dtype=torch.bool, device=self.scale.device)
-            keep[sorted(self.held)] = True
-            rolled = torch.where(keep, history, rolled)
-            new_scale = torch.where(keep, self.scale, new_scale)
-            self.held.clear()
-        history.copy_(rolled)
-        self.scale.copy_(new_scale)
+        rolled[0].fill_(NOT_RECORDED)
+        history.copy_(torch.where(held, history, rolled))
+        self.scale.copy_(torch.where(held, self.scale, new_scale.to(self.scale)))
 
     def record_amax(self, slot: int, x: torch.Tensor) -> None:
         """Record max|x| for one slot without quantizing (calibration)."""
