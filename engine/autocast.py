@@ -53,6 +53,7 @@ class _AutocastState(threading.local):
         self.enabled = False
         self.calibrating = False
         self.recipe: Recipe | None = None
+        self.recipe_key: str | None = None  # recipe.key, read by compiled code (guarded by value)
         self.group: dist.ProcessGroup | None = None
         self.depth = 0
         self.step: AutocastStep | None = None
@@ -91,8 +92,9 @@ def fp8_autocast(
     recipe = _check_recipe(recipe)
     if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
         raise TypeError(f"fp8_group: expected a torch.distributed.ProcessGroup or None, got {type(fp8_group).__name__}")
-    saved = (_STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group)
+    saved = (_STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.recipe_key, _STATE.group)
     _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = enabled, calibrating, recipe, fp8_group
+    _STATE.recipe_key = recipe.key
     if _STATE.depth == 0:
         _STATE.step = AutocastStep(group=fp8_group)
         if _STATE.pending is not None:  # a backward after the last autocast: fold it in before this step
@@ -101,7 +103,7 @@ def fp8_autocast(
     try:
         yield
     finally:
-        _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = saved
+        _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.recipe_key, _STATE.group = saved
         _STATE.depth -= 1
         if _STATE.depth == 0:
             step, last, _STATE.step, _STATE.pending = _STATE.step, _STATE.pending, None, None
@@ -122,6 +124,11 @@ def is_calibrating() -> bool:
 def get_recipe() -> Recipe:
     """The recipe of the innermost fp8_autocast (DelayedScaling() outside any)."""
     return _STATE.recipe if _STATE.recipe is not None else DelayedScaling()
+
+
+def get_recipe_key() -> str | None:
+    """`get_recipe().key` inside fp8_autocast (None outside): a string compiled code can guard on."""
+    return _STATE.recipe_key
 
 
 def get_fp8_group() -> dist.ProcessGroup | None:

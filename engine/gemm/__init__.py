@@ -20,6 +20,7 @@ import warnings
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.gemm import cpu, cuda
 from engine.gemm.operand import GemmOperand, as_matrix, gemm_operand, is_high_precision
@@ -99,7 +100,10 @@ def general_gemm(
         _check_pair(lhs, rhs)
         if bias is not None and tuple(bias.shape) != (rhs.rows,):
             raise ValueError(f"bias: expected shape ({rhs.rows},), got {tuple(bias.shape)}")
-        result = pairing(lhs, rhs)(lhs, rhs, torch.float32 if accumulate else out_dtype, bias)
+        if isinstance(lhs.data, FakeTensor) or isinstance(rhs.data, FakeTensor):  # tracing: only the shape
+            result = lhs.data.new_empty((lhs.rows, rhs.rows), dtype=torch.float32 if accumulate else out_dtype)
+        else:
+            result = pairing(lhs, rhs)(lhs, rhs, torch.float32 if accumulate else out_dtype, bias)
     if accumulate:
         if out is None or out.dtype != torch.float32 or out.shape != result.shape:
             got = None if out is None else f"{out.dtype} {tuple(out.shape)}"

@@ -97,13 +97,16 @@ class FP8Module(torch.nn.Module):
         """Per-GEMM arguments for this forward: FP8 or not, the states, and the autocast bookkeeping."""
         fp8, calibrating = autocast.is_fp8_enabled(), autocast.is_calibrating()
         grad = torch.is_grad_enabled()
-        recipe = autocast.get_recipe()
         # high precision, unless calibrating (states record amaxes while the GEMMs run in high precision)
         if not fp8 and not calibrating:
             return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
                     for _ in range(self.num_gemms)]
-        if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
-            self._build_states(recipe, device)
+        if torch.compiler.is_compiling():
+            _states_while_tracing(self, autocast.get_recipe_key(), device)
+        else:
+            recipe = autocast.get_recipe()
+            if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
+                self._build_states(recipe, device)
         autocast.register_forward_state(self._fwd_state)
         if fp8 and grad:
             autocast.register_backward_state(self._bwd_state)
@@ -169,6 +172,16 @@ class FP8Module(torch.nn.Module):
         key = prefix + "_extra_state"
         if key not in state_dict and missing_keys is not None and key in missing_keys:
             missing_keys.remove(key)  # a checkpoint of a plain torch module has no FP8 state: that is fine
+
+
+@torch.compiler.assume_constant_result
+def _states_while_tracing(module: FP8Module, recipe_key: str, device: torch.device) -> bool:
+    """States for the autocast's recipe, made by Dynamo while it traces (eagerly, outside the graph), before
+    the traced code reads them: the first compiled step's guards already see them, so the second step does
+    not recompile. The recipe key, a string Dynamo guards on, makes a new recipe retrace."""
+    if module._fwd_state is None or module._fwd_state.key != recipe_key:
+        module._build_states(autocast.get_recipe(), device)
+    return True
 
 
 def check_extra_state(state: Any, num_gemms: int) -> Recipe | None:

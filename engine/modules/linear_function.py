@@ -80,12 +80,12 @@ def weight_uses(weight: torch.Tensor, args: LinearArgs, need_dgrad: bool) -> tup
         w_fprop = storage if q_fprop is not None else plain
         w_dgrad = None if not need_dgrad else storage if q_dgrad is not None else plain
         return w_fprop, w_dgrad
-    cached = args.cache.value
+    cached = None if args.cache is None else args.cache.value
     if args.is_first_microbatch is False and cached is not None and (cached[1] is not None or not need_dgrad):
         return cached  # nothing recorded for this weight: delayed scaling leaves its slot as it is
     # no cache yet, or one made without gradients (no dgrad form): quantize afresh with the same scale
     uses = quantize_uses(weight, args.fwd, Role.WEIGHT, args.gemm, rowwise=True, columnwise=need_dgrad)
-    if args.is_first_microbatch is not None:
+    if args.is_first_microbatch is not None and args.cache is not None:
         args.cache.value = uses
     return uses
 
@@ -117,18 +117,55 @@ def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
     return main_grad
 
 
+def fprop(inp2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs,
+          need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, GemmInput | None, GemmInput | None]:
+    """The quantized forward: (out [M, N], x for wgrad, W for dgrad) - what backward needs, or None."""
+    x_fprop, x_wgrad = quantize_uses(inp2d, args.fwd, Role.INPUT, args.gemm, rowwise=True, columnwise=need_wgrad)
+    w_fprop, w_dgrad = weight_uses(weight, args, need_dgrad)
+    if not isinstance(w_fprop, QuantizedTensorBase):
+        w_fprop = w_fprop.to(inp2d.dtype)
+    out = general_gemm(x_fprop, w_fprop, out_dtype=inp2d.dtype, bias=None if bias is None else bias.to(inp2d.dtype))
+    return out, x_wgrad, w_dgrad
+
+
+def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None, args: LinearArgs, *,
+          need_dgrad: bool, need_wgrad: bool, inp_dtype: torch.dtype, weight_dtype: torch.dtype,
+          main_grad: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The quantized backward: (dx [M, K], dW [N, K]) for a dy [M, N]; dW is added into `main_grad` if given."""
+    dy_dgrad, dy_wgrad = quantize_uses(dy, args.bwd, Role.GRAD_OUTPUT, args.gemm,
+                                       rowwise=need_dgrad, columnwise=need_wgrad)
+    dx = dw = None
+    if need_dgrad:
+        dx = general_gemm(dy_dgrad, w_dgrad, b_transposed=True, out_dtype=inp_dtype)
+    if need_wgrad:
+        if main_grad is not None:
+            general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out=main_grad, accumulate=True)
+        else:
+            dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out_dtype=weight_dtype)
+    return dx, dw
+
+
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
     """LinearFunction on `inp`; under torch.autocast, in the autocast dtype (as torch.nn.Linear computes).
 
     The input is cast once here and torch.autocast is off inside, so the FP8 GEMMs' own
-    dtypes (fp32 partial sums, bf16 operands) are not recast op by op.
+    dtypes (fp32 partial sums, bf16 operands) are not recast op by op. Under torch.compile
+    the same math runs as custom ops (`linear_op`), which Dynamo traces without breaks.
     """
     device_type = inp.device.type
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
-        return LinearFunction.apply(inp, weight, bias, args)
-    inp = inp.to(torch.get_autocast_dtype(device_type))
-    with torch.autocast(device_type, enabled=False):
-        return LinearFunction.apply(inp, weight, bias, args)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        inp = inp.to(torch.get_autocast_dtype(device_type))
+        with torch.autocast(device_type, enabled=False):
+            return _linear(inp, weight, bias, args)
+    return _linear(inp, weight, bias, args)
+
+
+def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        from engine.modules.linear_op import compiled_linear
+
+        return compiled_linear(inp, weight, bias, args)
+    return LinearFunction.apply(inp, weight, bias, args)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -148,11 +185,7 @@ class LinearFunction(torch.autograd.Function):
             out = torch.nn.functional.linear(inp2d, w, None if bias is None else bias.to(inp.dtype))
             ctx.save_for_backward(inp2d if need_wgrad else None, w if need_dgrad else None)
             return out.view(*inp.shape[:-1], out.shape[-1])
-        x_fprop, x_wgrad = quantize_uses(inp2d, args.fwd, Role.INPUT, args.gemm, rowwise=True, columnwise=need_wgrad)
-        w_fprop, w_dgrad = weight_uses(weight, args, need_dgrad)
-        if not isinstance(w_fprop, QuantizedTensorBase):
-            w_fprop = w_fprop.to(inp.dtype)
-        out = general_gemm(x_fprop, w_fprop, out_dtype=inp.dtype, bias=None if bias is None else bias.to(inp.dtype))
+        out, x_wgrad, w_dgrad = fprop(inp2d, weight, bias, args, need_dgrad, need_wgrad)
         saved_x, ctx.restore_x = save_for_backward(x_wgrad)
         saved_w, ctx.restore_w = save_for_backward(w_dgrad)
         ctx.save_for_backward(*saved_x, *saved_w)
@@ -184,16 +217,10 @@ class LinearFunction(torch.autograd.Function):
         else:
             x_wgrad, rest = restore(list(ctx.saved_tensors), ctx.restore_x)
             w_dgrad, _ = restore(rest, ctx.restore_w)
-            dy_dgrad, dy_wgrad = quantize_uses(dy.contiguous(), args.bwd, Role.GRAD_OUTPUT, args.gemm,
-                                               rowwise=need_dgrad, columnwise=need_wgrad)
-            if need_dgrad:
-                dx = general_gemm(dy_dgrad, w_dgrad, b_transposed=True, out_dtype=ctx.inp_dtype).view(ctx.inp_shape)
-            if need_wgrad:
-                if fuse:
-                    general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True,
-                                 out=main_grad_of(ctx.weight_ref), accumulate=True)
-                else:
-                    dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True,
-                                      out_dtype=ctx.weight_dtype)
+            dx, dw = bprop(dy.contiguous(), x_wgrad, w_dgrad, args, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+                           inp_dtype=ctx.inp_dtype, weight_dtype=ctx.weight_dtype,
+                           main_grad=main_grad_of(ctx.weight_ref) if fuse else None)
+            if dx is not None:
+                dx = dx.view(ctx.inp_shape)
         dbias = dy.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None

@@ -27,9 +27,10 @@ class Float8Quantizer(Quantizer):
 
     def __init__(
         self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype, *,
-        rowwise: bool = True, columnwise: bool = True, internal: bool = False,
+        rowwise: bool = True, columnwise: bool = True, internal: bool = False, _check: bool = True,
     ) -> None:
-        super().__init__(fp8_scheme("tensor", fp8_dtype), DelayedRule(scale, amax), rowwise=rowwise,
+        # _check=False is for scaling state that builds its own views (valid by construction, no host reads)
+        super().__init__(fp8_scheme("tensor", fp8_dtype), DelayedRule(scale, amax, check=_check), rowwise=rowwise,
                          columnwise=columnwise, internal=internal)
 
     @property

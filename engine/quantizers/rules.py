@@ -72,9 +72,10 @@ class DelayedRule(ScaleRule):
 
     layouts = ("tensor",)
 
-    def __init__(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
-        self.scale = check_state_tensor(scale, "scale", zero_ok=False)
-        self.amax = check_state_tensor(amax, "amax", zero_ok=True)
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, *, check: bool = True) -> None:
+        # check=False: views into scaling state its owner keeps valid (no host reads; traceable)
+        self.scale = check_state_tensor(scale, "scale", zero_ok=False) if check else scale
+        self.amax = check_state_tensor(amax, "amax", zero_ok=True) if check else amax
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"scale": self.scale.detach().clone(), "amax": self.amax.detach().clone()}

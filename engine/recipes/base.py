@@ -14,7 +14,9 @@ grad_input columns are never quantized and stay as TE has them, so checkpoints r
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
+from functools import cached_property, lru_cache
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from engine.quantizers import Quantizer
 from engine.recipes.format import Format
 from engine.recipes.operands import (
-    BACKWARD_ROLES, FORWARD_ROLES, Operand, QuantizerSpec, Role, check_num_gemms,
+    BACKWARD_ROLES, FORWARD_ROLES, Gemm, Operand, QuantizerSpec, Role, check_num_gemms,
 )
 
 #: columns per GEMM in forward / backward scaling state, and each quantized role's column
@@ -78,6 +80,23 @@ class Recipe(BaseModel):
                         quantizers[use, gemm] = None if specs[use] is None else specs[use].make()
         return RecipeState(self, forward, num_gemms, quantizers)
 
+    @cached_property
+    def key(self) -> str:
+        """The recipe as a string (its plain fields): what compiled code and custom ops are keyed by."""
+        from engine.recipes.plain import recipe_to_plain
+
+        return json.dumps(recipe_to_plain(self), sort_keys=True)
+
+    # ---------------------------------------------------------------- scaling state through custom ops
+    def op_state(self, *, forward: bool, num_gemms: int, tensors: list[torch.Tensor]
+                 ) -> tuple[RecipeState, list[torch.Tensor]]:
+        """For a custom op, which may not write its inputs: a state reading `tensors` (a state's
+        `op_tensors()`) that records into fresh tensors, and those tensors (to `merge_records` later)."""
+        return self.make_state(forward=forward, num_gemms=num_gemms), []
+
+    def merge_records(self, tensors: list[torch.Tensor], records: list[torch.Tensor]) -> None:
+        """Fold what an op's state recorded into the state holding `tensors` (nothing to fold here)."""
+
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
         """A checkpoint's scaling state for this recipe: stateless recipes save none."""
         if part is not None:
@@ -100,6 +119,11 @@ class RecipeState:
         self.forward = forward
         self.num_gemms = num_gemms
         self._quantizers = quantizers
+        self.key = recipe.key  # plain data read by compiled code (a str, guarded by value)
+        #: per GEMM, the scheme names of the x (wgrad) and W (dgrad) a forward saves (None: high precision)
+        self.saved_schemes = [tuple(None if quantizers.get((use, g)) is None else quantizers[use, g].scheme.name
+                                    for use in ((Gemm.WGRAD, Role.INPUT), (Gemm.DGRAD, Role.WEIGHT)))
+                              for g in range(num_gemms)] if forward else []
 
     def _check(self, role: Role, gemm: int) -> None:
         roles = FORWARD_ROLES if self.forward else BACKWARD_ROLES
@@ -123,6 +147,16 @@ class RecipeState:
         self._check(role, gemm)
         return gemm * SLOTS_PER_GEMM[self.forward] + SLOT_OF[role]
 
+    #: how many tensors an op running this state returns as records (`Recipe.op_state`)
+    op_records: ClassVar[int] = 0
+
+    def op_tensors(self) -> list[torch.Tensor]:
+        """The scaling state a custom op reads (and whose records are merged back): none here."""
+        return []
+
+    def merge_records(self, records: list[torch.Tensor]) -> None:
+        """Fold an op's records into this state (`Recipe.merge_records`; nothing here)."""
+
     # ---------------------------------------------------------------- hooks of stateful scaling
     def record_amax(self, slot: int, x: torch.Tensor) -> None:
         """Calibration: remember max|x| for a slot without quantizing (nothing to remember here)."""
@@ -143,3 +177,16 @@ class RecipeState:
 
     def carry_from(self, old: RecipeState) -> None:
         """Keep what `old` (the state of the recipe used before) learned, where it applies."""
+
+
+@lru_cache(maxsize=64)
+def recipe_for_key(key: str) -> Recipe:
+    """The recipe a `Recipe.key` names (callable fields, which a key cannot carry, take their defaults:
+    custom ops quantize with the state's scales and never call them)."""
+    import warnings
+
+    from engine.recipes.plain import recipe_from_plain
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return recipe_from_plain(json.loads(key))

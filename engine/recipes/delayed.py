@@ -76,6 +76,16 @@ class DelayedScaling(Recipe):
     ) -> DelayedScalingState:
         return DelayedScalingState(self, forward, check_num_gemms(num_gemms), device)
 
+    def op_state(self, *, forward: bool, num_gemms: int, tensors: list[torch.Tensor]
+                 ) -> tuple[DelayedScalingState, list[torch.Tensor]]:
+        """Quantizers reading the given scale and recording into a fresh row of NOT_RECORDED."""
+        scale = tensors[0]
+        row = torch.full((1, scale.shape[0]), NOT_RECORDED, dtype=torch.float32, device=scale.device)
+        return DelayedScalingState(self, forward, num_gemms, scale=scale, amax_history=row), [row[0]]
+
+    def merge_records(self, tensors: list[torch.Tensor], records: list[torch.Tensor]) -> None:
+        merge_amax_row(tensors[1], records[0])
+
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
         """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0."""
         if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
@@ -97,6 +107,12 @@ class DelayedScaling(Recipe):
             raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0")
 
 
+def merge_amax_row(history: torch.Tensor, recorded: torch.Tensor) -> None:
+    """history[0] = max(history[0], recorded): what recording in place would have left (max is exact)."""
+    with torch.no_grad():
+        history[0].copy_(torch.maximum(history[0], recorded))
+
+
 def default_scale(amax: torch.Tensor, scale: torch.Tensor, max_value: float, margin: int) -> torch.Tensor:
     """(fp8_max / amax) * 2**-margin; old scale where amax <= 0 or not finite; FLT_MAX where inf."""
     # a true fp32 division, as TE's CUDA kernel does (`scalar / tensor` in torch would multiply by a reciprocal)
@@ -115,15 +131,19 @@ class DelayedScalingState(RecipeState):
     """
 
     def __init__(
-        self, recipe: DelayedScaling, forward: bool, num_gemms: int, device: torch.device | str | None = None
+        self, recipe: DelayedScaling, forward: bool, num_gemms: int, device: torch.device | str | None = None,
+        *, scale: torch.Tensor | None = None, amax_history: torch.Tensor | None = None,
     ) -> None:
         n = SLOTS_PER_GEMM[forward] * num_gemms
-        with torch.inference_mode(False):  # made during an eval, the state must still update in training
-            self.scale = torch.ones(n, dtype=torch.float32, device=device)
-            self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
+        if scale is None:
+            with torch.inference_mode(False):  # made during an eval, the state must still update in training
+                scale = torch.ones(n, dtype=torch.float32, device=device)
+                amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
+                amax_history[0].fill_(NOT_RECORDED)
+        self.scale, self.amax_history = scale, amax_history
         dtype = recipe.fp8_format.forward_dtype if forward else recipe.fp8_format.backward_dtype
         self.fp8_max = fp8_max(dtype)
-        self.quantizers = [Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], dtype)
+        self.quantizers = [Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], dtype, _check=False)
                            for i in range(n)]
         by_operand = {}
         for gemm in range(num_gemms):
@@ -131,8 +151,14 @@ class DelayedScalingState(RecipeState):
                 quantizer = self.quantizers[gemm * SLOTS_PER_GEMM[forward] + SLOT_OF[role]]
                 by_operand.update({(use, gemm): quantizer for use in role.uses})
         super().__init__(recipe, forward, num_gemms, by_operand)
-        with torch.inference_mode(False):
-            self.amax_history[0].fill_(NOT_RECORDED)  # after the quantizers checked their amax >= 0
+
+    op_records = 1
+
+    def op_tensors(self) -> list[torch.Tensor]:
+        return [self.scale, self.amax_history]
+
+    def merge_records(self, records: list[torch.Tensor]) -> None:
+        merge_amax_row(self.amax_history, records[0])
 
     @property
     def current_amax(self) -> torch.Tensor:
@@ -166,7 +192,7 @@ class DelayedScalingState(RecipeState):
         history = self.amax_history
         held = history[0] < 0  # NOT_RECORDED (NaN compares False: a NaN batch was recorded)
         # a NaN/inf batch never reaches the max; older rows were cleaned at earlier updates (or checked at load)
-        torch.nan_to_num_(history[0], nan=0.0, posinf=0.0, neginf=0.0)
+        torch.nan_to_num_(history.data[0], nan=0.0, posinf=0.0, neginf=0.0)
         algo = recipe.amax_compute_algo
         if algo == "max":
             amax = history.max(dim=0).values
@@ -184,8 +210,10 @@ class DelayedScalingState(RecipeState):
                                  f"{new_scale.tolist()}")
         rolled = torch.roll(history, -1, dims=0)
         rolled[0].fill_(NOT_RECORDED)
-        history.copy_(torch.where(held, history, rolled))
-        self.scale.copy_(torch.where(held, self.scale, new_scale.to(self.scale)))
+        # written through .data: a compiled backward saved these tensors to read the scales current at
+        # backward time (as eager does); an update in between must not trip autograd's version check
+        history.data.copy_(torch.where(held, history, rolled))
+        self.scale.data.copy_(torch.where(held, self.scale, new_scale.to(self.scale)))
 
     def record_amax(self, slot: int, x: torch.Tensor) -> None:
         """Record max|x| for one slot without quantizing (calibration)."""
