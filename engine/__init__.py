@@ -1,7 +1,8 @@
 """engine: FP8 and MX low-precision training for PyTorch, in the style of Transformer Engine."""
 
 from engine import formats, recipes
-from engine.autocast import fp8_autocast, fp8_model_init
+from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  # engine.autocast: the module, callable as TE 2.x's autocast
+from engine.conversion import convert, unconvert
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from engine.quantizers import (
@@ -16,6 +17,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Float8BlockQuantizer", "Float8BlockwiseTensor", "Float8CurrentScalingQuantizer", "Float8Quantizer",
     "Float8Tensor", "LayerNormLinear", "LayerNormMLP", "Linear", "MXFP8Quantizer", "MXFP8Tensor", "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
-    "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
-    "is_fp8_block_scaling_available", "is_mxfp8_available", "recipes",
+    "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
+    "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init", "recipes", "unconvert",
 ]

@@ -25,7 +25,9 @@ the group has more than one rank, and the recipe's `reduce_amax` is on.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,3 +189,33 @@ def model_init_recipe() -> Recipe:
 
 def preserve_high_precision_init_val() -> bool:
     return _STATE.preserve_high_precision_init_val
+
+
+# ------------------------------------------------------------------ Transformer Engine 2.x names
+def autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    recipe: Recipe | None = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
+) -> contextlib.AbstractContextManager[None]:
+    """Transformer Engine 2.x's name for fp8_autocast, with its argument names
+    (`amax_reduction_group` is fp8_autocast's `fp8_group`). `engine.autocast(...)` calls this."""
+    return fp8_autocast(enabled=enabled, calibrating=calibrating, recipe=recipe, fp8_group=amax_reduction_group)
+
+
+#: Transformer Engine 2.x's name for fp8_model_init (same arguments)
+quantized_model_init = fp8_model_init
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: `engine.autocast(recipe=...)` is TE 2.x's context manager while
+    `engine.autocast.fp8_autocast`, `engine.autocast.register_forward_state`, ... keep working."""
+
+    def __call__(
+        self, enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
+        amax_reduction_group: dist.ProcessGroup | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        return autocast(enabled, calibrating, recipe, amax_reduction_group)
+
+
+sys.modules[__name__].__class__ = _CallableModule
