@@ -5,6 +5,7 @@ from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  
 from engine.conversion import convert, unconvert
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
+from engine.recompute import checkpoint
 from engine.quantizers import (
     Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, Quantizer,
 )
@@ -19,4 +20,5 @@ __all__ = [
     "Float8Tensor", "LayerNormLinear", "LayerNormMLP", "Linear", "MXFP8Quantizer", "MXFP8Tensor", "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
     "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init", "recipes", "unconvert",
+    "checkpoint",
 ]

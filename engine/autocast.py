@@ -191,6 +191,60 @@ def preserve_high_precision_init_val() -> bool:
     return _STATE.preserve_high_precision_init_val
 
 
+# ---------------------------------------------------------------- activation recompute (engine.recompute)
+#: (enabled, calibrating, recipe or None, fp8_group): what a recompute replays of the forward's fp8_autocast
+Settings = tuple[bool, bool, Recipe | None, dist.ProcessGroup | None]
+
+
+class _RecomputeState(threading.local):
+    """The engine.checkpoint phase (its forward or a recompute) running in this thread, if any."""
+
+    def __init__(self) -> None:
+        self.phase: Any = None
+
+
+_RECOMPUTE = _RecomputeState()
+
+
+def autocast_settings() -> Settings:
+    """This thread's fp8_autocast settings, as a recompute replays them."""
+    return (_STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group)
+
+
+def in_fp8_autocast() -> bool:
+    """Whether this thread is inside any fp8_autocast (enabled or not)."""
+    return _STATE.depth > 0
+
+
+def recompute_phase() -> Any:
+    """The engine.checkpoint phase running in this thread (None: none)."""
+    return _RECOMPUTE.phase
+
+
+def swap_recompute_phase(phase: Any, settings: Settings | None = None) -> tuple[Any, Settings]:
+    """Make `phase` this thread's engine.checkpoint phase and, if given, `settings` its fp8_autocast settings
+    (no autocast step is opened: states register with the steps that are there). Returns the previous
+    (phase, settings), to pass back when the phase ends."""
+    previous = (_RECOMPUTE.phase, autocast_settings())
+    _RECOMPUTE.phase = phase
+    if settings is not None:
+        _STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.group = settings
+        _STATE.recipe_key = None if _STATE.recipe is None else _STATE.recipe.key
+    return previous
+
+
+def register_recomputed_backward_state(state: RecipeState, group: dist.ProcessGroup | None) -> None:
+    """A forward recomputed inside backward will use `state` in this backward: register it with the open
+    outermost fp8_autocast, or outside any with the pending step (created if none), so it is folded in at
+    the next outermost exit or entry, as a backward after the autocast is."""
+    if _STATE.step is not None:
+        _STATE.step.backward_states[id(state)] = state
+        return
+    if _STATE.pending is None:
+        _STATE.pending = AutocastStep(group=group)
+    _STATE.pending.backward_states[id(state)] = state
+
+
 # ------------------------------------------------------------------ Transformer Engine 2.x names
 def autocast(
     enabled: bool = True,

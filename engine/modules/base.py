@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine import autocast
+from engine import autocast, recompute
 from engine.modules.linear_function import LinearArgs, WeightCache
 from engine.parameters import make_parameter
 from engine.recipes import Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain
@@ -97,6 +97,7 @@ class FP8Module(torch.nn.Module):
         """Per-GEMM arguments for this forward: FP8 or not, the states, and the autocast bookkeeping."""
         fp8, calibrating = autocast.is_fp8_enabled(), autocast.is_calibrating()
         grad = torch.is_grad_enabled()
+        recompute.check_forward(self, fp8)
         # high precision, unless calibrating (states record amaxes while the GEMMs run in high precision)
         if not fp8 and not calibrating:
             return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
@@ -107,11 +108,9 @@ class FP8Module(torch.nn.Module):
             recipe = autocast.get_recipe()
             if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
                 self._build_states(recipe, device)
-        autocast.register_forward_state(self._fwd_state)
-        if fp8 and grad:
-            autocast.register_backward_state(self._bwd_state)
+        fwd = recompute.register_states(self._fwd_state, self._bwd_state, fp8=fp8, grad=grad)  # engine.checkpoint
         return [
-            LinearArgs(fp8=fp8, fwd=self._fwd_state, bwd=self._bwd_state, gemm=g, cache=self._weight_caches[g],
+            LinearArgs(fp8=fp8, fwd=fwd, bwd=self._bwd_state, gemm=g, cache=self._weight_caches[g],
                        is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
                        grad_enabled=grad)
             for g in range(self.num_gemms)

@@ -178,6 +178,11 @@ class RecipeState:
     def carry_from(self, old: RecipeState) -> None:
         """Keep what `old` (the state of the recipe used before) learned, where it applies."""
 
+    def replay_copy(self) -> RecipeState:
+        """What an activation recompute quantizes with to repeat this forward: quantizers that read the
+        scaling state as it is now and record into nothing of this state (stateless: this state itself)."""
+        return self
+
 
 @lru_cache(maxsize=64)
 def recipe_for_key(key: str) -> Recipe:

@@ -30,6 +30,7 @@ and NaN stays NaN.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, ClassVar, Literal, Union
 
@@ -218,6 +219,22 @@ class DelayedScalingState(RecipeState):
     def record_amax(self, slot: int, x: torch.Tensor) -> None:
         """Record max|x| for one slot without quantizing (calibration)."""
         self.quantizers[slot].record_amax(x)
+
+    def replay_copy(self) -> DelayedScalingState:
+        """A twin for an activation recompute: quantizers over a copy of today's scales (the update at the
+        autocast exit must not reach them) and a scratch amax row (the recompute records nothing here)."""
+        twin = copy.copy(self)
+        twin.scale = self.scale.detach().clone()
+        twin.amax_history = torch.zeros_like(self.amax_history[:1])
+        twin.quantizers = []
+        for i, quantizer in enumerate(self.quantizers):
+            rule = copy.copy(quantizer.rule)  # the state tensors were checked when `quantizer` was built
+            rule.scale, rule.amax = twin.scale[i : i + 1], twin.amax_history[0, i : i + 1]
+            twin.quantizers.append(quantizer.copy())
+            twin.quantizers[-1].rule = rule
+        twin_of = {id(q): t for q, t in zip(self.quantizers, twin.quantizers)}
+        twin._quantizers = {key: twin_of[id(q)] for key, q in self._quantizers.items()}
+        return twin
 
 
 def _checked_result(value: object, like: torch.Tensor, algo: str, what: str) -> torch.Tensor:
