@@ -3,6 +3,7 @@
 from engine import formats, recipes
 from engine.autocast import fp8_autocast, fp8_model_init
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
+from engine.modules.saving import plain_state_dict
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from engine.quantizers import (
     Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, Quantizer,
@@ -18,4 +19,5 @@ __all__ = [
     "Float8Tensor", "LayerNormLinear", "LayerNormMLP", "Linear", "MXFP8Quantizer", "MXFP8Tensor", "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
     "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "recipes",
+    "plain_state_dict",
 ]
