@@ -10,7 +10,6 @@ import io
 import json
 import math
 import struct
-import time
 
 import numpy as np
 import pytest
@@ -177,9 +176,9 @@ def test_fp8_weight_keys_hold_plain_tensors():
     assert torch.equal(state["weight_columnwise_scale_inv"], st.columnwise_scale_inv)
     magic, version, header, arrays = parse_record(state["weight_quantization"])
     assert (magic, version, arrays) == (b"ENGQTENS", 1, {})
+    quantizer = {"class": "MXFP8Quantizer", "config": {"fp8_dtype": "float8_e4m3fn", "scale_mode": "rceil"}}
     assert header == {"scheme": "mx_e4m3", "shape": [96, 64], "nominal_dtype": "float32", "rowwise": True,
-                      "columnwise": True, "quantizer": {"class": "MXFP8Quantizer",
-                                                        "config": {"fp8_dtype": "float8_e4m3fn", "scale_mode": "rceil"}}}
+                      "columnwise": True, "quantizer": quantizer}
     per_tensor = make("Linear", Float8CurrentScaling(), True, seed=0).state_dict()
     assert "weight_columnwise_data" not in per_tensor  # the transpose of the rowwise data: derived at load
     keep = lin.state_dict(keep_vars=True)
@@ -272,8 +271,17 @@ def test_plain_state_dict_loads_strictly_into_the_torch_model(recipe, fp8_weight
         for name in ("proj", "out"):
             w = getattr(model, name).weight
             want = w.dequantize() if fp8_weights else w
-            assert torch.equal(getattr(torch_model, name).weight, want) and getattr(torch_model, name).weight.dtype == torch.float32
+            got = getattr(torch_model, name).weight
+            assert torch.equal(got, want) and got.dtype == torch.float32
     assert list(engine.plain_state_dict(model)) == list(Plain().state_dict())
+
+
+def test_plain_state_dict_passes_on_what_is_not_engines():
+    other_extra = {"version": 7, "colour": "red"}  # another library's extra state
+    state = {"a_quantization": torch.ones(2), "m._extra_state": other_extra, "b": torch.zeros(1)}
+    out = engine.plain_state_dict(state)
+    assert list(out) == list(state)
+    assert out["m._extra_state"] is other_extra and out["a_quantization"] is state["a_quantization"]
 
 
 def test_plain_state_dict_rejects_other_input():
@@ -342,11 +350,9 @@ def test_a_malformed_record_is_refused_naming_the_key(case):
     bad, match = BAD_RECORDS[case]
     model = torch.nn.Sequential(engine.Linear(64, 32))
     state = {**model.state_dict(), "0._extra_state": bad}
-    start = time.perf_counter()
     with pytest.raises(ValueError, match=match) as info:
         model.load_state_dict(state)
     assert str(info.value).startswith("0._extra_state")
-    assert time.perf_counter() - start < 1.0  # nothing the header claims was allocated
 
 
 def test_the_reader_accepts_what_the_independent_writer_writes():

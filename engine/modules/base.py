@@ -197,9 +197,8 @@ class FP8Module(torch.nn.Module):
                 if mine is not None and saved_quantizer is not None \
                         and saved_quantizer != {"class": type(mine).__name__, "config": mine.config()}:
                     state_dict[key] = storage.dequantize()  # quantized otherwise: copy_ requantizes with mine
-            elif isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].dtype in FP8_DTYPES \
-                    and not isinstance(state_dict[key], QuantizedTensor):
-                raise ValueError(f"{key}: an {state_dict[key].dtype} tensor without its scales: the key "
+            elif isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].dtype in FP8_DTYPES:
+                raise ValueError(f"{key}: a {state_dict[key].dtype} tensor without its scales: the key "
                                  f"{key}{META_SUFFIX} that says how it was quantized is missing")
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -212,7 +211,7 @@ class FP8Module(torch.nn.Module):
         self._attach_weight_quantizers()
 
     def _attach_weight_quantizers(self) -> None:
-        """A loaded FP8 weight without a quantizer (load_state_dict(assign=True)) gets this module's, scheme permitting."""
+        """An FP8 weight loaded without a quantizer (`assign=True`) gets this module's, if the scheme matches."""
         if self._fwd_state is None:
             return
         for gemm, name in enumerate(self.weight_names):

@@ -29,7 +29,7 @@ import torch
 
 from engine.tensors import QuantizedTensor
 from engine.tensors.records import decode_record, encode_record, is_record
-from engine.tensors.serialization import META_SUFFIX, has_components, pop_components
+from engine.tensors.serialization import META_SUFFIX, QUANTIZED_MAGIC, pop_components
 
 EXTRA_STATE_MAGIC = b"ENGXSTAT"
 EXTRA_STATE_VERSION = 2
@@ -114,8 +114,9 @@ def plain_state_dict(source: torch.nn.Module | Mapping[str, Any]) -> OrderedDict
     if not isinstance(state, Mapping):
         raise TypeError(f"source: expected a torch.nn.Module or a state dict (a mapping), got {type(source).__name__}")
     pending = OrderedDict(state)
-    quantized = {key[: -len(META_SUFFIX)] for key in state if key.endswith(META_SUFFIX)}
-    rebuilt = {key: pop_components(pending, key)[0] for key in quantized if has_components(pending, key)}
+    quantized = [key[: -len(META_SUFFIX)] for key, value in state.items()
+                 if key.endswith(META_SUFFIX) and is_record(value, QUANTIZED_MAGIC)]
+    rebuilt = {key: pop_components(pending, key)[0] for key in quantized}
     out: OrderedDict[str, Any] = OrderedDict()
     for key, value in state.items():  # in the order of the source; a weight where its data (or metadata) was
         if key in rebuilt:

@@ -78,7 +78,8 @@ def decode_record(
     if got_magic != magic:
         raise ValueError(f"{where}: expected a record starting with {magic!r}, got {got_magic!r}")
     if version not in versions:
-        raise ValueError(f"{where}: format version {version}; this engine reads version {' or '.join(map(str, versions))}")
+        readable = " or ".join(map(str, versions))
+        raise ValueError(f"{where}: format version {version}; this engine reads version {readable}")
     available = len(raw) - PREFIX.size
     if header_len > min(available, MAX_HEADER_BYTES):
         raise ValueError(f"{where}: the header claims {header_len} bytes, but {available} follow "
@@ -144,7 +145,8 @@ def _check_entry(entry: Any, where: str) -> tuple[str, torch.dtype, tuple[int, .
         raise ValueError(f"{where}: expected each tensor entry as [name, dtype, shape], got {entry!r:.200}")
     name, dtype, shape = entry
     if dtype not in RECORD_DTYPES:
-        raise ValueError(f"{where}: tensor {name!r}: dtype: expected one of {sorted(RECORD_DTYPES)}, got {dtype!r:.100}")
+        raise ValueError(f"{where}: tensor {name!r}: dtype: expected one of {sorted(RECORD_DTYPES)}, "
+                         f"got {dtype!r:.100}")
     if len(shape) > MAX_DIMS or not all(type(s) is int and s >= 0 for s in shape):
         raise ValueError(f"{where}: tensor {name!r}: shape: expected at most {MAX_DIMS} ints >= 0, got {shape!r:.200}")
     return name, RECORD_DTYPES[dtype], tuple(shape)
