@@ -4,6 +4,7 @@ from engine import formats, recipes
 from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  # engine.autocast: the module, callable as TE 2.x's autocast
 from engine.conversion import convert, unconvert
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
+from engine.modules.saving import plain_state_dict
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from engine.recompute import checkpoint
 from engine.quantizers import (
@@ -21,4 +22,5 @@ __all__ = [
     "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init", "recipes", "unconvert",
     "checkpoint",
+    "plain_state_dict",
 ]

@@ -20,6 +20,7 @@ from engine.autocast import fp8_model_init
 from engine.modules import LayerNormLinear, Linear
 from engine.recipes import Recipe
 from engine.tensors import QuantizedTensor
+from engine.tensors.serialization import META_SUFFIX, pop_components
 
 #: attribute set on an engine.Linear converted from Conv1D (its checkpoints use Conv1D's layout)
 CONV1D_LAYOUT = "_conv1d_layout"
@@ -143,7 +144,9 @@ def mark_conv1d_layout(module: Linear) -> None:
 def _save_conv1d_layout(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     key = prefix + "weight"
     weight = state_dict.get(key)
-    if isinstance(weight, QuantizedTensor):
+    if key + META_SUFFIX in state_dict:  # an FP8 weight saved as its components: Conv1D holds the plain value
+        weight = pop_components(state_dict, key)[0].dequantize()
+    elif isinstance(weight, QuantizedTensor):
         weight = weight.dequantize()
     if isinstance(weight, torch.Tensor):
         state_dict[key] = weight.t().contiguous()  # contiguous: safetensors saves only contiguous tensors

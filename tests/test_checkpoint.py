@@ -1,4 +1,4 @@
-"""Checkpoints: scaling state in _extra_state as plain data, weights_only loads, loads across recipes."""
+"""Checkpoints: scaling state in _extra_state, weights_only loads, loads across recipes (formats: test_saving.py)."""
 
 import io
 
@@ -7,6 +7,7 @@ import torch
 
 import engine
 from engine.autocast import fp8_autocast, fp8_model_init
+from engine.modules.saving import encode_extra_state, read_extra_state
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from engine.tensors import Float8Tensor, MXFP8Tensor, QuantizedTensor
 
@@ -61,21 +62,23 @@ def test_resume_under_the_same_recipe_is_bit_exact(recipe):
     assert torch.equal(next_output(fresh, recipe), next_output(model, recipe))
 
 
-def test_extra_state_is_plain_data_with_the_delayed_scaling_state():
+def test_extra_state_holds_the_recipe_and_the_delayed_scaling_state():
     model = TinyModel()
     recipe = DelayedScaling(amax_history_len=8, margin=1)
     train(model, recipe, steps=2)
-    extra = model.state_dict()["proj._extra_state"]
+    saved = model.state_dict()["proj._extra_state"]
+    assert saved.dtype == torch.uint8 and saved.dim() == 1  # the bytes are checked in test_saving.py
+    extra = read_extra_state(saved)
     assert extra["recipe"] == {"name": "delayed", "fields": {
         "fp8_format": "HYBRID", "margin": 1, "amax_history_len": 8, "amax_compute_algo": "max",
         "scaling_factor_compute_algo": None, "reduce_amax": True}}
     assert torch.equal(extra["forward"]["scale"], model.proj._fwd_state.scale)
-    assert torch.equal(extra["backward"]["amax_history"], model.proj._bwd_state.amax_history.clamp_min(0))
+    assert torch.equal(extra["backward"]["amax_history"], model.proj._bwd_state.amax_history)
     assert extra["forward"]["amax_history"].shape == (8, 3)
     current = TinyModel()
     train(current, Float8CurrentScaling(use_power_2_scales=True), steps=1)
-    extra = current.state_dict()["proj._extra_state"]
-    assert set(extra) == {"version", "recipe"} and extra["recipe"]["fields"]["use_power_2_scales"] is True
+    extra = read_extra_state(current.state_dict()["proj._extra_state"])
+    assert set(extra) == {"recipe"} and extra["recipe"]["fields"]["use_power_2_scales"] is True
 
 
 @pytest.mark.parametrize("target", [MXFP8BlockScaling(), Float8BlockScaling(), None], ids=lambda r: getattr(r, "name", "bf16"))
@@ -138,7 +141,7 @@ def test_a_plain_torch_linear_checkpoint_loads():
 
 @pytest.mark.parametrize("bad, match", [
     ({"version": 99, "recipe": None}, "version"),
-    ("not a dict", "expected a dict"),
+    ("not a dict", "expected a uint8 tensor"),
     ({"version": 1, "recipe": {"name": "nope", "fields": {}}}, "recipe"),
     ({"version": 1, "recipe": {"name": "delayed", "fields": {"margin": -1}}}, "invalid"),
     ({"version": 1, "recipe": {"name": "delayed", "fields": {}}, "forward": {"scale": 1}}, "forward"),
@@ -157,7 +160,9 @@ def test_delayed_state_with_the_wrong_number_of_slots_is_a_clear_error():
     train_model = TinyModel()
     train(train_model, DelayedScaling(amax_history_len=8), steps=1)
     state = train_model.proj.state_dict()
-    state["_extra_state"]["forward"]["scale"] = torch.ones(6)
-    linear = engine.Linear(96, 64)
-    with pytest.raises(ValueError, match=r"_extra_state\['forward'\]\['scale'\].*slots"):
-        linear.load_state_dict(state)  # at load, not at the first forward
+    extra = read_extra_state(state["_extra_state"])
+    extra["forward"]["scale"] = torch.ones(6)
+    for saved in (encode_extra_state(extra), {"version": 1, **extra}):  # today's format and the dict of before
+        linear = engine.Linear(96, 64)
+        with pytest.raises(ValueError, match=r"_extra_state\['forward'\]\['scale'\].*slots"):
+            linear.load_state_dict({**state, "_extra_state": saved})  # at load, not at the first forward

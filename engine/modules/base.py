@@ -2,9 +2,11 @@
 
 A module keeps one forward and one backward `RecipeState` for the recipe it last ran
 under (rebuilt when the recipe changes), registers them with fp8_autocast so delayed
-scales update at the right moments, and carries delayed-scaling state in `_extra_state`
-as plain tensors and data. A checkpoint saved under one recipe loads under another: the
-quantizers are rebuilt and FP8 primary weights requantized, with a warning naming both.
+scales update at the right moments, and saves its recipe and delayed-scaling state in
+`_extra_state` as a uint8 record (no pickle; modules/saving.py) and FP8 primary weights as
+plain component tensors (tensors/serialization.py). A checkpoint saved under one recipe
+loads under another: the quantizers are rebuilt and FP8 primary weights requantized, with a
+warning naming both.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Any
 import torch
 
 from engine import autocast, recompute
+from engine.formats import FP8_DTYPES
 from engine.modules.linear_function import LinearArgs, WeightCache
+from engine.modules.saving import EXTRA_STATE_KEY, encode_extra_state, read_extra_state
 from engine.parameters import make_parameter
 from engine.recipes import Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain
 from engine.recipes.base import SLOTS_PER_GEMM
 from engine.tensors import QuantizedTensor
-
-EXTRA_STATE_VERSION = 1
+from engine.tensors.serialization import META_SUFFIX, has_components, pop_components, to_components
 
 
 class FP8Module(torch.nn.Module):
@@ -125,29 +128,31 @@ class FP8Module(torch.nn.Module):
         args.fwd.record_amax(args.fwd.slot(Role.WEIGHT, args.gemm), w)
 
     # ------------------------------------------------------------------ checkpoints
-    def get_extra_state(self) -> dict[str, Any]:
-        """Plain data: the recipe (name and fields) and, for delayed scaling, scales and amax histories."""
+    def get_extra_state(self) -> torch.Tensor:
+        """The recipe and, for delayed scaling, scales and amax histories, as a uint8 record (see modules/saving.py).
+
+        Empty when the module has no recipe (never ran); `state_dict()` then leaves the key out.
+        """
         if self._recipe is None and self._pending_extra_state is not None:
-            return self._pending_extra_state  # loaded but not run yet: pass it on unchanged
-        state: dict[str, Any] = {"version": EXTRA_STATE_VERSION, "recipe": None}
-        if self._recipe is not None:
-            state["recipe"] = recipe_to_plain(self._recipe)
-            for key, s in (("forward", self._fwd_state), ("backward", self._bwd_state)):
-                part = s.to_plain()
-                if part is not None:
-                    state[key] = part
-        return state
+            return encode_extra_state(self._pending_extra_state)  # loaded but not run yet: pass it on
+        if self._recipe is None:
+            return torch.empty(0, dtype=torch.uint8)
+        state: dict[str, Any] = {"recipe": recipe_to_plain(self._recipe)}
+        for key, s in (("forward", self._fwd_state), ("backward", self._bwd_state)):
+            part = s.to_plain()
+            if part is not None:
+                state[key] = part
+        return encode_extra_state(state)
 
     def set_extra_state(self, state: Any) -> None:
         """Validate a saved state now (whether or not this module has run); apply it when states exist."""
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        plain = read_extra_state(state)
+        if plain is None:
             return
-        recipe = check_extra_state(state, self.num_gemms)
-        if recipe is None:
-            return
-        self._pending_extra_state = state
+        check_extra_state(plain, self.num_gemms)
+        self._pending_extra_state = plain
         if self._recipe is not None:
-            self._apply_extra_state(state)
+            self._apply_extra_state(plain)
 
     def _apply_extra_state(self, state: dict) -> None:
         saved_recipe = recipe_from_plain(state["recipe"])
@@ -162,15 +167,60 @@ class FP8Module(torch.nn.Module):
             if key in state:
                 s.load_plain(state[key])
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """No `_extra_state` key without state; FP8 weights as plain component tensors (unless keep_vars)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        extra = destination.get(prefix + EXTRA_STATE_KEY)
+        if isinstance(extra, torch.Tensor) and extra.numel() == 0:
+            del destination[prefix + EXTRA_STATE_KEY]
+        if keep_vars:  # the live Parameters were asked for
+            return
+        for name, param in self._parameters.items():
+            if isinstance(param, QuantizedTensor):
+                components = to_components(prefix + name, param)
+                clash = sorted(k for k in components if k in destination and k != prefix + name)
+                if clash:
+                    raise ValueError(f"{clash[0]}: the FP8 weight {prefix}{name} is saved under this key, "
+                                     "which another entry of the state dict already has")
+                if prefix + name not in components:
+                    del destination[prefix + name]
+                destination.update(components)  # the data keeps the parameter's key and place
+
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # FP8 weights saved as component keys become quantized tensors again (torch.load_state_dict
+        # hands each module its own copy of the state dict, so the keys are replaced in place)
+        for name, param in self._parameters.items():
+            key = prefix + name
+            if has_components(state_dict, key):
+                storage, saved_quantizer = pop_components(state_dict, key)
+                state_dict[key] = QuantizedTensor.wrap(storage)
+                mine = param.quantizer if isinstance(param, QuantizedTensor) else None
+                if mine is not None and saved_quantizer is not None \
+                        and saved_quantizer != {"class": type(mine).__name__, "config": mine.config()}:
+                    state_dict[key] = storage.dequantize()  # quantized otherwise: copy_ requantizes with mine
+            elif isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].dtype in FP8_DTYPES:
+                raise ValueError(f"{key}: a {state_dict[key].dtype} tensor without its scales: the key "
+                                 f"{key}{META_SUFFIX} that says how it was quantized is missing")
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         except ValueError as err:  # name the key the bad extra state came from
             raise ValueError(f"{prefix}{err}") from None
         missing_keys = args[2] if len(args) > 2 else kwargs.get("missing_keys")
-        key = prefix + "_extra_state"
+        key = prefix + EXTRA_STATE_KEY
         if key not in state_dict and missing_keys is not None and key in missing_keys:
             missing_keys.remove(key)  # a checkpoint of a plain torch module has no FP8 state: that is fine
+        self._attach_weight_quantizers()
+
+    def _attach_weight_quantizers(self) -> None:
+        """An FP8 weight loaded without a quantizer (`assign=True`) gets this module's, if the scheme matches."""
+        if self._fwd_state is None:
+            return
+        for gemm, name in enumerate(self.weight_names):
+            param = getattr(self, name, None)
+            if isinstance(param, QuantizedTensor) and param.quantizer is None:
+                quantizer = self._primary_weight_quantizer(gemm)
+                if quantizer is not None and quantizer.scheme == param.scheme:
+                    param.update_quantizer(quantizer)
 
 
 @torch.compiler.assume_constant_result
@@ -183,16 +233,8 @@ def _states_while_tracing(module: FP8Module, recipe_key: str, device: torch.devi
     return True
 
 
-def check_extra_state(state: Any, num_gemms: int) -> Recipe | None:
-    """The saved recipe, after checking every part of a saved `_extra_state`; ValueError naming the bad key."""
-    if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION or "recipe" not in state:
-        raise ValueError(f"_extra_state: expected a dict with version {EXTRA_STATE_VERSION} and a recipe, "
-                         f"got {state!r:.200}")
-    unknown = set(state) - {"version", "recipe", "forward", "backward"}
-    if unknown:
-        raise ValueError(f"_extra_state: unknown keys {sorted(unknown)}")
-    if state["recipe"] is None:
-        return None
+def check_extra_state(state: dict[str, Any], num_gemms: int) -> Recipe:
+    """The saved recipe, after checking every part of a plain `_extra_state`; ValueError naming the bad key."""
     try:
         recipe = recipe_from_plain(state["recipe"])
     except ValueError as err:

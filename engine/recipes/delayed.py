@@ -17,8 +17,8 @@ has not run yet) keeps its history and scale at that update. So `update()` may r
 moment after a step - autocast runs it when the outermost `fp8_autocast` is entered and
 when it exits - and the history still advances exactly once per recorded step. Nothing
 outside the recorded tensors says "this slot ran", which is what lets the quantizing run
-inside opaque custom ops and compiled graphs. Checkpoints save row 0 as 0 where it holds
-the marker, as Transformer Engine's layout has it.
+inside opaque custom ops and compiled graphs. Checkpoints keep the marker, so a loaded state
+continues exactly; a Transformer Engine checkpoint's row 0 of zeros reads as a recorded 0.
 
 A NaN or inf amax (a batch with a NaN or an inf in it) is dropped from the history at the
 next update, so it never reaches the max: the step after such a batch uses a scale from
@@ -40,6 +40,7 @@ from pydantic import Field
 from engine.formats import fp8_max
 from engine.ops.reference import FLT_MAX
 from engine.quantizers import Float8Quantizer
+from engine.quantizers.rules import NOT_RECORDED
 from engine.recipes.base import SLOT_OF, SLOTS_PER_GEMM, Recipe, RecipeState
 from engine.recipes.operands import (
     BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Operand, QuantizerSpec, check_num_gemms,
@@ -51,8 +52,6 @@ ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torc
 
 
 MAX_MARGIN = 126
-#: row 0 of an amax history before anything was recorded in this step (every amax is >= 0 or NaN)
-NOT_RECORDED = -1.0
 MAX_HISTORY_LEN = 1 << 16
 
 
@@ -88,7 +87,8 @@ class DelayedScaling(Recipe):
         merge_amax_row(tensors[1], records[0])
 
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
-        """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0."""
+        """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0
+        (row 0 may hold NOT_RECORDED)."""
         if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
             raise ValueError(f"{where}: expected {{'scale': tensor, 'amax_history': tensor}}, got {part!r:.200}")
         scale, history = part["scale"], part["amax_history"]
@@ -104,8 +104,11 @@ class DelayedScaling(Recipe):
                              f"got {tuple(history.shape)}")
         if not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError(f"{where}['scale']: every scale must be finite and > 0, got {scale.tolist()}")
-        if not bool((torch.isfinite(history) & (history >= 0)).all()):
-            raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0")
+        valid = torch.isfinite(history) & (history >= 0)
+        valid[0] |= history[0] == NOT_RECORDED
+        if not bool(valid.all()):
+            raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0 "
+                             f"(row 0 may be {NOT_RECORDED}: nothing recorded yet)")
 
 
 def merge_amax_row(history: torch.Tensor, recorded: torch.Tensor) -> None:
@@ -170,9 +173,7 @@ class DelayedScalingState(RecipeState):
         return [self.current_amax] if self.recipe.reduce_amax else []
 
     def to_plain(self) -> dict[str, torch.Tensor]:
-        history = self.amax_history.detach().clone()
-        history[0].clamp_min_(0.0)  # the NOT_RECORDED marker is saved as TE's 0
-        return {"scale": self.scale.detach().clone(), "amax_history": history}
+        return {"scale": self.scale.detach().clone(), "amax_history": self.amax_history.detach().clone()}
 
     def load_plain(self, part: dict[str, torch.Tensor]) -> None:
         """A checked saved state: its scale, and the history rows that fit."""

@@ -1,8 +1,14 @@
-"""Rebuilding quantized tensors from plain data, so `torch.load(weights_only=True)` works.
+"""Quantized tensors as plain data: for `torch.load(weights_only=True)` and for safetensors.
 
-A pickled quantized tensor is a call to one of the two functions below with a dict of
-plain tensors, strings, numbers and lists (`QuantizedTensorBase.to_plain`). Both are
-registered as safe globals when `engine` is imported; no other code is unpickled.
+Two forms, both read back by `rebuild_storage`:
+
+* Pickled: a quantized tensor is a call to one of the two rebuild functions below with a
+  dict of plain tensors, strings, numbers and lists (`QuantizedTensorBase.to_plain`). Both
+  are registered as safe globals when `engine` is imported; no other code is unpickled.
+  Checkpoints written before the component keys below hold this form; it still loads.
+* Component keys (what modules put in `state_dict()`): plain tensors under keys derived
+  from the parameter's key, so files that hold only tensors (safetensors) can hold them.
+  See `to_components`.
 
 A checkpoint is untrusted input, so everything is checked here, at `torch.load`, not at
 first use: dtypes and shapes, that every buffer is dense (a stride-0 or overlapping
@@ -12,15 +18,16 @@ there and no others, and the values of the scales (and of the quantizer's state)
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping
 
 import torch
 
 from engine.formats import FP8_DTYPES
 from engine.ops.reference import HIGH_PRECISION_DTYPES
-from engine.tensors.quantized import QuantizedTensor
+from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.schemes import Scheme, fp8_scheme, get_scheme
-from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase, buffer_specs
+from engine.tensors.records import decode_record, encode_record
+from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase, buffer_specs, compact
 
 
 def parse_dtype(name: Any, field: str) -> torch.dtype:
@@ -131,3 +138,112 @@ def rebuild_quantized_tensor(plain: dict[str, Any], requires_grad: bool) -> Quan
 
 
 torch.serialization.add_safe_globals([rebuild_storage, rebuild_quantized_tensor])
+
+
+# ---------------------------------------------------------------------------- component keys
+QUANTIZED_MAGIC = b"ENGQTENS"
+QUANTIZED_VERSION = 1
+#: a quantized tensor saved under `key` puts each buffer under key + suffix (its data under `key` itself,
+#: as FP8 checkpoints on the Hugging Face Hub do: `weight` in FP8 next to `weight_scale_inv`)
+COMPONENT_SUFFIXES = {"rowwise_data": "", "rowwise_scale_inv": "_scale_inv",
+                      "columnwise_data": "_columnwise_data", "columnwise_scale_inv": "_columnwise_scale_inv"}
+#: ... and how it was quantized under key + META_SUFFIX (a record, see engine.tensors.records)
+META_SUFFIX = "_quantization"
+_META_FIELDS = ("scheme", "shape", "nominal_dtype", "rowwise", "columnwise", "quantizer")
+
+
+def _saved_usages(scheme: Scheme, rowwise: bool, columnwise: bool) -> tuple[bool, bool]:
+    """The usages a checkpoint holds: rowwise, and columnwise unless it derives exactly from rowwise."""
+    return rowwise, columnwise and not (rowwise and scheme.derivable)
+
+
+def to_components(key: str, tensor: QuantizedTensor | QuantizedTensorBase) -> dict[str, torch.Tensor]:
+    """A quantized tensor as plain tensors under keys made from `key`, for files that hold only tensors.
+
+        key                        rowwise data: FP8 (the tensor's shape)
+        key_scale_inv              rowwise scale_inv: fp32, or uint8 E8M0 codes (MXFP8)
+        key_columnwise_data        columnwise data and scale_inv, only where they cannot be derived
+        key_columnwise_scale_inv   exactly from the rowwise ones (1x128 blocks, MXFP8)
+        key_quantization           uint8 record (version 1): {"scheme", "shape", "nominal_dtype",
+                                   "rowwise", "columnwise", "quantizer"}: the scheme's name, the
+                                   nominal shape and dtype, which usages the tensor had (so both
+                                   come back), and the kind and settings of its quantizer
+                                   ({"class": name, "config": Quantizer.config()} or null); the
+                                   quantizer's state (delayed scaling's) is the module's to save
+
+    No buffer is shared between two keys (safetensors refuses that).
+    """
+    st = storage_of(tensor, key)
+    if not (st.has_rowwise or st.has_columnwise):
+        raise ValueError(f"{key}: this {type(st).__name__} holds no data (emptied by prepare_for_saving)")
+    rowwise, columnwise = _saved_usages(st.scheme, st.has_rowwise, st.has_columnwise)
+    out: dict[str, torch.Tensor] = {}
+    for usage, saved in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if saved:
+            for part in ("data", "scale_inv"):
+                field = f"{usage}_{part}"
+                t = compact(getattr(st, field))
+                if any(t is other for other in out.values()):
+                    t = t.clone()
+                out[key + COMPONENT_SUFFIXES[field]] = t.detach()
+    header = {"scheme": st.scheme.name, "shape": list(st.shape),
+              "nominal_dtype": str(st.nominal_dtype).removeprefix("torch."),
+              "rowwise": st.has_rowwise, "columnwise": st.has_columnwise,
+              "quantizer": None if st.quantizer is None else {"class": type(st.quantizer).__name__,
+                                                               "config": st.quantizer.config()}}
+    out[key + META_SUFFIX] = encode_record(QUANTIZED_MAGIC, QUANTIZED_VERSION, header, {})
+    return out
+
+
+def has_components(state_dict: Any, key: str) -> bool:
+    """`state_dict` holds a quantized tensor saved under `key` as component keys."""
+    return key + META_SUFFIX in state_dict
+
+
+def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[QuantizedTensorBase, dict | None]:
+    """Take the component keys of `key` out of `state_dict`: (the storage, checked; its saved quantizer's
+    {"class", "config"} or None). The storage has no quantizer object; it gets back the usages it had
+    when saved (a columnwise copy that was not saved is derived, bit for bit). Anything malformed is a
+    ValueError naming the key.
+    """
+    meta_key = key + META_SUFFIX
+    _, header, tensors = decode_record(state_dict[meta_key], QUANTIZED_MAGIC, (QUANTIZED_VERSION,), meta_key)
+    if tensors or set(header) != set(_META_FIELDS):
+        raise ValueError(f"{meta_key}: expected the fields {list(_META_FIELDS)} and no tensors, got "
+                         f"{sorted(header)} and {sorted(tensors)}")
+    had = header["rowwise"], header["columnwise"]
+    if not all(type(h) is bool for h in had) or not any(had):
+        raise ValueError(f"{meta_key}: 'rowwise' and 'columnwise' must be bools, at least one true; got {had}")
+    saved_quantizer = header["quantizer"]
+    if saved_quantizer is not None and not (
+            isinstance(saved_quantizer, dict) and set(saved_quantizer) == {"class", "config"}
+            and isinstance(saved_quantizer["class"], str) and isinstance(saved_quantizer["config"], dict)):
+        raise ValueError(f"{meta_key}: 'quantizer' must be null or {{'class': str, 'config': dict}}, "
+                         f"got {saved_quantizer!r:.200}")
+    try:
+        scheme = get_scheme(header["scheme"])
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{meta_key}: {err}") from None
+    rowwise, columnwise = _saved_usages(scheme, *had)
+    names = {field: key + suffix for field, suffix in COMPONENT_SUFFIXES.items()}
+    wanted = [f"{usage}_{part}" for usage, saved in (("rowwise", rowwise), ("columnwise", columnwise)) if saved
+              for part in ("data", "scale_inv")]
+    missing = [names[f] for f in wanted if names[f] not in state_dict]
+    if missing:
+        raise ValueError(f"{missing[0]}: missing, though {meta_key} says the tensor was saved with "
+                         f"rowwise={had[0]}, columnwise={had[1]}")
+    plain = {"scheme": header["scheme"], "shape": header["shape"], "nominal_dtype": header["nominal_dtype"],
+             "quantizer": None, **{field: None for field in BUFFER_FIELDS}}
+    plain.update({field: state_dict[names[field]] for field in wanted})
+    try:
+        storage = rebuild_storage(plain)
+    except ValueError as err:
+        field = str(err).split(":", 1)[0]
+        where = names[field] + str(err)[len(field):] if field in names else f"{meta_key}: {err}"
+        raise ValueError(where) from None
+    if had[1] and not storage.has_columnwise:
+        storage.update_usage(columnwise_usage=True)
+    for field in wanted:
+        del state_dict[names[field]]
+    del state_dict[meta_key]
+    return storage, saved_quantizer
