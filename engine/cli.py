@@ -20,7 +20,8 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"quantize": "bench_quantize", "gemm": "bench_gemm", "linear": "bench_linear"}
+BENCHMARKS = {"quantize": "bench_quantize", "gemm": "bench_gemm", "linear": "bench_linear",
+              "compile": "bench_compile"}
 
 
 def _bench(args: argparse.Namespace) -> int:

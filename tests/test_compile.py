@@ -181,3 +181,31 @@ def test_the_ops_pass_torch_library_opcheck():
     x, w, b = torch.randn(4, 32), torch.randn(16, 32, requires_grad=True), torch.randn(16)
     args = (x, w, b, fwd.op_tensors(), bwd.op_tensors(), fwd.key, 1, 0, True, True)
     torch.library.opcheck(linear_op.linear_fwd, args, test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("name", ["delayed", "block"])
+def test_a_converted_hugging_face_llama_compiles_whole(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    eager = engine.convert(transformers.LlamaForCausalLM(config))
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 128, (2, 16))
+    losses = {}
+    for label, model in (("eager", eager), ("compiled", compiled)):
+        losses[label] = []
+        for _ in range(2):
+            with engine.fp8_autocast(recipe=RECIPES[name]):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            losses[label].append(loss.detach())
+        with engine.fp8_autocast(recipe=RECIPES[name]):
+            pass
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for want, got in zip(losses["eager"], losses["compiled"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)  # decomposed attention/softmax may round apart
+    grads = [(p.grad, q.grad) for p, q in zip(eager.parameters(), compiled_model.parameters())]
+    for want, got in grads:
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)

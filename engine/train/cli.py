@@ -55,6 +55,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run everything in this process (faster start; peak RSS is then cumulative)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile(fullgraph=True) the loss (the first steps compile; tokens/s skips them)")
     p.set_defaults(run=run)
 
 
@@ -62,7 +64,7 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     model = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
     common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
               "eval_every": args.eval_every, "seed": args.seed, "out_dir": str(out_dir),
-              "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10)}
+              "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile}
     if args.resume is not None:
         if args.recipe is None:
             raise ValueError("--resume needs --recipe: the recipe (or bf16) to continue under")

@@ -11,7 +11,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +41,7 @@ class RunConfig(BaseModel):
     out_dir: str = "runs/latest"
     resume: str | None = None
     progress: bool = True
+    compile: bool = False  # torch.compile(model.loss, fullgraph=True)
 
 
 def make_recipe(name: str) -> Recipe | None:
@@ -60,14 +61,15 @@ def learning_rate(cfg: RunConfig, step: int, total: int) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def evaluate(model: GPT, corpus: Corpus, cfg: RunConfig, recipe: Recipe | None) -> float:
+def evaluate(loss_fn: Callable[[torch.Tensor], torch.Tensor], corpus: Corpus, cfg: RunConfig,
+             recipe: Recipe | None) -> float:
     """Mean loss over fixed validation windows (the same for every run)."""
     losses = []
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             tokens = batch_at(corpus.val, i, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed + 1)
             with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-                losses.append(model.loss(tokens).item())
+                losses.append(loss_fn(tokens).item())
     return sum(losses) / len(losses)
 
 
@@ -107,6 +109,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         optimizer.load_state_dict(checkpoint["optimizer"])
         start = int(checkpoint["step"])
     end = start + cfg.steps
+    loss_fn = torch.compile(model.loss, fullgraph=True) if cfg.compile else model.loss
     tokens_per_step = cfg.batch_size * cfg.model.seq_len
     train_losses, val_losses, step_times = [], [], []
     bar = tqdm(range(start, end), desc=f"{cfg.recipe:>7}", disable=not cfg.progress, dynamic_ncols=True)
@@ -116,7 +119,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         tokens = batch_at(corpus.train, step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
         began = time.perf_counter()
         with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = model.loss(tokens)
+            loss = loss_fn(tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -124,7 +127,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         step_times.append(time.perf_counter() - began)
         train_losses.append(loss.item())
         if (step + 1) % cfg.eval_every == 0 or step + 1 == end:
-            val_losses.append((step + 1, evaluate(model, corpus, cfg, recipe)))
+            val_losses.append((step + 1, evaluate(loss_fn, corpus, cfg, recipe)))
         timed = step_times[min(3, len(step_times) - 1):]
         bar.set_postfix(loss=f"{train_losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(timed) / sum(timed):.0f}")
     bar.close()
