@@ -8,16 +8,20 @@
   `DelayedScalingState.update` (run through a callable algo, which takes the Python path).
 * Both ISAs, random data and the edge cases (zeros, subnormals, +-max, saturation, inf, NaN
   of both signs and other payloads, odd shapes, empty tensors, views); bad arguments are
-  refused in Python and again in C++.
+  refused in Python and again in C++; the generic path (`engine.ops.quantize`, the delayed
+  rule, `DelayedScalingState.update`) runs no torch op and no host sync around the one call.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.ops import native
+from engine.ops import native, registry
+from engine.ops import quantize as qops
 from engine.ops import reference as ref
+from engine.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
 from engine.recipes import DelayedScaling
 from engine.schemes import fp8_scheme
 from test_native import ISAS, assert_same, spread, with_specials
@@ -243,6 +247,76 @@ def test_bad_arguments_are_refused_in_cpp():
         ext.cast_transpose(x, torch.ones(1, dtype=torch.float64), 0, True, True)
 
 
+# --------------------------------------------------------------- the generic path, wired
+class CountOps(TorchDispatchMode):
+    """Counts the torch ops that run (a native call's own work is invisible to it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_per_tensor_quantize_on_the_cpu_is_one_native_call_without_torch_ops_or_syncs(monkeypatch):
+    """Current and delayed scaling (with its record) through the generic path: no torch op, no float(tensor)."""
+    x = spread((16, 256), torch.bfloat16, 0)
+    history = torch.zeros(4, 3)
+    delayed = Float8Quantizer(torch.tensor([4.0]), history[0, 1:2], E4M3)
+    current = Float8CurrentScalingQuantizer(E4M3)
+
+    def no_sync(*args):
+        raise AssertionError("a host sync")
+
+    for method in ("__float__", "__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, method, no_sync)
+    with CountOps() as counted:
+        buffers, amax = qops.quantize(x, current.scheme, rowwise=True, columnwise=True)
+        rule_buffers = delayed.rule.quantize(x, delayed.scheme, rowwise=True, columnwise=True)
+    monkeypatch.undo()
+    assert counted.ops == []
+    want = reference_per_tensor(x, E4M3, True, True, None, False, 0.0)
+    for field, w in zip(("rowwise_data", "columnwise_data", "rowwise_scale_inv"), want):
+        assert_same(buffers[field], w, f"current {field}")
+    assert buffers["columnwise_scale_inv"] is buffers["rowwise_scale_inv"]
+    assert_same(amax, want[3], "current amax")
+    want = reference_per_tensor(x, E4M3, True, True, torch.tensor([4.0]), False, 0.0)
+    for field, w in zip(("rowwise_data", "columnwise_data", "rowwise_scale_inv"), want):
+        assert_same(rule_buffers[field], w, f"delayed {field}")
+    assert_same(history[0], torch.cat([torch.zeros(1), want[3], torch.zeros(1)]), "recorded amax")
+
+
+def test_generic_record_amax_matches_torch_maximum_on_every_path(monkeypatch):
+    """record_amax through qops.quantize: native (eager), the reference backend, and the traced op."""
+    x = with_specials(spread((17, 33), torch.float32, 4), 5, fraction=0.05)
+    scheme = fp8_scheme("tensor", E5M2)
+    for start in RECORDED:
+        want = torch.maximum(start, ref.amax(x))
+        got = start.clone()
+        qops.quantize(x, scheme, rowwise=True, columnwise=False, scale=torch.tensor([2.0]), record_amax=got)
+        assert_same(got, want, "native")
+        got = start.clone()
+        qops.registry.REFERENCE["quantize"](x, scheme, rowwise=True, columnwise=False, scale=torch.tensor([2.0]),
+                                           amax_epsilon=0.0, scale_mode="rceil", record_amax=got)
+        assert_same(got, want, "reference")
+        got = start.clone()
+        monkeypatch.setattr(qops, "_traced", lambda x: True)  # the custom-op path torch.compile takes
+        qops.quantize(x, scheme, rowwise=True, columnwise=False, scale=torch.tensor([2.0]), record_amax=got)
+        monkeypatch.undo()
+        assert_same(got, want, "traced")
+
+
+def test_generic_record_amax_arguments():
+    x = torch.ones(4, 4)
+    with pytest.raises(ValueError, match="record_amax: only per-tensor"):
+        qops.quantize(x, fp8_scheme("mx", E4M3), rowwise=True, columnwise=False, record_amax=torch.zeros(1))
+    with pytest.raises(TypeError, match="record_amax: expected a 1-element float32"):
+        qops.quantize(x, fp8_scheme("tensor", E4M3), rowwise=True, columnwise=False,
+                      record_amax=torch.zeros(2))
+
+
 # --------------------------------------------------------------------- delayed update
 def random_state(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A history with random amaxes over many binades, and the edge cases: NaN/inf/-inf/zeros/-0 in row 0,
@@ -302,6 +376,21 @@ def test_delayed_update_matches_the_python_update(rows, forward, gemms):
                             native.delayed_update(h, s, want.fp8_max, margin, algo, held)
                             assert_same(h, want.amax_history, f"{what} history")
                             assert_same(s, want.scale, f"{what} scale")
+                    recipe = DelayedScaling(amax_history_len=rows, margin=margin, amax_compute_algo=algo)
+                    state = recipe.make_state(forward=forward, num_gemms=gemms)
+                    state.amax_history.copy_(history)
+                    state.scale.copy_(scale)
+                    for j in held:
+                        state.hold(j)
+                    state.update()
+                    assert_same(state.amax_history, want.amax_history, f"{what} state history")
+                    assert_same(state.scale, want.scale, f"{what} state scale")
+                    assert not state.held
+                    # the registry's reference (forced backend, other devices)
+                    h, s = history.clone(), scale.clone()
+                    registry.delayed_update_reference(h, s, want.fp8_max, margin, algo, held)
+                    assert_same(h, want.amax_history, f"{what} reference history")
+                    assert_same(s, want.scale, f"{what} reference scale")
 
 
 @pytest.mark.parametrize("rows", (1, 2, 17, 1024))
@@ -339,6 +428,15 @@ def test_delayed_update_of_a_known_sequence_by_hand():
     assert scale.tolist() == [112.0, 56.0]  # slot 0: most recent amax 0 keeps the scale; slot 1: 448 / 8
 
 
+def test_update_on_the_cpu_runs_no_torch_ops():
+    state = DelayedScaling().make_state(forward=True)
+    state.amax_history[0] = torch.tensor([1.0, 2.0, 3.0])
+    with CountOps() as counted:
+        state.update()
+    assert counted.ops == []
+    assert_same(state.scale, torch.tensor([448.0, 224.0, 448.0 / 3]), "448 / amax")
+
+
 def test_delayed_update_arguments_are_refused_in_python_and_cpp():
     h, s = torch.zeros(4, 3), torch.ones(3)
     cases = [
@@ -352,6 +450,9 @@ def test_delayed_update_arguments_are_refused_in_python_and_cpp():
         (ValueError, "^margin", lambda: native.delayed_update(h, s, 448.0, True, "max")),
         (ValueError, "^fp8_max", lambda: native.delayed_update(h, s, INF, 0, "max")),
         (ValueError, "^held", lambda: native.delayed_update(h, s, 448.0, 0, "max", [3])),
+        (ValueError, "^held", lambda: qops.delayed_update(h, s, 448.0, 0, "max", [-4])),
+        (ValueError, "^algo", lambda: qops.delayed_update(h, s, 448.0, 0, "mean")),
+        (TypeError, "^scale: .*float32", lambda: qops.delayed_update(h, s.half(), 448.0, 0, "max")),
     ]
     for error, match, call in cases:
         with pytest.raises(error, match=match):

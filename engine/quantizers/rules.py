@@ -85,8 +85,8 @@ class DelayedRule(ScaleRule):
         self.amax.copy_(torch.maximum(self.amax, current.to(self.amax.device).reshape(self.amax.shape)))
 
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
-        buffers, amax = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=self.scale)
-        self.record_amax(x, amax)
+        buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=self.scale,
+                                   record_amax=self.amax)  # the record happens in the same kernel call
         return buffers
 
 

@@ -28,6 +28,7 @@ import torch
 from pydantic import Field
 
 from engine.formats import fp8_max
+from engine.ops import quantize as qops
 from engine.ops.reference import FLT_MAX
 from engine.quantizers import Float8Quantizer
 from engine.recipes.base import SLOT_OF, SLOTS_PER_GEMM, Recipe, RecipeState
@@ -153,9 +154,14 @@ class DelayedScalingState(RecipeState):
         """Turn the history into the next scales (in place, so the quantizers see them)."""
         recipe: DelayedScaling = self.recipe
         history = self.amax_history
+        algo = recipe.amax_compute_algo
+        if history.is_cpu and recipe.scaling_factor_compute_algo is None and algo in ("max", "most_recent"):
+            # the steps below in one native call (`engine.ops.quantize.delayed_update`), same bits
+            qops.delayed_update(history, self.scale, self.fp8_max, recipe.margin, algo, self.held)
+            self.held.clear()
+            return
         # a NaN/inf batch never reaches the max; older rows were cleaned at earlier updates (or checked at load)
         torch.nan_to_num_(history[0], nan=0.0, posinf=0.0, neginf=0.0)
-        algo = recipe.amax_compute_algo
         if algo == "max":
             amax = history.max(dim=0).values
         elif algo == "most_recent":
