@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +18,7 @@
 #define ENGINE_X86 1
 #endif
 
+#include "delayed_update.h"
 #include "kernels.h"
 
 namespace engine_native {
@@ -228,79 +230,212 @@ Tensor amax(const Tensor& x, const optional<Tensor>& out) {
   return result;
 }
 
-// ------------------------------------------------------------------------ cast transpose
+// ---------------------------------------------------------------------- per-tensor casts
+// The value of a 1-element fp32 CPU tensor (a scale, an amax to record into).
+float* scalar_f32(const Tensor& t, const char* name) {
+  check_plain(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, ": expected dtype float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == 1, name, ": expected a 1-element tensor, got shape ", t.sizes());
+  return t.data_ptr<float>();
+}
+
+// x read as the row-major matrix `src` (rows x cols): x's 2D view M x K, or its transpose
+// (swapped) when x is a column-major 2D view. `holder` keeps a contiguous copy alive, made
+// only when x is neither.
+struct Matrix {
+  Tensor holder;
+  Src src;
+  int64_t rows, cols;
+  bool swapped;
+};
+
+Matrix as_matrix(const Tensor& x_in, int64_t M, int64_t K, const char* name) {
+  const InType type = in_type(x_in, name);
+  if (x_in.dim() != 2 && x_in.is_contiguous()) return {x_in, Src{x_in.data_ptr(), type, K}, M, K, false};
+  Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({M, K});  // a view when the strides allow
+  if (column_major(x)) return {x, Src{x.data_ptr(), type, x.stride(1)}, K, M, true};
+  if (!row_major(x).has_value()) x = x.contiguous();
+  return {x, *row_major(x), M, K, false};
+}
+
+uint32_t matrix_amax_key(const Matrix& m) {
+  const Kernels& k = kernels();
+  const Src s = m.src;
+  if (s.ld == m.cols) {
+    return parallel_max_key(m.rows * m.cols, kElemGrain,
+                            [&](int64_t b, int64_t e) { return k.amax_key(s.data, s.type, b, e); });
+  }
+  return parallel_max_key(m.rows, std::max<int64_t>(1, kElemGrain / m.cols), [&](int64_t b, int64_t e) {
+    uint32_t best = 0;
+    for (int64_t r = b; r < e; ++r) best = std::max(best, k.amax_key(s.data, s.type, r * s.ld, r * s.ld + m.cols));
+    return best;
+  });
+}
+
+// sat(x * scale) for the M x K matrix of `m` (M * K > 0): codes row-major into `data`
+// (M x K) and/or transposed into `data_t` (K x M). Returns the amax key of x.
+uint32_t cast_matrix(const Matrix& m, float scale, Fp8Kind kind, uint8_t* data, uint8_t* data_t) {
+  const int64_t n = m.rows * m.cols;
+  if (is_nan_f32(scale)) {
+    // x * NaN is NaN for every element, so the data is the canonical NaN code 0x7F
+    // throughout; only the amax needs the input.
+    if (data) std::memset(data, 0x7F, static_cast<size_t>(n));
+    if (data_t) std::memset(data_t, 0x7F, static_cast<size_t>(n));
+    return matrix_amax_key(m);
+  }
+  // A swapped matrix is x^T: its row-major codes are data_t, its transposed ones data.
+  const Src src = m.src;
+  const int64_t rows = m.rows, cols = m.cols;
+  uint8_t* out_row = m.swapped ? data_t : data;
+  uint8_t* out_col = m.swapped ? data : data_t;
+  const Kernels& k = kernels();
+  if (out_col == nullptr && src.ld == cols) {
+    // rowwise only on contiguous data: one flat pass
+    return parallel_max_key(n, kElemGrain, [&](int64_t b, int64_t e) {
+      if (out_row == nullptr) return k.amax_key(src.data, src.type, b, e);
+      return k.cast(src.data, src.type, b, e, scale, kind, out_row);
+    });
+  }
+  // Units of 64 rows x up to 1024 columns, all the row blocks of a column chunk in a
+  // row: the 1024 rows of data_t they write stay in the TLB (each row is a page apart).
+  const int64_t row_blocks = (rows + 63) / 64, col_chunks = (cols + 1023) / 1024;
+  return parallel_max_key(row_blocks * col_chunks, std::max<int64_t>(1, kElemGrain / (64 * 1024)),
+                          [&](int64_t b, int64_t e) {
+                            uint32_t best = 0;
+                            for (int64_t u = b; u < e; ++u) {
+                              const int64_t r0 = (u % row_blocks) * 64, c0 = (u / row_blocks) * 1024;
+                              const int64_t r1 = std::min(rows, r0 + 64), c1 = std::min(cols, c0 + 1024);
+                              best = std::max(best, k.cast_transpose_region(src, rows, cols, r0, r1, c0, c1, scale,
+                                                                            kind, out_row, out_col));
+                            }
+                            return best;
+                          });
+}
+
+uint8_t* maybe_bytes(const optional<Tensor>& t) { return t ? bytes(*t) : nullptr; }
+
+// Every given tensor against every other: none may share memory (outputs are written while
+// the input is read, and in parallel chunks).
+void check_all_disjoint(std::initializer_list<std::pair<const Tensor*, const char*>> tensors) {
+  for (auto a = tensors.begin(); a != tensors.end(); ++a) {
+    for (auto b = a + 1; b != tensors.end(); ++b) {
+      if (a->first && b->first) check_disjoint(*a->first, a->second, *b->first, b->second);
+    }
+  }
+}
+
+const Tensor* ptr(const optional<Tensor>& t) { return t ? &*t : nullptr; }
+
 using CastTransposeResult = std::tuple<optional<Tensor>, optional<Tensor>, Tensor>;
 
-CastTransposeResult cast_transpose(const Tensor& x_in, double scale_d, int64_t kind_i, bool rowwise, bool columnwise,
-                                   const optional<Tensor>& out_data, const optional<Tensor>& out_data_t,
-                                   const optional<Tensor>& out_amax) {
+CastTransposeResult cast_transpose(const Tensor& x_in, const Tensor& scale_t, int64_t kind_i, bool rowwise,
+                                   bool columnwise, const optional<Tensor>& out_data,
+                                   const optional<Tensor>& out_data_t, const optional<Tensor>& out_amax) {
   NoPythonDispatch no_python;
   check_plain(x_in, "x2d");
   in_type(x_in, "x2d");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x2d: expected a 2D tensor, got ", x_in.dim(), " dims");
+  const float scale = *scalar_f32(scale_t, "scale");
   const Fp8Kind kind = fp8_kind(kind_i);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   optional<Tensor> data, data_t;
   if (rowwise) data = output(out_data, {M, K}, fp8_dtype(kind), "out_data");
   if (columnwise) data_t = output(out_data_t, {K, M}, fp8_dtype(kind), "out_data_t");
   Tensor amax_t = output(out_amax, {1}, at::kFloat, "out_amax");
-  if (data) check_disjoint(*data, "out_data", x_in, "x2d");
-  if (data_t) check_disjoint(*data_t, "out_data_t", x_in, "x2d");
-  check_disjoint(amax_t, "out_amax", x_in, "x2d");
-  if (data && data_t) check_disjoint(*data, "out_data", *data_t, "out_data_t");
-  if (data) check_disjoint(amax_t, "out_amax", *data, "out_data");
-  if (data_t) check_disjoint(amax_t, "out_amax", *data_t, "out_data_t");
-  const float scale = static_cast<float>(scale_d);
-
-  if (M * K == 0) {
-    amax_t.data_ptr<float>()[0] = 0.0f;
-    return {data, data_t, amax_t};
-  }
-  if (is_nan_f32(scale)) {
-    // x * NaN is NaN for every element, so the data is the canonical NaN code 0x7F
-    // throughout; only the amax needs the input.
-    if (data) std::memset(bytes(*data), 0x7F, static_cast<size_t>(M * K));
-    if (data_t) std::memset(bytes(*data_t), 0x7F, static_cast<size_t>(M * K));
-    amax_t.data_ptr<float>()[0] = amax_of(x_in);
-    return {data, data_t, amax_t};
-  }
-
-  // A column-major x is the transpose of a row-major matrix: swap the roles of the outputs.
-  const bool swap = column_major(x_in);
-  Tensor x = x_in;
-  if (!swap && !row_major(x).has_value()) x = x.contiguous();
-  Src src = swap ? Src{x.data_ptr(), in_type(x, "x2d"), x.stride(1)} : *row_major(x);
-  const int64_t rows = swap ? K : M, cols = swap ? M : K;
-  uint8_t* out_row = swap ? (data_t ? bytes(*data_t) : nullptr) : (data ? bytes(*data) : nullptr);
-  uint8_t* out_col = swap ? (data ? bytes(*data) : nullptr) : (data_t ? bytes(*data_t) : nullptr);
-
-  const Kernels& k = kernels();
-  uint32_t key;
-  if (out_col == nullptr && src.ld == cols) {
-    // rowwise only on contiguous data: one flat pass
-    uint8_t* o = out_row;
-    key = parallel_max_key(rows * cols, kElemGrain, [&](int64_t b, int64_t e) {
-      if (o == nullptr) return k.amax_key(src.data, src.type, b, e);
-      return k.cast(src.data, src.type, b, e, scale, kind, o);
-    });
-  } else {
-    // Units of 64 rows x up to 1024 columns, all the row blocks of a column chunk in a
-    // row: the 1024 rows of data_t they write stay in the TLB (each row is a page apart).
-    const int64_t row_blocks = (rows + 63) / 64, col_chunks = (cols + 1023) / 1024;
-    key = parallel_max_key(row_blocks * col_chunks, std::max<int64_t>(1, kElemGrain / (64 * 1024)),
-                           [&](int64_t b, int64_t e) {
-                             uint32_t best = 0;
-                             for (int64_t u = b; u < e; ++u) {
-                               const int64_t r0 = (u % row_blocks) * 64, c0 = (u / row_blocks) * 1024;
-                               const int64_t r1 = std::min(rows, r0 + 64), c1 = std::min(cols, c0 + 1024);
-                               best = std::max(best, k.cast_transpose_region(src, rows, cols, r0, r1, c0, c1, scale,
-                                                                             kind, out_row, out_col));
-                             }
-                             return best;
-                           });
-  }
+  check_all_disjoint({{&x_in, "x2d"}, {ptr(data), "out_data"}, {ptr(data_t), "out_data_t"}, {&amax_t, "out_amax"}});
+  DefaultFpEnv env;
+  uint32_t key = 0;
+  if (M * K > 0) key = cast_matrix(as_matrix(x_in, M, K, "x2d"), scale, kind, maybe_bytes(data), maybe_bytes(data_t));
   amax_t.data_ptr<float>()[0] = key_to_amax(key);
   return {data, data_t, amax_t};
+}
+
+// Per-tensor quantization in one call: (data in x's shape | None, data_t [K, M] | None,
+// scale_inv [1] = 1 / scale, amax [1] = max|x|). The scale is the given 1-element `scale`
+// (delayed scaling), or the current-scaling rule of x's amax (reference.compute_scale with
+// power-of-2 and epsilon options; an inf scale becomes FLT_MAX). With `record_amax`,
+// max(record_amax, amax) is written into it (torch.maximum: NaN if either is NaN).
+using PerTensorResult = std::tuple<optional<Tensor>, optional<Tensor>, Tensor, Tensor>;
+
+PerTensorResult quantize_per_tensor(const Tensor& x, int64_t kind_i, bool rowwise, bool columnwise,
+                                    const optional<Tensor>& scale_t, bool pow2, double amax_epsilon,
+                                    const optional<Tensor>& record_amax, const optional<Tensor>& out_data,
+                                    const optional<Tensor>& out_data_t, const optional<Tensor>& out_scale_inv,
+                                    const optional<Tensor>& out_amax) {
+  NoPythonDispatch no_python;
+  check_plain(x, "x");
+  in_type(x, "x");
+  const Fp8Kind kind = fp8_kind(kind_i);
+  const float* given = scale_t ? scalar_f32(*scale_t, "scale") : nullptr;
+  float* recorded = record_amax ? scalar_f32(*record_amax, "record_amax") : nullptr;
+  // the 2D view of reference.as_2d: M = prod(leading dims), K = last dim (a scalar is 1 x 1)
+  const int64_t K = x.dim() == 0 ? 1 : x.size(-1);
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
+  optional<Tensor> data, data_t;
+  if (rowwise) data = output(out_data, x.sizes(), fp8_dtype(kind), "out_data");
+  if (columnwise) data_t = output(out_data_t, {K, M}, fp8_dtype(kind), "out_data_t");
+  Tensor scale_inv = output(out_scale_inv, {1}, at::kFloat, "out_scale_inv");
+  Tensor amax_t = output(out_amax, {1}, at::kFloat, "out_amax");
+  check_all_disjoint({{&x, "x"},
+                      {ptr(data), "out_data"},
+                      {ptr(data_t), "out_data_t"},
+                      {&scale_inv, "out_scale_inv"},
+                      {&amax_t, "out_amax"},
+                      {ptr(record_amax), "record_amax"}});
+
+  DefaultFpEnv env;
+  float scale = given ? *given : 1.0f;
+  uint32_t key = 0;
+  if (M * K > 0) {
+    const Matrix m = as_matrix(x, M, K, "x");
+    if (!given) key = matrix_amax_key(m);
+    const Fp8Format f = fp8_format(kind);
+    if (!given) scale = compute_scale(key_to_amax(key), ScaleRule{f.max, pow2, static_cast<float>(amax_epsilon),
+                                                                  3.4028234663852886e38f});
+    key = cast_matrix(m, scale, kind, maybe_bytes(data), maybe_bytes(data_t));
+  } else if (!given) {
+    const Fp8Format f = fp8_format(kind);  // no elements: amax 0 (epsilon may still apply)
+    scale = compute_scale(0.0f, ScaleRule{f.max, pow2, static_cast<float>(amax_epsilon), 3.4028234663852886e38f});
+  }
+  const float amax = key_to_amax(key);
+  scale_inv.data_ptr<float>()[0] = 1.0f / scale;
+  amax_t.data_ptr<float>()[0] = amax;
+  if (recorded) {
+    const float old = *recorded;
+    *recorded = (is_nan_f32(old) || is_nan_f32(amax)) ? bits_f32(0x7FC00000u) : (old < amax ? amax : old);
+  }
+  return {data, data_t, scale_inv, amax_t};
+}
+
+// ----------------------------------------------------------------- delayed scaling update
+void delayed_update_op(const Tensor& history, const Tensor& scale, double fp8_max, int64_t margin, bool most_recent,
+                       const std::vector<int64_t>& held) {
+  NoPythonDispatch no_python;
+  check_plain(history, "amax_history");
+  check_plain(scale, "scale");
+  TORCH_CHECK_TYPE(history.scalar_type() == at::kFloat, "amax_history: expected dtype float32, got ",
+                   history.scalar_type());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "scale: expected dtype float32, got ", scale.scalar_type());
+  TORCH_CHECK_VALUE(history.dim() == 2 && history.size(0) >= 1, "amax_history: expected shape [rows >= 1, n], got ",
+                    history.sizes());
+  const int64_t rows = history.size(0), n = history.size(1);
+  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == n, "scale: expected shape [", n,
+                    "] (one per amax_history column), got ", scale.sizes());
+  TORCH_CHECK_VALUE(history.is_contiguous() && scale.is_contiguous(), "amax_history and scale must be contiguous");
+  TORCH_CHECK_VALUE(margin >= 0 && margin <= 126, "margin: expected 0..126, got ", margin);
+  check_disjoint(scale, "scale", history, "amax_history");
+  std::vector<uint8_t> mask;
+  if (!held.empty()) {
+    mask.assign(static_cast<size_t>(n), 0);
+    for (int64_t j : held) {
+      TORCH_CHECK_VALUE(j >= 0 && j < n, "held: slot ", j, " out of range for ", n, " slots");
+      mask[static_cast<size_t>(j)] = 1;
+    }
+  }
+  DefaultFpEnv env;
+  delayed_update(history.data_ptr<float>(), rows, n, scale.data_ptr<float>(), static_cast<float>(fp8_max),
+                 static_cast<int>(margin), most_recent, mask.empty() ? nullptr : mask.data());
 }
 
 // ------------------------------------------------------------------------ block scaling
@@ -439,6 +574,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_transpose", &cast_transpose, py::arg("x2d"), py::arg("scale"), py::arg("kind"), py::arg("rowwise"),
         py::arg("columnwise"), py::arg("out_data") = py::none(), py::arg("out_data_t") = py::none(),
         py::arg("out_amax") = py::none());
+  m.def("quantize_per_tensor", &quantize_per_tensor, py::arg("x"), py::arg("kind"), py::arg("rowwise"),
+        py::arg("columnwise"), py::arg("scale"), py::arg("force_pow_2_scales"), py::arg("amax_epsilon"),
+        py::arg("record_amax"), py::arg("out_data") = py::none(), py::arg("out_data_t") = py::none(),
+        py::arg("out_scale_inv") = py::none(), py::arg("out_amax") = py::none());
+  m.def("delayed_update", &delayed_update_op, py::arg("amax_history"), py::arg("scale"), py::arg("fp8_max"),
+        py::arg("margin"), py::arg("most_recent"), py::arg("held"));
   m.def("quantize_block", &quantize_block, py::arg("x2d"), py::arg("kind"), py::arg("tile_rows"), py::arg("tile_cols"),
         py::arg("force_pow_2_scales"), py::arg("amax_epsilon"), py::arg("value_for_inf"),
         py::arg("out_data") = py::none(), py::arg("out_scale_inv") = py::none());

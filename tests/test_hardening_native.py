@@ -34,6 +34,7 @@ import torch
 
 from engine.ops import native
 from engine.ops import reference as ref
+from engine.schemes import fp8_scheme
 
 REPO = Path(__file__).resolve().parents[1]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -210,13 +211,35 @@ def _bad_tensor_cases(kind: str, key: str, key8: str, pattern: str) -> list[Case
         ("native-quantize_block", "x2d", lambda c: native.quantize_block(c[key], E4M3, tile_rows=1, tile_cols=128)),
         ("native-quantize_mxfp8", "x", lambda c: native.quantize_mxfp8(c[key], E4M3)),
         ("native-fp8_to_bf16", "data", lambda c: native.fp8_to_bf16(c[key8])),
+        ("native-quantize_per_tensor", "x", lambda c: native.quantize_per_tensor(c[key], E4M3)),
+        ("native-quantize_per_tensor-scale", "scale", lambda c: native.quantize_per_tensor(c["x"], E4M3, scale=c[key1])),
+        ("native-quantize_per_tensor-record", "record_amax",
+         lambda c: native.quantize_per_tensor(c["x"], E4M3, record_amax=c[key1])),
+        ("native-quantize_per_tensor-out", "out_data", lambda c: native.quantize_per_tensor(c["x"], E4M3, out_data=c[key8])),
+        ("native-delayed_update", "amax_history", lambda c: native.delayed_update(c[key], torch.ones(64), 448.0, 0, "max")),
+        ("native-delayed_update-scale", "scale", lambda c: native.delayed_update(c["x"], c[key1], 448.0, 0, "max")),
     ]
     raw = [
         ("raw-amax", "x", lambda c: native._ext().amax(c[key], None)),
         ("raw-amax-out", "out", lambda c: native._ext().amax(c["x"], c[key1])),
-        ("raw-cast_transpose", "x2d", lambda c: native._ext().cast_transpose(c[key], 1.0, 0, True, True, None, None, None)),
+        ("raw-cast_transpose", "x2d",
+         lambda c: native._ext().cast_transpose(c[key], c["one"], 0, True, True, None, None, None)),
+        ("raw-cast_transpose-scale", "scale",
+         lambda c: native._ext().cast_transpose(c["x"], c[key1], 0, True, True, None, None, None)),
         ("raw-cast_transpose-out", "out_data",
-         lambda c: native._ext().cast_transpose(c["x"], 1.0, 0, True, False, c[key8], None, None)),
+         lambda c: native._ext().cast_transpose(c["x"], c["one"], 0, True, False, c[key8], None, None)),
+        ("raw-quantize_per_tensor", "x",
+         lambda c: native._ext().quantize_per_tensor(c[key], 0, True, True, None, False, 0.0, None)),
+        ("raw-quantize_per_tensor-scale", "scale",
+         lambda c: native._ext().quantize_per_tensor(c["x"], 0, True, True, c[key1], False, 0.0, None)),
+        ("raw-quantize_per_tensor-record", "record_amax",
+         lambda c: native._ext().quantize_per_tensor(c["x"], 0, True, True, None, False, 0.0, c[key1])),
+        ("raw-quantize_per_tensor-out", "out_data",
+         lambda c: native._ext().quantize_per_tensor(c["x"], 0, True, True, None, False, 0.0, None, c[key8])),
+        ("raw-delayed_update", "amax_history",
+         lambda c: native._ext().delayed_update(c[key], torch.ones(64), 448.0, 0, False, [])),
+        ("raw-delayed_update-scale", "scale",
+         lambda c: native._ext().delayed_update(c["x"].clone(), c[key1], 448.0, 0, False, [])),
         ("raw-quantize_block", "x2d",
          lambda c: native._ext().quantize_block(c[key], 0, 1, 128, True, 0.0, FLT_MAX, None, None)),
         ("raw-quantize_mxfp8", "x", lambda c: native._ext().quantize_mxfp8(c[key], 0, True, True, None, None)),
@@ -257,7 +280,7 @@ def _local_cases() -> list[Case]:
 
     def real_inside_fake_mode(c):
         with c["fake_mode"]:
-            got = native._ext().cast_transpose(c["x"], 2.0, 0, True, True, None, None, None)
+            got = native._ext().cast_transpose(c["x"], c["two"], 0, True, True, None, None, None)
         same_bits(got, c["want_ct2"], "raw inside FakeTensorMode")
         return True
 
@@ -295,6 +318,8 @@ def _local_cases() -> list[Case]:
                 (native.quantize_mxfp8(x, E4M3), ref.quantize_mxfp8(x, E4M3)),
                 (native.quantize_mxfp8(x, E4M3, columnwise=True), ref.quantize_mxfp8(x, E4M3, columnwise=True)),
                 ((native.fp8_to_bf16(ref.cast_to_fp8(x, E4M3).t()),), (ref.cast_to_fp8(x, E4M3).t().to(torch.bfloat16),)),
+                (native.quantize_per_tensor(x, E5M2, scale=two)[:2], ref.cast_transpose(x, two, E5M2)[:2]),
+                (native.quantize_per_tensor(x, E4M3)[::2], ref.quantize_blocked(x, fp8_scheme("tensor", E4M3))),
             ]
             for got, want in pairs:
                 same_bits(got, want, f"strides {tuple(x.stride())}")
@@ -348,7 +373,8 @@ def _context(group: str) -> dict:
     backend._choose.cache_clear()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 64, generator=g)
-    c = {"backend": backend, "x": x, "one": torch.ones(1), "square": torch.randn(64, 64, generator=g),
+    c = {"backend": backend, "x": x, "one": torch.ones(1), "two": torch.tensor([2.0]),
+         "square": torch.randn(64, 64, generator=g),
          "want_ct2": ref.cast_transpose(x, torch.tensor([2.0]), E4M3)}
     if group == "dtensor":
         import torch.distributed as dist

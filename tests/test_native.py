@@ -261,6 +261,21 @@ def test_cast_transpose_with_unusual_scales(isa, fp8):
                 assert_all_same(got, want, f"{isa} {dtype} {fp8} scale {s} {rw}/{cw}", dtype)
 
 
+def test_cast_transpose_reads_its_scale_in_cpp(isa, monkeypatch):
+    """The 1-element scale tensor goes to C++ as it is: no float(scale) (a host sync on a GPU) on the way."""
+    x = spread((16, 256), torch.bfloat16, 3)
+    want = ref.cast_transpose(x, torch.tensor([0.375]), E4M3)
+
+    def no_sync(*args):
+        raise AssertionError("the scale was read in Python")
+
+    for method in ("__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, method, no_sync)
+    got = native.cast_transpose(x, torch.tensor([0.375]), E4M3)
+    monkeypatch.undo()
+    assert_all_same(got, want, f"{isa} scale read in C++")
+
+
 # ------------------------------------------------------------------------ block scaling
 BLOCK_SHAPES = [(1, 1), (3, 5), (7, 129), (130, 257), (255, 384), (1000, 1000), (130, 2100)]
 SCALE_OPTIONS = [  # (force_pow_2_scales, amax_epsilon)

@@ -3,7 +3,8 @@
 * Every entry of `registry.KERNELS` is enrolled here by iterating the table: CPU entries run
   in-process, CUDA (Triton) entries under `TRITON_INTERPRET=1` in a subprocess on CPU
   tensors; each is compared bit for bit (NaN bits included) with the generic reference on
-  random data and edge cases, for every scheme of its layout.
+  random data and edge cases, for every scheme of its layout (per-tensor kernels with the
+  amax they record, the delayed update on random histories with NaN/inf/zeros).
 * `torch.library.opcheck` passes for each custom op.
 * An op without a kernel runs the reference with one warning, so a scheme can land as data
   and its reference alone (a per-row scheme made up here goes through quantize, dequantize
@@ -59,9 +60,41 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
+def delayed_states() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Amax histories [L, n] and scales [n]: random, with NaN/inf/zeros in row 0 and NaN in older rows."""
+    g = torch.Generator().manual_seed(0)
+    states = []
+    for rows, cols in ((1, 3), (2, 1), (16, 5), (1024, 3)):
+        history = torch.rand(rows, cols, generator=g) * torch.exp2(torch.randint(-130, 120, (rows, cols), generator=g)
+                                                                   .float())
+        history[0, : min(cols, 3)] = torch.tensor([float("nan"), float("inf"), 0.0])[: min(cols, 3)]
+        if rows > 2:
+            history[rows // 2, 0] = float("nan")
+        scale = torch.rand(cols, generator=g) * 100
+        states.append((f"{rows}x{cols}", history, scale))
+    return states
+
+
+def compare_delayed_update(fn) -> list[str]:
+    bad = []
+    for name, history, scale in delayed_states():
+        for algo in ("max", "most_recent"):
+            for margin in (0, 2):
+                for held in ([], [0]):
+                    got, want = (history.clone(), scale.clone()), (history.clone(), scale.clone())
+                    fn(*got, 448.0, margin, algo, held)
+                    registry.REFERENCE["delayed_update"](*want, 448.0, margin, algo, held)
+                    if not (same_bits(got[0], want[0]) and same_bits(got[1], want[1])):
+                        bad.append(f"delayed_update {name} {algo} margin={margin} held={held}")
+    return bad
+
+
 def compare_entry(op: str, layout: str, fn) -> list[str]:
     """Mismatches between a registered kernel and the reference, over every scheme of its layout."""
+    if op == "delayed_update":
+        return compare_delayed_update(fn)
     bad = []
+    recorded = iter([None, 0.0, 5.0, float("nan"), 1e30] * 1000)  # per-tensor kernels record max(state, amax)
     for dtype in DTYPES:
         for name, x in edge_inputs(dtype).items():
             if op == "amax":
@@ -77,12 +110,20 @@ def compare_entry(op: str, layout: str, fn) -> list[str]:
             for scheme in (s for s in SCHEMES.values() if s.layout == layout):
                 for scale in ([None, torch.tensor([3.0])] if layout == "tensor" else [None]):
                     for rule in ({"amax_epsilon": 0.0, "scale_mode": "rceil"}, {"amax_epsilon": 1e-3, "scale_mode": "floor"}):
+                        start = next(recorded) if layout == "tensor" else None
+                        if start is not None:
+                            got_state, want_state = torch.tensor([start]), torch.tensor([start])
+                            rule = {**rule, "record_amax": got_state}
                         got, _ = fn(x, scheme, rowwise=True, columnwise=True, scale=scale, **rule)
+                        if start is not None:
+                            rule = {**rule, "record_amax": want_state}
                         want, _ = registry.quantize_reference(x, scheme, rowwise=True, columnwise=True, scale=scale,
                                                               **rule)
                         for field in registry.BUFFER_FIELDS:
                             if not same_bits(got[field], want[field]):
                                 bad.append(f"{scheme.name} {dtype} {name} scale={scale} {rule} {field}")
+                        if start is not None and not same_bits(got_state, want_state):
+                            bad.append(f"{scheme.name} {dtype} {name} scale={scale} {rule} recorded amax")
     return bad
 
 

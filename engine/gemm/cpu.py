@@ -13,6 +13,9 @@ bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an f
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from engine.gemm.operand import GemmOperand
@@ -58,14 +61,26 @@ def _addmm(lhs: torch.Tensor, rhs: torch.Tensor, alpha: float, out_dtype: torch.
     return out.to(out_dtype)
 
 
+def scale_product(sa: torch.Tensor, sb: torch.Tensor) -> float:
+    """fp32(sa * sb) as a host number, for addmm's alpha (an mm then a multiply by a tensor changes the bits).
+
+    The one host read of the CPU path. Two fp32 values multiply exactly in a double; packing it
+    as fp32 rounds once (to nearest even), as an fp32 multiply would - without three torch ops.
+    """
+    product = float(sa.reshape(())) * float(sb.reshape(()))
+    try:
+        return struct.unpack("f", struct.pack("f", product))[0]
+    except OverflowError:  # rounds past FLT_MAX: the fp32 product is inf
+        return math.copysign(math.inf, product)
+
+
 def gemm_dtype_for(out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
 
 
 def per_tensor(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """One scale each: bf16-exact upcast, one GEMM, the scale product as alpha."""
-    # the one sync: addmm takes alpha as a host number (an mm then a multiply by a tensor changes the bits)
-    alpha = (a.scale_inv.float() * b.scale_inv.float()).item()  # rounds the exact product once
+    alpha = scale_product(a.scale_inv, b.scale_inv)
     if not FP32.tiny <= abs(alpha) <= FP32.max:  # subnormal/0 (tiny operands), inf, NaN: rescale, no sync
         return _per_tensor_rescaled(a, b, out_dtype, bias)
     gemm_dtype = gemm_dtype_for(out_dtype)

@@ -24,6 +24,12 @@ same signature plus optional preallocated outputs (`out_data=`, `out_data_t=`,
 large allocation, which cost more than the kernel. Given outputs must have exactly the
 shape and dtype of the result and be contiguous; they are filled and returned.
 
+`quantize_per_tensor` is all of per-tensor scaling in one call (x's amax, the scale by the
+current-scaling rule or a given scale tensor read in C++, the cast(s), scale_inv and delayed
+scaling's amax record), so a per-tensor quantization runs no torch op around the kernel;
+`delayed_update` is delayed scaling's update of its amax history and scales (the torch ops of
+`DelayedScalingState.update` for the built-in algorithms, in one call).
+
 Every tensor argument must be a plain, dense CPU tensor (`check_cpu_tensor`): a tensor
 subclass (DTensor, FakeTensor, ...), a meta or sparse tensor gets a TypeError naming the
 argument, here and again in C++ (the kernels read raw memory through data pointers).
@@ -44,7 +50,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -61,7 +67,7 @@ except ImportError:  # not POSIX: no lock (concurrent first builds may then coll
 
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp")
+SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp")
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -254,8 +260,11 @@ def use_isa(name: str) -> Iterator[None]:
 
 
 def _kind(fp8_dtype: torch.dtype) -> int:
-    fp8_max(fp8_dtype)  # TypeError for anything but E4M3 / E5M2, as the reference
-    return _FP8_KIND[fp8_dtype]
+    try:
+        return _FP8_KIND[fp8_dtype]
+    except (KeyError, TypeError):
+        fp8_max(fp8_dtype)  # TypeError for anything but E4M3 / E5M2, as the reference
+        raise
 
 
 def check_cpu_tensor(x: object, name: str) -> torch.Tensor:
@@ -284,6 +293,24 @@ def amax(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     return _ext().amax(x, out)
 
 
+def _scale_tensor(scale: object, name: str = "scale") -> torch.Tensor:
+    """A 1-element scale as the fp32 CPU tensor the C++ reads (other dtypes converted, as the reference does)."""
+    check_cpu_tensor(scale, name)
+    if scale.numel() != 1:
+        raise ValueError(f"{name}: expected a 1-element tensor, got shape {tuple(scale.shape)}")
+    return scale if scale.dtype is torch.float32 else scale.float()
+
+
+def _f32_scalar(t: object, name: str) -> torch.Tensor:
+    """A 1-element fp32 CPU tensor that a kernel writes into."""
+    check_cpu_tensor(t, name)
+    if t.dtype is not torch.float32:
+        raise TypeError(f"{name}: expected a float32 tensor, got {t.dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"{name}: expected a 1-element tensor, got shape {tuple(t.shape)}")
+    return t
+
+
 def cast_transpose(
     x2d: torch.Tensor,
     scale: torch.Tensor,
@@ -295,16 +322,91 @@ def cast_transpose(
     out_data_t: torch.Tensor | None = None,
     out_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """One pass over x2d [M, K]: (sat(x * scale) [M, K] if rowwise, its transpose [K, M] if columnwise, amax [1])."""
+    """One pass over x2d [M, K]: (sat(x * scale) [M, K] if rowwise, its transpose [K, M] if columnwise, amax [1]).
+
+    `scale` (1 element) is read in C++, not turned into a Python number.
+    """
     check_cpu_tensor(x2d, "x2d")
     reference.check_input(x2d, "x2d")
-    check_cpu_tensor(scale, "scale")
-    if scale.numel() != 1:
-        raise ValueError(f"scale: expected a 1-element tensor, got shape {tuple(scale.shape)}")
+    scale = _scale_tensor(scale)
     _check_outputs((out_data, "out_data"), (out_data_t, "out_data_t"), (out_amax, "out_amax"))
-    kind = _kind(fp8_dtype)
-    scale_value = float(scale.float().reshape(()))
-    return _ext().cast_transpose(x2d, scale_value, kind, rowwise, columnwise, out_data, out_data_t, out_amax)
+    return _ext().cast_transpose(x2d, scale, _kind(fp8_dtype), rowwise, columnwise, out_data, out_data_t, out_amax)
+
+
+def quantize_per_tensor(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    scale: torch.Tensor | None = None,
+    force_pow_2_scales: bool = False,
+    amax_epsilon: float = 0.0,
+    record_amax: torch.Tensor | None = None,
+    out_data: torch.Tensor | None = None,
+    out_data_t: torch.Tensor | None = None,
+    out_scale_inv: torch.Tensor | None = None,
+    out_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 in one native call: (data [x.shape] | None, data_t [K, M] | None, scale_inv [1], amax [1]).
+
+    The scale is the given 1-element `scale` (delayed scaling), else the current-scaling rule of
+    x's own amax (`reference.compute_scale`, with `force_pow_2_scales` and `amax_epsilon`).
+    scale_inv = 1 / scale (fp32 division), amax = max|x|. `record_amax` (fp32, 1 element) becomes
+    max(record_amax, amax) in place, NaN if either is NaN (delayed scaling's record). M x K is
+    x's 2D view (`reference.as_2d`); data has x's shape, data_t is that view transposed.
+    """
+    check_cpu_tensor(x, "x")
+    reference.check_input(x)
+    if scale is not None:
+        scale = _scale_tensor(scale)
+    if record_amax is not None:
+        _f32_scalar(record_amax, "record_amax")
+    if out_data is not None or out_data_t is not None or out_scale_inv is not None or out_amax is not None:
+        _check_outputs((out_data, "out_data"), (out_data_t, "out_data_t"), (out_scale_inv, "out_scale_inv"),
+                       (out_amax, "out_amax"))
+    return _ext().quantize_per_tensor(x, _kind(fp8_dtype), rowwise, columnwise, scale, force_pow_2_scales,
+                                      amax_epsilon, record_amax, out_data, out_data_t, out_scale_inv, out_amax)
+
+
+DELAYED_ALGOS = ("max", "most_recent")
+MAX_MARGIN = 126  # 2**-margin stays a normal fp32 number
+
+
+def delayed_update(
+    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str,
+    held: Iterable[int] = (),
+) -> None:
+    """Delayed scaling's update, in place: history [L, n] and scale [n] (fp32, contiguous) as
+    `DelayedScalingState.update` leaves them for the built-in `algo` ("max" | "most_recent").
+
+    Row 0's NaN/inf become 0; amax = max over the rows (or row 0); scale = (fp8_max / amax) *
+    2**-margin where amax is finite and > 0 (else the old scale), at most FLT_MAX; the history
+    rolls up one row and row 0 becomes 0. Slots in `held` keep their history and scale.
+    """
+    for t, name in ((amax_history, "amax_history"), (scale, "scale")):
+        check_cpu_tensor(t, name)
+        if t.dtype is not torch.float32:
+            raise TypeError(f"{name}: expected a float32 tensor, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous (it is updated in place)")
+    if amax_history.dim() != 2 or amax_history.shape[0] < 1:
+        raise ValueError(f"amax_history: expected shape [rows >= 1, n], got {tuple(amax_history.shape)}")
+    n = amax_history.shape[1]
+    if tuple(scale.shape) != (n,):
+        raise ValueError(f"scale: expected shape ({n},) (one per amax_history column), got {tuple(scale.shape)}")
+    if algo not in DELAYED_ALGOS:
+        raise ValueError(f"algo: expected one of {DELAYED_ALGOS}, got {algo!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= MAX_MARGIN:
+        raise ValueError(f"margin: expected an int in [0, {MAX_MARGIN}], got {margin!r}")
+    if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not 0 < fp8_max < float("inf"):
+        raise ValueError(f"fp8_max: expected a finite number > 0, got {fp8_max!r}")
+    slots = []
+    for j in held:
+        if isinstance(j, bool) or not isinstance(j, int) or not -n <= j < n:
+            raise ValueError(f"held: expected slots in [{-n}, {n}), got {j!r}")
+        slots.append(j % n)  # a negative slot counts from the end, as tensor indexing does
+    _ext().delayed_update(amax_history, scale, float(fp8_max), margin, algo == "most_recent", slots)
 
 
 def quantize_block(

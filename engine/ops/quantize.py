@@ -1,4 +1,5 @@
-"""Quantization as torch.library custom ops: `engine::quantize`, `engine::amax`, `engine::fp8_to_bf16`.
+"""Quantization as torch.library custom ops: `engine::quantize`, `engine::amax`, `engine::fp8_to_bf16`
+(and delayed scaling's state update, `delayed_update`, a plain function).
 
 Each op checks its tensor arguments (plain and dense, `backend.check_tensor`), runs the
 kernel the registry names for its scheme's layout and device, and has a fake (meta)
@@ -10,6 +11,7 @@ the same implementation without the dispatcher's per-call cost (`_traced`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -43,17 +45,32 @@ def _output_specs(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bo
 
 def _buffers(
     x: torch.Tensor, s: Scheme, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
-    amax_epsilon: float, scale_mode: str,
+    amax_epsilon: float, scale_mode: str, record_amax: Optional[torch.Tensor] = None,
 ) -> tuple[Buffers, torch.Tensor | None]:
     """Checked inputs, then the registry's kernel: the buffers and max|x| (per-tensor schemes)."""
     backend.check_tensor(x, "x")
     if scale is not None:
         backend.check_tensor(scale, "scale")
-    buffers, amax = registry.kernel("quantize", s.layout, x.device.type)(
-        x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon, scale_mode=scale_mode)
+    fn = registry.kernel("quantize", s.layout, "cpu" if x.is_cpu else x.device.type)  # .device costs ~1 us
+    if record_amax is None:
+        buffers, amax = fn(x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon,
+                           scale_mode=scale_mode)
+    else:  # per-tensor kernels record max(record_amax, max|x|) themselves
+        buffers, amax = fn(x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon,
+                           scale_mode=scale_mode, record_amax=record_amax)
     if s.rowwise_block.is_tensor and amax is None:
         amax = ref.amax(x)
     return buffers, amax
+
+
+def _check_record_amax(record_amax: object, scheme: Scheme) -> None:
+    backend.check_tensor(record_amax, "record_amax")
+    if not scheme.rowwise_block.is_tensor:
+        raise ValueError(f"record_amax: only per-tensor schemes record an amax, got the {scheme.layout} scheme "
+                         f"{scheme.name}")
+    if record_amax.dtype != torch.float32 or record_amax.numel() != 1:
+        raise TypeError(f"record_amax: expected a 1-element float32 tensor, got a {record_amax.dtype} tensor of "
+                        f"shape {tuple(record_amax.shape)}")
 
 
 def _quantize(
@@ -144,18 +161,24 @@ def quantize(
     scale: torch.Tensor | None = None,
     amax_epsilon: float = 0.0,
     scale_mode: str = "rceil",
+    record_amax: torch.Tensor | None = None,
 ) -> tuple[Buffers, torch.Tensor | None]:
     """(the buffers of x under `scheme` for the asked usages, max|x| for per-tensor schemes else None).
 
     `scale`: a given per-tensor scale (delayed scaling); otherwise scales come from the data
-    (the current-scaling rule with `amax_epsilon`, or E8M0 by `scale_mode`).
+    (the current-scaling rule with `amax_epsilon`, or E8M0 by `scale_mode`). `record_amax`
+    (per-tensor schemes; a 1-element fp32 tensor) becomes max(record_amax, max|x|) in place,
+    NaN if either is NaN: delayed scaling's record, in the same kernel call on the CPU.
     """
     backend.check_not_subclass(x, "x")
+    if record_amax is not None:
+        _check_record_amax(record_amax, scheme)
     if not _traced(x):  # eager: the op's implementation, without packing its outputs into five tensors
-        buffers, amax = _buffers(x, scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
-        return buffers, amax
+        return _buffers(x, scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode, record_amax)
     row_data, col_data, row_scale, col_scale, amax = quantize_op(
         x, scheme.name, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
+    if record_amax is not None:  # the op is functional: the record is a torch op after it
+        registry.record_max(record_amax, amax)
     if _shares_scale(scheme, rowwise, columnwise):
         col_scale = row_scale
     buffers = {
@@ -164,6 +187,41 @@ def quantize(
         "columnwise_scale_inv": col_scale if columnwise else None,
     }
     return buffers, (amax if scheme.rowwise_block.is_tensor else None)
+
+
+def delayed_update(
+    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str,
+    held: Iterable[int] = (),
+) -> None:
+    """Delayed scaling's update of its state, in place (`registry.delayed_update_reference` says what it does).
+
+    amax_history [L, n] and scale [n] are fp32; `algo` is "max" or "most_recent"; `held` slots
+    keep their history and scale. On the CPU one native call; elsewhere (and when traced, or
+    with ENGINE_BACKEND=triton, which has no such kernel) the reference's torch ops.
+    """
+    for t, name in ((amax_history, "amax_history"), (scale, "scale")):
+        backend.check_tensor(t, name)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: expected a float32 tensor, got {t.dtype}")
+    if amax_history.dim() != 2 or amax_history.shape[0] < 1:
+        raise ValueError(f"amax_history: expected shape [rows >= 1, n], got {tuple(amax_history.shape)}")
+    if tuple(scale.shape) != (amax_history.shape[1],):
+        raise ValueError(f"scale: expected shape ({amax_history.shape[1]},) (one per amax_history column), "
+                         f"got {tuple(scale.shape)}")
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"algo: expected 'max' or 'most_recent', got {algo!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 126:
+        raise ValueError(f"margin: expected an int in [0, 126], got {margin!r}")
+    if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not 0 < fp8_max < float("inf"):
+        raise ValueError(f"fp8_max: expected a finite number > 0, got {fp8_max!r}")
+    n = scale.shape[0]
+    held = list(held)
+    if any(isinstance(j, bool) or not isinstance(j, int) or not -n <= j < n for j in held):
+        raise ValueError(f"held: expected slots in [{-n}, {n}), got {held!r}")
+    native = (scale.is_cpu and amax_history.is_cpu and backend.forced_backend() != "triton"
+              and not torch.compiler.is_compiling() and not isinstance(scale, FakeTensor))
+    fn = registry.kernel("delayed_update", registry.ANY, "cpu") if native else registry.REFERENCE["delayed_update"]
+    fn(amax_history, scale, fp8_max, margin, algo, held)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,10 @@ F32_NAN_BITS = 0x7FC00000  # the canonical fp32 NaN (of an amax)
 
 
 # ----------------------------------------------------------------------------- helpers
+#: delayed scaling: an amax slot with nothing recorded since the last scale update (below every amax,
+#: which is >= 0 or NaN)
+NOT_RECORDED = -1.0
+
 def check_input(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")

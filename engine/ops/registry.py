@@ -9,13 +9,18 @@ Each entry is enrolled in the bitwise tests (tests/test_registry.py) by iteratin
 
 Kernel functions take and return plain tensors:
 `quantize(x, scheme, *, rowwise, columnwise, scale, amax_epsilon, scale_mode)` returns the
-four buffers (None for a usage not asked for) and max|x| where the kernel measured it.
+four buffers (None for a usage not asked for) and max|x| where the kernel measured it; the
+per-tensor ones also take `record_amax` (a 1-element fp32 tensor that becomes
+max(record_amax, max|x|) in place, delayed scaling's record). `delayed_update(amax_history,
+scale, fp8_max, margin, algo, held)` is delayed scaling's update of its state, in place.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -33,18 +38,28 @@ Result = tuple[Buffers, "torch.Tensor | None"]
 
 
 # ------------------------------------------------------------------ kernels, generic over a backend module
-def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool, **rule) -> Result:
+def record_max(into: torch.Tensor, amax: torch.Tensor) -> None:
+    """into = max(into, amax) in place (torch.maximum: NaN if either is NaN): delayed scaling's record."""
+    into.copy_(torch.maximum(into, amax.to(into.device).reshape(into.shape)))
+
+
+def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                       record_amax: torch.Tensor | None = None, **rule) -> Result:
     """Any scheme, one usage at a time, by the generic reference."""
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
             out[f"{usage}_data"], out[f"{usage}_scale_inv"] = quantize_blocked(
                 x, scheme, columnwise=usage == "columnwise", **rule)
-    return out, None
+    amax = ref.amax(x) if scheme.rowwise_block.is_tensor else None
+    if record_amax is not None:
+        record_max(record_amax, amax)
+    return out, amax
 
 
 def quantize_per_tensor(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
-                        scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
+                        scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str,
+                        record_amax: torch.Tensor | None = None) -> Result:
     """One pass over x: rowwise data, its 2D transpose and amax (a first amax pass when no scale is given)."""
     if scale is None:
         scale = ref.compute_scale(kernels.amax(x), scheme.element, force_pow_2_scales=scheme.scale.is_pow2,
@@ -52,8 +67,29 @@ def quantize_per_tensor(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *,
     data, data_t, amax = kernels.cast_transpose(ref.as_2d(x), scale, scheme.element, rowwise=rowwise,
                                                 columnwise=columnwise)
     scale_inv = ref.reciprocal(scale).reshape(1).to(x.device)  # one tensor for both usages
+    if record_amax is not None:
+        record_max(record_amax, amax)
     return {
         "rowwise_data": None if data is None else data.view(x.shape),
+        "rowwise_scale_inv": scale_inv if rowwise else None,
+        "columnwise_data": data_t,
+        "columnwise_scale_inv": scale_inv if columnwise else None,
+    }, amax
+
+
+def quantize_per_tensor_fused(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool,
+                              columnwise: bool, scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str,
+                              record_amax: torch.Tensor | None = None) -> Result:
+    """All of per-tensor quantization in one kernel call: amax, scale, cast(s), scale_inv, the record."""
+    elsewhere = record_amax is not None and not record_amax.is_cpu  # state kept on another device than x
+    data, data_t, scale_inv, amax = kernels.quantize_per_tensor(
+        x, scheme.element, rowwise=rowwise, columnwise=columnwise, scale=scale,
+        force_pow_2_scales=scheme.scale.is_pow2, amax_epsilon=amax_epsilon,
+        record_amax=None if elsewhere else record_amax)
+    if elsewhere:
+        record_max(record_amax, amax)
+    return {
+        "rowwise_data": data,
         "rowwise_scale_inv": scale_inv if rowwise else None,
         "columnwise_data": data_t,
         "columnwise_scale_inv": scale_inv if columnwise else None,
@@ -101,6 +137,40 @@ def fp8_to_bf16_kernel(kernels: ModuleType, data: torch.Tensor) -> torch.Tensor:
     return kernels.fp8_to_bf16(data)
 
 
+def delayed_update_kernel(kernels: ModuleType, amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                          margin: int, algo: str, held: Iterable[int] = ()) -> None:
+    kernels.delayed_update(amax_history, scale, fp8_max, margin, algo, held)
+
+
+def delayed_update_reference(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int,
+                             algo: str, held: Iterable[int] = ()) -> None:
+    """Delayed scaling's update for the built-in algos ("max" | "most_recent"), in place, in torch ops.
+
+    The steps of `DelayedScalingState.update` (engine/recipes/delayed.py) with its default
+    scale rule: row 0's NaN/inf -> 0; amax over the rows (or row 0); scale = (fp8_max / amax)
+    * 2**-margin as a true fp32 division where amax is finite and > 0, else the old scale,
+    at most FLT_MAX; the history rolled up one row with row 0 = NOT_RECORDED; `held` slots and
+    slots whose row 0 is NOT_RECORDED (nothing recorded since the last update) keep their
+    history and scale.
+    """
+    history = amax_history
+    keep = history[0] < 0  # NOT_RECORDED: nothing recorded since the last update (NaN compares False)
+    torch.nan_to_num_(history.data[0], nan=0.0, posinf=0.0, neginf=0.0)
+    amax = history.max(dim=0).values if algo == "max" else history[0].clone()
+    new_scale = torch.full_like(amax, fp8_max).div_(amax)
+    if margin:
+        new_scale.mul_(math.ldexp(1.0, -margin))
+    new_scale = torch.where(torch.isfinite(amax) & (amax > 0), new_scale, scale).clamp_max_(ref.FLT_MAX)
+    rolled = torch.roll(history, -1, dims=0)
+    rolled[0].fill_(ref.NOT_RECORDED)
+    held = sorted(set(held))
+    if held:
+        keep[held] = True
+    # through .data, as DelayedScalingState.update writes (a compiled backward may hold these tensors)
+    history.data.copy_(torch.where(keep, history, rolled))
+    scale.data.copy_(torch.where(keep, scale, new_scale))
+
+
 # ------------------------------------------------------------------------------------------ the table
 @dataclass(frozen=True)
 class Kernel:
@@ -109,18 +179,21 @@ class Kernel:
 
 
 ANY = "*"  # an op that does not depend on the scheme
-_LAYOUT_KERNELS = {"tensor": quantize_per_tensor, "block1d": quantize_per_tile, "block2d": quantize_per_tile,
-                   "mx": quantize_mx}
+_LAYOUT_KERNELS = {"block1d": quantize_per_tile, "block2d": quantize_per_tile, "mx": quantize_mx}
 KERNELS: dict[tuple[str, str, str], Kernel] = {
+    ("quantize", "tensor", "cpu"): Kernel("native", quantize_per_tensor_fused),
+    ("quantize", "tensor", "cuda"): Kernel("triton", quantize_per_tensor),
     **{("quantize", layout, device): Kernel(name, fn) for layout, fn in _LAYOUT_KERNELS.items()
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
+    ("delayed_update", ANY, "cpu"): Kernel("native", delayed_update_kernel),  # no Triton kernel: see quantize.py
 }
 REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,
     "amax": ref.amax,
     "fp8_to_bf16": ref.fp8_to_bf16,
+    "delayed_update": delayed_update_reference,
 }
 
 

@@ -35,8 +35,7 @@ def check_epsilon(amax_epsilon: Any) -> float:
     return float(amax_epsilon)
 
 
-#: an amax slot with nothing recorded since the last scale update (below every amax, which is >= 0 or NaN)
-NOT_RECORDED = -1.0
+NOT_RECORDED = ref.NOT_RECORDED
 
 
 def check_state_tensor(t: Any, name: str, *, zero_ok: bool) -> torch.Tensor:
@@ -91,8 +90,8 @@ class DelayedRule(ScaleRule):
         self.amax.copy_(torch.maximum(self.amax, current.to(self.amax.device).reshape(self.amax.shape)))
 
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
-        buffers, amax = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=self.scale)
-        self.record_amax(x, amax)
+        buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=self.scale,
+                                   record_amax=self.amax)  # the record happens in the same kernel call
         return buffers
 
 

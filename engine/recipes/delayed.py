@@ -38,6 +38,7 @@ import torch
 from pydantic import Field
 
 from engine.formats import fp8_max
+from engine.ops import quantize as qops
 from engine.ops.reference import FLT_MAX
 from engine.quantizers import Float8Quantizer
 from engine.quantizers.rules import NOT_RECORDED
@@ -192,10 +193,15 @@ class DelayedScalingState(RecipeState):
         recorded nothing since the last update keep their history and scale."""
         recipe: DelayedScaling = self.recipe
         history = self.amax_history
+        algo = recipe.amax_compute_algo
+        if history.is_cpu and recipe.scaling_factor_compute_algo is None and algo in ("max", "most_recent"):
+            # the steps below in one native call (`engine.ops.quantize.delayed_update`), same bits; it
+            # writes memory directly, so autograd's version counters do not move (see below)
+            qops.delayed_update(history, self.scale, self.fp8_max, recipe.margin, algo)
+            return
         held = history[0] < 0  # NOT_RECORDED (NaN compares False: a NaN batch was recorded)
         # a NaN/inf batch never reaches the max; older rows were cleaned at earlier updates (or checked at load)
         torch.nan_to_num_(history.data[0], nan=0.0, posinf=0.0, neginf=0.0)
-        algo = recipe.amax_compute_algo
         if algo == "max":
             amax = history.max(dim=0).values
         elif algo == "most_recent":
