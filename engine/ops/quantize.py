@@ -63,8 +63,9 @@ def _buffers(
     return buffers, amax
 
 
-def _check_record_amax(record_amax: object, scheme: Scheme) -> None:
-    backend.check_tensor(record_amax, "record_amax")
+def _check_record_amax(record_amax: object, scheme: Scheme, traced: bool) -> None:
+    if not traced:  # FakeTensors while tracing: the op's fake kernel, no memory read
+        backend.check_tensor(record_amax, "record_amax")
     if not scheme.rowwise_block.is_tensor:
         raise ValueError(f"record_amax: only per-tensor schemes record an amax, got the {scheme.layout} scheme "
                          f"{scheme.name}")
@@ -172,7 +173,7 @@ def quantize(
     """
     backend.check_not_subclass(x, "x")
     if record_amax is not None:
-        _check_record_amax(record_amax, scheme)
+        _check_record_amax(record_amax, scheme, _traced(x))
     if not _traced(x):  # eager: the op's implementation, without packing its outputs into five tensors
         return _buffers(x, scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode, record_amax)
     row_data, col_data, row_scale, col_scale, amax = quantize_op(
