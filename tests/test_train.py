@@ -101,3 +101,19 @@ def test_help_lists_the_options():
     for option in ("--recipes", "--steps", "--d-model", "--layers", "--seq-len", "--batch-size", "--seed", "--data",
                    "--out", "--resume", "--recipe"):
         assert option in out
+
+
+def test_compile_trains_the_same_losses_as_eager(tmp_path, monkeypatch):
+    """--compile runs torch.compile(model.loss, fullgraph=True); aot_eager here (Inductor takes minutes):
+    with the same seed and batches the losses match eager's."""
+    import functools
+
+    import engine.train.run as run
+
+    monkeypatch.setattr(run.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    results = {}
+    for flag in ([], ["--compile"]):
+        out = tmp_path / ("compiled" if flag else "eager")
+        assert main(["train", "--steps", "4", "--recipes", "delayed", "--out", str(out), *TINY, *flag]) == 0
+        results[bool(flag)] = json.loads((out / "results.json").read_text())[0]["train_losses"]
+    torch.testing.assert_close(results[True], results[False], rtol=1e-4, atol=0)
