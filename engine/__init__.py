@@ -1,6 +1,6 @@
 """engine: FP8 and MX low-precision training for PyTorch, in the style of Transformer Engine."""
 
-from engine import formats, recipes
+from engine import formats, memory, recipes
 from engine.autocast import fp8_autocast, fp8_model_init
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
@@ -10,6 +10,8 @@ from engine.quantizers import (
 from engine.tensors import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor, QuantizedTensorBase,
 )
+
+memory.tune_malloc()  # large CPU tensors reuse freed memory, not fresh pages; ENGINE_MALLOC_TUNING=0 opts out
 
 __version__ = "0.1.0"
 
