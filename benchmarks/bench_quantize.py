@@ -9,9 +9,13 @@ existing buffer of the input's size (copy moves 2x the input's bytes). The copy 
 alternately with the scheme's runs, so both see the same machine: on shared hosts the
 memory bandwidth drifts by up to 2x within minutes, and a copy repeated back to back
 (also printed) can be served partly from L3. Native outputs are preallocated and reused
-(`out_*=` arguments), as in a training loop; the reference path allocates its outputs
-(it has no `out=`). The reference runs fewer times (`--reference-runs`; 0 skips it): it
-is 40-100x slower. `main(argv)` is the entry point for `python -m engine bench`.
+(`out_*=` arguments); the reference path allocates its outputs (it has no `out=`). The
+"module path" columns time the same work as the modules do it: the quantizer of that
+recipe called on x (`quantizer(x)`), which allocates fresh outputs on every call; each
+row runs preallocated, copy_ and module path in turn, against the same copy_ baseline.
+Fresh outputs are fast only when freed memory is reused (`engine.memory`, opt-in; the
+header says whether it is on): run once as is and once with `ENGINE_MALLOC_TUNING=1`. The reference runs fewer times (`--reference-runs`; 0 skips it): it is
+40-100x slower. `main(argv)` is the entry point for `python -m engine bench`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import memory
 from engine.ops import native
 from engine.ops import reference as ref
+from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -36,6 +42,7 @@ class Scheme:
     name: str
     native: Callable[[], object]
     reference: Callable[[], object]
+    module: Callable[[], object]  # the same work through the recipe's quantizer: fresh outputs per call
     bytes_moved: int
     note: str
 
@@ -46,6 +53,8 @@ class Row:
     native_ms: float
     native_gbs: float
     copy_gbs: float
+    module_ms: float
+    module_gbs: float
     reference_ms: float | None
     reference_gbs: float | None
     note: str
@@ -53,6 +62,10 @@ class Row:
     @property
     def of_copy(self) -> float:
         return self.native_gbs / self.copy_gbs
+
+    @property
+    def module_of_copy(self) -> float:
+        return self.module_gbs / self.copy_gbs
 
 
 def median_seconds(fn: Callable[[], object], runs: int, warmup: int) -> float:
@@ -66,22 +79,19 @@ def median_seconds(fn: Callable[[], object], runs: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def paired_medians(fn: Callable[[], object], baseline: Callable[[], object], runs: int,
-                   warmup: int) -> tuple[float, float]:
-    """Median times of fn and of baseline, run alternately so both see the same machine
+def interleaved_medians(fns: list[Callable[[], object]], runs: int, warmup: int) -> list[float]:
+    """Median time of each function, run in turn so all see the same machine
     (memory bandwidth on shared hosts drifts by 2x within minutes)."""
     for _ in range(warmup):
-        fn()
-        baseline()
-    a, b = [], []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        a.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        baseline()
-        b.append(time.perf_counter() - start)
-    return statistics.median(a), statistics.median(b)
+        for fn, samples in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def schemes(x: torch.Tensor, fp8: torch.dtype) -> list[Scheme]:
@@ -109,16 +119,27 @@ def schemes(x: torch.Tensor, fp8: torch.dtype) -> list[Scheme]:
         s = ref.compute_scale(a, fp8)
         ref.cast_transpose(x, s, fp8)
 
+    # the quantizers the recipes give the modules, with the usages of the preallocated row
+    delayed_row = Float8Quantizer(scale.clone(), torch.zeros(1), fp8, columnwise=False)
+    delayed = Float8Quantizer(scale.clone(), torch.zeros(1), fp8)
+    current = Float8CurrentScalingQuantizer(fp8)
+    block1d = Float8BlockQuantizer(fp8, block_scaling_dim=1)
+    block2d = Float8BlockQuantizer(fp8, block_scaling_dim=2, columnwise=False)
+    mx = MXFP8Quantizer(fp8)
+
     return [
         Scheme("per-tensor cast+amax (rowwise)",
                lambda: native.cast_transpose(x, scale, fp8, columnwise=False, out_data=data, out_amax=amax),
                lambda: ref.cast_transpose(x, scale, fp8, columnwise=False),
+               lambda: delayed_row(x),
                n * es + n, "out= data, amax"),
         Scheme("per-tensor cast+transpose+amax",
                lambda: native.cast_transpose(x, scale, fp8, out_data=data, out_data_t=data_t, out_amax=amax),
                lambda: ref.cast_transpose(x, scale, fp8),
+               lambda: delayed(x),
                n * es + 2 * n, "out= data, data_t, amax"),
         Scheme("current scaling: amax, then cast+transpose", current_native, current_reference,
+               lambda: current(x),
                2 * n * es + 2 * n, "out= data, data_t, amax; x read twice"),
         Scheme("block 1D (1x128) rowwise + columnwise",
                lambda: (native.quantize_block(x, fp8, tile_rows=1, **block, out_data=data, out_scale_inv=rows_1d),
@@ -126,15 +147,18 @@ def schemes(x: torch.Tensor, fp8: torch.dtype) -> list[Scheme]:
                                               out_scale_inv=cols_1d)),
                lambda: (ref.quantize_block(x, fp8, tile_rows=1, **block),
                         ref.quantize_block(x.t(), fp8, tile_rows=1, **block)),
+               lambda: block1d(x),
                2 * n * es + 2 * n + 4 * (rows_1d.numel() + cols_1d.numel()), "out= all; x read twice"),
         Scheme("block 2D (128x128)",
                lambda: native.quantize_block(x, fp8, tile_rows=128, **block, out_data=data, out_scale_inv=sinv_2d),
                lambda: ref.quantize_block(x, fp8, tile_rows=128, **block),
+               lambda: block2d(x),
                n * es + n + 4 * sinv_2d.numel(), "out= all"),
         Scheme("MXFP8 rceil rowwise + columnwise",
                lambda: (native.quantize_mxfp8(x, fp8, out_data=data, out_scale=mx_row_codes),
                         native.quantize_mxfp8(x, fp8, columnwise=True, out_data=mx_col_data, out_scale=mx_col_codes)),
                lambda: (ref.quantize_mxfp8(x, fp8), ref.quantize_mxfp8(x, fp8, columnwise=True)),
+               lambda: mx(x),
                2 * n * es + 2 * n + mx_row_codes.numel() + mx_col_codes.numel(), "out= all; x read twice"),
     ]
 
@@ -151,21 +175,23 @@ def run(m: int, k: int, dtype: torch.dtype, fp8: torch.dtype, runs: int, warmup:
     back_to_back = copy_bytes / median_seconds(lambda: copy_dst.copy_(x), runs, warmup) / 1e9
     rows = []
     for s in schemes(x, fp8):
-        # the copy runs alternately with the scheme: each row has its own baseline
-        t, ct = paired_medians(s.native, lambda: copy_dst.copy_(x), runs, warmup)
+        # the copy runs in turn with the scheme's two paths: each row has its own baseline
+        t, ct, mt = interleaved_medians([s.native, lambda: copy_dst.copy_(x), s.module], runs, warmup)
         rt = median_seconds(s.reference, reference_runs, 1) if reference_runs > 0 else None
         rows.append(Row(s.name, t * 1e3, s.bytes_moved / t / 1e9, copy_bytes / ct / 1e9,
+                        mt * 1e3, s.bytes_moved / mt / 1e9,
                         None if rt is None else rt * 1e3, None if rt is None else s.bytes_moved / rt / 1e9, s.note))
     return rows, back_to_back
 
 
 def format_table(rows: list[Row], back_to_back_gbs: float, header: str) -> str:
-    cols = ("scheme", "native ms", "GB/s", "copy_ GB/s", "% of copy", "reference ms", "ref GB/s", "speedup",
-            "outputs")
+    cols = ("scheme", "native ms", "GB/s", "copy_ GB/s", "% of copy", "module path ms", "GB/s", "% of copy",
+            "reference ms", "ref GB/s", "speedup", "outputs")
     body = []
     for r in rows:
         body.append((
             r.name, f"{r.native_ms:.3f}", f"{r.native_gbs:.1f}", f"{r.copy_gbs:.1f}", f"{100 * r.of_copy:.0f}%",
+            f"{r.module_ms:.3f}", f"{r.module_gbs:.1f}", f"{100 * r.module_of_copy:.0f}%",
             "-" if r.reference_ms is None else f"{r.reference_ms:.1f}",
             "-" if r.reference_gbs is None else f"{r.reference_gbs:.2f}",
             "-" if r.reference_ms is None else f"{r.reference_ms / r.native_ms:.3g}x", r.note,
@@ -176,6 +202,8 @@ def format_table(rows: list[Row], back_to_back_gbs: float, header: str) -> str:
         header,
         "copy_ GB/s: y.copy_(x) into an existing buffer of x's size, bytes read + written, timed alternately "
         "with each scheme (same cache state); % of copy = GB/s / copy_ GB/s",
+        "native: the kernels into preallocated outputs (out=); module path: the recipe's quantizer, quantizer(x), "
+        f"fresh outputs per call (malloc tuning: {memory.status()})",
         f"(copy_ run back to back instead: {back_to_back_gbs:.1f} GB/s; the 32 MB L3 can serve part of a repeat)",
     ]
     for i, line in enumerate(table):

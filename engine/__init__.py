@@ -1,6 +1,6 @@
 """engine: FP8 and MX low-precision training for PyTorch, in the style of Transformer Engine."""
 
-from engine import formats, recipes
+from engine import formats, memory, recipes
 from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  # engine.autocast: the module, callable as TE 2.x's autocast
 from engine.conversion import convert, unconvert
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
@@ -13,6 +13,8 @@ from engine.quantizers import (
 from engine.tensors import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor, QuantizedTensorBase,
 )
+
+memory.tune_malloc()  # opt-in (ENGINE_MALLOC_TUNING=1): large CPU tensors reuse freed memory, not fresh pages
 
 __version__ = "0.1.0"
 

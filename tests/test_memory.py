@@ -1,0 +1,154 @@
+"""engine.memory: malloc reuses freed memory once engine is imported; opt-out; no aliasing of live outputs.
+
+The allocator's behaviour is observed through glibc itself (mallinfo2: bytes in mmapped
+blocks) and the kernel's page-fault counter, in fresh subprocesses (the settings are
+process-wide and applied once). Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from conftest import FIELDS, assert_buffers_equal, make_input, make_quantizer, reference_buffers, storage_of
+from engine import memory
+from engine.autocast import fp8_autocast
+from engine.recipes import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+ROOT = Path(__file__).resolve().parents[1]
+ON_GLIBC = memory._glibc() is not None
+
+# Runs in a fresh process: imports engine (which applies the settings), then allocates
+# 48 MiB tensors and reports what glibc and the kernel saw.
+PROBE = r"""
+import ctypes, json, resource
+import torch
+import engine
+from engine import memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                             "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+n = 48 << 20
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+mapped_before = libc.mallinfo2().hblkhd
+t = torch.empty(n, dtype=torch.uint8).fill_(1)
+mapped_while_alive = libc.mallinfo2().hblkhd - mapped_before
+del t
+for _ in range(8):  # glibc's aligned allocation reuses a freed block once its neighbours have merged into it
+    torch.empty(n, dtype=torch.uint8).fill_(2)
+start = faults()
+for _ in range(3):  # the same size again, in the steady state: reused pages or fresh ones?
+    torch.empty(n, dtype=torch.uint8).fill_(3)
+refaults = faults() - start
+rss_kept = rss()
+released = memory.release_free_memory()
+print(json.dumps({"status": memory.status(), "mapped_while_alive": mapped_while_alive,
+                  "refaults": refaults, "rss_drop": rss_kept - rss(), "released": released, "n": n}))
+"""
+
+
+def probe(tuning: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != memory.ENV_VAR}
+    if tuning is not None:
+        env[memory.ENV_VAR] = tuning
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="the settings are for glibc's malloc")
+def test_importing_engine_with_the_opt_in_makes_large_blocks_reuse_freed_memory():
+    got = probe("1")
+    assert got["status"].startswith("applied"), got
+    assert got["mapped_while_alive"] == 0, got  # served from the heap, not by its own mmap
+    # 3 x 48 MiB allocated and written again: without reuse that is 3 x 12288 faults of 4 KiB
+    # pages (or 3 x 24 of 2 MiB huge pages); with reuse, none beyond noise.
+    assert got["refaults"] < 24, got
+    # what is free stays resident until released, and release_free_memory() gives it back
+    assert got["released"] and got["rss_drop"] >= got["n"] // 2, got
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="the settings are for glibc's malloc")
+@pytest.mark.parametrize("tuning", [None, "0"])
+def test_by_default_malloc_is_left_as_it_was(tuning):
+    got = probe(tuning)
+    assert got["status"].startswith("off (opt in")
+    assert got["mapped_while_alive"] >= got["n"], got  # glibc's default: a block this large is mmapped
+    assert got["refaults"] >= 3 * got["n"] // (2 << 20), got  # and unmapped on free: fresh pages every time
+
+
+def test_status_says_why_when_not_applied(monkeypatch):
+    monkeypatch.setenv(memory.ENV_VAR, "0")
+    assert memory._apply().startswith("off (opt in")  # _apply only decides; tune_malloc applies once
+    assert memory._apply(False) == "off (tune_malloc(False))"
+    monkeypatch.setenv(memory.ENV_VAR, "1")
+    monkeypatch.setattr(memory, "_glibc", lambda: None)
+    assert memory._apply() == "off (the C library is not glibc)"
+
+
+# ------------------------------------------------------------------------------------------ no aliasing
+@pytest.mark.parametrize("kind", ["delayed_e4m3", "current_e4m3", "block1d", "block2d", "mx_rceil"])
+def test_live_outputs_keep_their_values_while_later_quantizations_reuse_freed_memory(kind):
+    q = make_quantizer(kind)
+    shape = (256, 1024)  # 256 KiB FP8 buffers: above glibc's default mmap threshold
+    kept = {}
+    for i in range(8):
+        out = q(make_input(shape, seed=i))
+        if i % 2 == 0:  # keep every other result alive (as if saved for backward); free the rest
+            kept[i] = out
+        del out
+    spans = []
+    for i, out in kept.items():
+        buffers = {name: getattr(storage_of(out), name) for name in FIELDS}
+        assert_buffers_equal(buffers, reference_buffers(kind, make_input(shape, seed=i)))
+        spans += [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in
+                  (t.untyped_storage() for t in buffers.values() if t is not None and t.numel())]
+    spans = sorted(set(spans))  # per-tensor schemes hold one scale tensor for both usages
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "live buffers overlap"
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()],
+                         ids=["current", "block", "mxfp8"])
+def test_two_steps_alive_at_once_give_the_gradients_of_each_step_alone(recipe):
+    """Forward twice before either backward: the FP8 operands saved by the first step must survive the
+    second step's allocations (which reuse whatever was freed in between). Stateless recipes only:
+    under delayed scaling the order of steps changes the scales (the quantizer test covers it)."""
+    torch.manual_seed(0)
+    layer = engine.Linear(512, 256)
+    xs = [torch.randn(256, 512, requires_grad=True) for _ in range(2)]
+
+    def step(x):
+        with fp8_autocast(recipe=recipe):
+            return layer(x).square().sum()
+
+    alone = []
+    for x in xs:
+        layer.zero_grad()
+        step(x).backward()
+        alone.append((x.grad.clone(), layer.weight.grad.clone()))
+        x.grad = None
+    layer.zero_grad()
+    losses = [step(x) for x in xs]  # both graphs alive
+    for i in (1, 0):  # backward in reverse order
+        layer.zero_grad()
+        losses[i].backward()
+        assert torch.equal(xs[i].grad, alone[i][0]) and torch.equal(layer.weight.grad, alone[i][1])
