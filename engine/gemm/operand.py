@@ -69,14 +69,16 @@ class GemmOperand:
         """
         rows, k = self.data.shape
         tr, tc = self.tile_rows, self.tile_cols
-        if rows % tr or k % tc:  # partial edge tiles: the general (slower) path, still exact
-            return self.dequantize(torch.bfloat16)
-        values = ops.fp8_to_bf16(self.data).view(rows // tr, tr, k // tc, tc)
+        values = ops.fp8_to_bf16(self.data)
+        padded_rows, padded_k = -(-rows // tr) * tr, -(-k // tc) * tc
+        if (padded_rows, padded_k) != (rows, k):  # partial edge tiles: zero-pad to whole tiles, then cut
+            values = torch.nn.functional.pad(values, (0, padded_k - k, 0, padded_rows - rows))
         if self.encoding is ScaleEncoding.E8M0:
             scales = E8M0_TO_BF16.to(self.data.device)[self.scale_inv.long()]
         else:
             scales = self.scale_inv.to(torch.bfloat16)
-        return (values * scales[:, None, :, None]).view(rows, k)
+        tiles = values.view(padded_rows // tr, tr, padded_k // tc, tc) * scales[:, None, :, None]
+        return tiles.view(padded_rows, padded_k)[:rows, :k]
 
 
 def is_high_precision(t: object) -> bool:
