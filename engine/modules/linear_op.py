@@ -41,6 +41,19 @@ def _plan(recipe: str, num_gemms: int, gemm: int) -> tuple[tuple[str | None, str
     return state.saved_schemes[gemm], state.op_records
 
 
+@lru_cache(maxsize=256)
+def _stateless(recipe: str, forward: bool, num_gemms: int):
+    """The state of a recipe without scaling state: the same quantizers for every call (made once)."""
+    return recipe_for_key(recipe).make_state(forward=forward, num_gemms=num_gemms)
+
+
+def _op_state(recipe: str, forward: bool, num_gemms: int, tensors: list[torch.Tensor]):
+    """(state, records): one reading `tensors` and recording into fresh ones, or the cached stateless one."""
+    if not tensors:
+        return _stateless(recipe, forward, num_gemms), []
+    return recipe_for_key(recipe).op_state(forward=forward, num_gemms=num_gemms, tensors=tensors)
+
+
 def _saved_buffers(operand: GemmInput | None) -> list[torch.Tensor]:
     """A quantized operand's columnwise buffers; a high-precision one is saved from the op's inputs."""
     if operand is None or isinstance(operand, torch.Tensor):
@@ -63,7 +76,7 @@ def _linear_fwd(
     bwd_state: list[torch.Tensor], recipe: str, num_gemms: int, gemm: int, need_dgrad: bool, need_wgrad: bool,
 ) -> list[torch.Tensor]:
     """[out, *records, *saved x buffers, *saved W buffers] (bwd_state is passed for the backward only)."""
-    state, records = recipe_for_key(recipe).op_state(forward=True, num_gemms=num_gemms, tensors=fwd_state)
+    state, records = _op_state(recipe, True, num_gemms, fwd_state)
     args = LinearArgs(fp8=True, fwd=state, gemm=gemm)
     out, x_wgrad, w_dgrad = fprop(inp, weight, bias, args, need_dgrad, need_wgrad)
     return [out, *records, *_saved_buffers(x_wgrad), *_saved_buffers(w_dgrad)]
@@ -75,7 +88,7 @@ def _linear_bwd(
     bias_dtype: Optional[torch.dtype], need_dgrad: bool, need_wgrad: bool,
 ) -> list[torch.Tensor]:
     """[dx if need_dgrad, dW if need_wgrad, dbias if bias_dtype, *records] for dy [M, N]."""
-    state, records = recipe_for_key(recipe).op_state(forward=False, num_gemms=num_gemms, tensors=bwd_state)
+    state, records = _op_state(recipe, False, num_gemms, bwd_state)
     (x_scheme, w_scheme), _ = _plan(recipe, num_gemms, gemm)
     m, n = dy.shape
     x_wgrad = _restored(x_scheme, saved_x, saved_x[0] if saved_x else None, (m, k), inp_dtype)
