@@ -209,3 +209,23 @@ def test_a_converted_hugging_face_llama_compiles_whole(name):
     grads = [(p.grad, q.grad) for p, q in zip(eager.parameters(), compiled_model.parameters())]
     for want, got in grads:
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("frozen", ["input", "weights"])
+def test_compiled_grads_when_only_some_inputs_need_them(frozen):
+    """No dgrad when the input needs no gradient (a first layer), no wgrad for frozen weights."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(engine.Linear(32, 32), engine.Linear(32, 32))
+    if frozen == "weights":
+        eager[1].weight.requires_grad_(False)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 32, requires_grad=frozen == "weights")
+    for model in (eager, compiled):
+        with engine.fp8_autocast(recipe=RECIPES["current"]):
+            out = model(x)
+        out.square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name

@@ -61,10 +61,13 @@ def _saved_buffers(operand: GemmInput | None) -> list[torch.Tensor]:
     return [operand.columnwise_data.contiguous(), operand.columnwise_scale_inv.contiguous()]
 
 
-def _restored(scheme: str | None, buffers: list[torch.Tensor], plain: torch.Tensor | None,
-              shape: tuple[int, int], dtype: torch.dtype) -> GemmInput | None:
+def _restored(scheme: str | None, buffers: list[torch.Tensor], shape: tuple[int, int],
+              dtype: torch.dtype) -> GemmInput | None:
+    """What `_saved_buffers` (or, for a high-precision operand, the op's input) left: None if not needed."""
+    if not buffers:
+        return None
     if scheme is None:
-        return plain
+        return buffers[0]
     from engine.schemes import get_scheme
 
     return QuantizedTensorBase(scheme=get_scheme(scheme), shape=shape, nominal_dtype=dtype,
@@ -91,8 +94,8 @@ def _linear_bwd(
     state, records = _op_state(recipe, False, num_gemms, bwd_state)
     (x_scheme, w_scheme), _ = _plan(recipe, num_gemms, gemm)
     m, n = dy.shape
-    x_wgrad = _restored(x_scheme, saved_x, saved_x[0] if saved_x else None, (m, k), inp_dtype)
-    w_dgrad = _restored(w_scheme, saved_w, saved_w[0] if saved_w else None, (n, k), weight_dtype)
+    x_wgrad = _restored(x_scheme, saved_x, (m, k), inp_dtype)
+    w_dgrad = _restored(w_scheme, saved_w, (n, k), weight_dtype)
     args = LinearArgs(fp8=True, bwd=state, gemm=gemm)
     dx, dw = bprop(dy, x_wgrad, w_dgrad, args, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
                    inp_dtype=inp_dtype, weight_dtype=weight_dtype)
