@@ -109,7 +109,8 @@ def general_gemm(
             got = None if out is None else f"{out.dtype} {tuple(out.shape)}"
             raise ValueError(f"out: accumulate=True needs an fp32 out of shape {tuple(result.shape)}, got {got}")
         return out.add_(result)
-    result = result.to(out_dtype)
+    if result.dtype != out_dtype:
+        result = result.to(out_dtype)
     return result if out is None else out.copy_(result)
 
 

@@ -58,7 +58,7 @@ def _addmm(lhs: torch.Tensor, rhs: torch.Tensor, alpha: float, out_dtype: torch.
         out = torch.addmm(out, lhs, rhs.t(), beta=0, alpha=alpha)
     else:
         out = torch.addmm(bias.to(gemm_dtype).expand(lhs.shape[0], rhs.shape[0]), lhs, rhs.t(), alpha=alpha)
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def scale_product(sa: torch.Tensor, sb: torch.Tensor) -> float:
@@ -67,7 +67,7 @@ def scale_product(sa: torch.Tensor, sb: torch.Tensor) -> float:
     The one host read of the CPU path. Two fp32 values multiply exactly in a double; packing it
     as fp32 rounds once (to nearest even), as an fp32 multiply would - without three torch ops.
     """
-    product = float(sa.reshape(())) * float(sb.reshape(()))
+    product = sa.item() * sb.item()  # 1-element tensors (the operand's per-tensor scale_inv)
     try:
         return struct.unpack("f", struct.pack("f", product))[0]
     except OverflowError:  # rounds past FLT_MAX: the fp32 product is inf
@@ -84,7 +84,9 @@ def per_tensor(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: tor
     if not FP32.tiny <= abs(alpha) <= FP32.max:  # subnormal/0 (tiny operands), inf, NaN: rescale, no sync
         return _per_tensor_rescaled(a, b, out_dtype, bias)
     gemm_dtype = gemm_dtype_for(out_dtype)
-    lhs, rhs = ops.fp8_to_bf16(a.data).to(gemm_dtype), ops.fp8_to_bf16(b.data).to(gemm_dtype)
+    lhs, rhs = ops.fp8_to_bf16(a.data), ops.fp8_to_bf16(b.data)
+    if gemm_dtype != torch.bfloat16:
+        lhs, rhs = lhs.to(gemm_dtype), rhs.to(gemm_dtype)
     return _addmm(lhs, rhs, alpha, out_dtype, bias)
 
 

@@ -52,6 +52,8 @@ def check_input(x: torch.Tensor, name: str = "x") -> None:
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     """View `x` as `[prod(leading dims), last dim]` (a scalar is `[1, 1]`)."""
+    if x.dim() == 2:
+        return x
     if x.dim() == 0:
         return x.reshape(1, 1)
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit rows: a last dim of 0 is fine
