@@ -195,7 +195,7 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     if callable(get):
         try:
             return get()
-        except NotImplementedError:
+        except NotImplementedError:  # transformers' base class says so for a model without an output head
             pass
     last = None
     for module in model.modules():

@@ -119,7 +119,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
     saved_w = (saved[-2:] if w_scheme is not None else [weight]) if need_dgrad else []
     ctx.save_for_backward(*saved_x, *saved_w)
     ctx.split = len(saved_x)
-    ctx.fwd_state_len = [None] * len(fwd_state)
+    ctx.state_grads = ([None] * len(fwd_state), [None] * len(bwd_state))  # the state lists get no gradient
     ctx.bwd_state = bwd_state  # written in backward (records merged), so not saved: no version check
     ctx.meta = (recipe, num_gemms, gemm, inp.shape[1], inp.dtype, weight.dtype, need_dgrad, need_wgrad)
     ctx.bias_dtype = None if bias is None or not ctx.needs_input_grad[2] else bias.dtype
@@ -135,7 +135,7 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
     dw = results.pop(0) if need_wgrad else None
     dbias = None if ctx.bias_dtype is None else results.pop(0)
     recipe_for_key(recipe).merge_records(ctx.bwd_state, results)
-    return dx, dw, dbias, ctx.fwd_state_len, [None] * len(ctx.bwd_state), None, None, None, None, None
+    return dx, dw, dbias, *ctx.state_grads, None, None, None, None, None
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
