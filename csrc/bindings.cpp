@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstring>
 #include <initializer_list>
@@ -560,6 +561,132 @@ Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
   return result;
 }
 
+
+// ---------------------------------------------------------- exact bf16 GEMMs of FP8 operands
+// The CPU GEMMs of engine/gemm/cpu.py for per-tensor pairs and pairs with power-of-2 tile
+// scales, in one call: every FP8 value times a power of two is a bf16 value, so each operand
+// is decoded to bf16 exactly and one addmm (fp32 accumulation) runs, with the per-tensor
+// scale product as alpha. Same ATen calls as the Python path, without its per-call cost.
+
+// bf16 bits of an fp32 value, rounded to nearest even; every NaN gives 0x7FC0.
+inline uint16_t f32_to_bf16_rne(float f) {
+  if (is_nan_f32(f)) return 0x7FC0u;
+  const uint32_t u = f32_bits(f);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One K-major operand: FP8 data [rows, K] (any strides) and its scale_inv: [1] (tile 0 x 0,
+// per tensor: not applied here) or one scale per tile_rows x tile_cols tile (fp32 powers of
+// two, or uint8 E8M0 codes), shaped [ceil(rows/tile_rows), ceil(K/tile_cols)], any strides.
+struct Operand {
+  Tensor data, scale_inv;
+  int64_t tile_rows, tile_cols;
+  bool per_tensor() const { return tile_rows == 0 && tile_cols == 0; }
+};
+
+Operand checked_operand(const Tensor& data, const Tensor& scale_inv, int64_t tile_rows, int64_t tile_cols,
+                        const char* name) {
+  check_plain(data, name);
+  check_plain(scale_inv, name);
+  const auto dt = data.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2, name,
+                   ": expected float8_e4m3fn or float8_e5m2 data, got ", dt);
+  TORCH_CHECK_VALUE(data.dim() == 2, name, ": expected 2D data [rows, K], got shape ", data.sizes());
+  TORCH_CHECK_VALUE(tile_rows >= 0 && tile_cols >= 0 && (tile_rows == 0) == (tile_cols == 0), name,
+                    ": expected tile sizes both 0 (per tensor) or both >= 1, got ", tile_rows, " x ", tile_cols);
+  if (tile_rows == 0) {
+    scalar_f32(scale_inv, name);
+  } else {
+    const auto st = scale_inv.scalar_type();
+    TORCH_CHECK_TYPE(st == at::kFloat || st == at::kByte, name, ": expected float32 or uint8 (E8M0) tile scales, got ",
+                     st);
+    const int64_t rows = data.size(0), k = data.size(1);
+    const std::vector<int64_t> grid{rows == 0 ? 0 : (rows + tile_rows - 1) / tile_rows,
+                                    k == 0 ? 0 : (k + tile_cols - 1) / tile_cols};
+    TORCH_CHECK_VALUE(scale_inv.dim() == 2 && (rows == 0 || k == 0 || scale_inv.sizes() == at::IntArrayRef(grid)),
+                      name, ": expected tile scales of shape ", at::IntArrayRef(grid), ", got ", scale_inv.sizes());
+  }
+  return {data, scale_inv, tile_rows, tile_cols};
+}
+
+// The operand's exact bf16 value [rows, K] (data times its tile scale; per tensor: the data).
+Tensor decode_bf16(const Operand& op) {
+  const int64_t rows = op.data.size(0), k = op.data.size(1);
+  Tensor out = at::empty({rows, k}, at::TensorOptions().dtype(at::kBFloat16));
+  if (rows * k == 0) return out;
+  const Fp8Kind kind = op.data.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
+  uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
+  if (op.per_tensor() && op.data.is_contiguous()) {
+    const uint8_t* codes = bytes(op.data);
+    const Kernels& kern = kernels();
+    parallel_chunks(rows * k, kElemGrain, [&](int64_t b, int64_t e, int) { kern.fp8_to_bf16(codes, kind, b, e, dst); });
+    return out;
+  }
+  float table[256];
+  for (int i = 0; i < 256; ++i) table[i] = bf16_to_f32(fp8_to_bf16_bits(static_cast<uint8_t>(i), kind));
+  const uint8_t* codes = bytes(op.data);
+  const int64_t ds0 = op.data.stride(0), ds1 = op.data.stride(1);
+  const bool e8m0 = op.scale_inv.scalar_type() == at::kByte;
+  const void* scales = op.scale_inv.data_ptr();
+  const int64_t ss0 = op.per_tensor() ? 0 : op.scale_inv.stride(0), ss1 = op.per_tensor() ? 0 : op.scale_inv.stride(1);
+  const int64_t tr = op.per_tensor() ? rows : op.tile_rows, tc = op.per_tensor() ? k : op.tile_cols;
+  parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c0 = 0; c0 < k; c0 += tc) {
+        float s = 1.0f;
+        if (!op.per_tensor()) {
+          const int64_t at = (r / tr) * ss0 + (c0 / tc) * ss1;
+          s = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(scales)[at]) : static_cast<const float*>(scales)[at];
+        }
+        const int64_t c1 = std::min(k, c0 + tc);
+        for (int64_t c = c0; c < c1; ++c) dst[r * k + c] = f32_to_bf16_rne(table[codes[r * ds0 + c * ds1]] * s);
+      }
+    }
+  });
+  return out;
+}
+
+// out = decode(a) @ decode(b)^T * alpha (+ bias), in out_dtype; nullopt for a per-tensor pair
+// whose fp32 scale product is not a normal number (the caller rescales in Python).
+optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int64_t a_tile_rows, int64_t a_tile_cols,
+                            const Tensor& b_data, const Tensor& b_scale_inv, int64_t b_tile_rows, int64_t b_tile_cols,
+                            const optional<Tensor>& bias, at::ScalarType out_dtype) {
+  NoPythonDispatch no_python;
+  const Operand a = checked_operand(a_data, a_scale_inv, a_tile_rows, a_tile_cols, "a");
+  const Operand b = checked_operand(b_data, b_scale_inv, b_tile_rows, b_tile_cols, "b");
+  TORCH_CHECK_VALUE(a.per_tensor() == b.per_tensor(), "exact_gemm: pair per-tensor operands with per-tensor ones");
+  TORCH_CHECK_VALUE(a_data.size(1) == b_data.size(1), "exact_gemm: inner dims differ: A is ", a_data.sizes(),
+                    ", B is ", b_data.sizes());
+  TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+                   "out_dtype: expected float32, bfloat16 or float16, got ", out_dtype);
+  const int64_t m = a_data.size(0), n = b_data.size(0);
+  if (bias.has_value()) {
+    check_plain(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape (", n, ",), got ", bias->sizes());
+  }
+  double alpha = 1.0;
+  if (a.per_tensor()) {  // fp32(sa * sb): the double product is exact, one rounding to fp32
+    const float product = static_cast<float>(static_cast<double>(*a_scale_inv.data_ptr<float>()) *
+                                             static_cast<double>(*b_scale_inv.data_ptr<float>()));
+    const float mag = std::fabs(product);
+    if (!(mag >= 1.17549435e-38f && mag <= 3.40282347e38f)) return c10::nullopt;
+    alpha = product;
+  }
+  const at::ScalarType gemm_dtype = out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  Tensor lhs = decode_bf16(a), rhs = decode_bf16(b);
+  if (gemm_dtype != at::kBFloat16) {
+    lhs = lhs.to(gemm_dtype);
+    rhs = rhs.to(gemm_dtype);
+  }
+  Tensor result;
+  if (bias.has_value()) {
+    result = at::addmm(bias->to(gemm_dtype).expand({m, n}), lhs, rhs.t(), 1.0, alpha);
+  } else {
+    result = at::addmm(at::empty({m, n}, lhs.options()), lhs, rhs.t(), 0.0, alpha);
+  }
+  return result.scalar_type() == out_dtype ? result : result.to(out_dtype);
+}
+
 }  // namespace
 }  // namespace engine_native
 
@@ -586,4 +713,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_mxfp8", &quantize_mxfp8, py::arg("x2d"), py::arg("kind"), py::arg("rceil"), py::arg("columnwise"),
         py::arg("out_data") = py::none(), py::arg("out_scale") = py::none());
   m.def("fp8_to_bf16", &fp8_to_bf16, py::arg("data"), py::arg("out") = py::none());
+  m.def("exact_gemm", &exact_gemm, py::arg("a"), py::arg("a_scale_inv"), py::arg("a_tile_rows"),
+        py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
+        py::arg("bias"), py::arg("out_dtype"));
 }

@@ -172,6 +172,14 @@ static inline uint8_t e8m0_floor(float amax, int max_exponent) {
   return static_cast<uint8_t>(shared + 127);
 }
 
+// The scale_inv an E8M0 code stands for: 2^(code - 127) exactly (code 0 gives the subnormal
+// 2^-127); code 255 gives NaN.
+static inline float e8m0_to_f32(uint8_t code) {
+  if (code == kE8M0NaN) return bits_f32(0x7FC00000u);
+  if (code == 0) return bits_f32(0x00400000u);
+  return bits_f32(static_cast<uint32_t>(code) << 23);
+}
+
 // The multiplier applied to the elements of a block: 2^(127 - code) exactly (code 254
 // gives the subnormal 2^-127); code 255 gives NaN.
 static inline float e8m0_element_scale(uint8_t code) {

@@ -244,6 +244,12 @@ def _bad_tensor_cases(kind: str, key: str, key8: str, pattern: str) -> list[Case
          lambda c: native._ext().quantize_block(c[key], 0, 1, 128, True, 0.0, FLT_MAX, None, None)),
         ("raw-quantize_mxfp8", "x", lambda c: native._ext().quantize_mxfp8(c[key], 0, True, True, None, None)),
         ("raw-fp8_to_bf16", "data", lambda c: native._ext().fp8_to_bf16(c[key8], None)),
+        ("raw-exact_gemm", "a", lambda c: native._ext().exact_gemm(
+            c[key8], c["one"], 0, 0, c["x"].to(E4M3), c["one"], 0, 0, None, torch.bfloat16)),
+        ("raw-exact_gemm-scale", "b", lambda c: native._ext().exact_gemm(
+            c["x"].to(E4M3), c["one"], 0, 0, c["x"].to(E4M3), c[key1], 0, 0, None, torch.bfloat16)),
+        ("raw-exact_gemm-bias", "bias", lambda c: native._ext().exact_gemm(
+            c["x"].to(E4M3), c["one"], 0, 0, c["x"].to(E4M3), c["one"], 0, 0, c[key][0], torch.bfloat16)),
     ]
     cases = [(f"{kind}-{name}", "TypeError", rf"^{arg}: .*{pattern}", fn) for name, arg, fn in from_backend + wrappers]
     # C++ names the argument the same way; it sees no Python type, only the tensor's dispatch keys
@@ -607,3 +613,29 @@ def test_later_loads_are_fast_silent_and_do_not_rewrite_the_library(two_checkout
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     _worker(sys.argv[2])
+
+
+def test_exact_gemm_names_bad_shapes_tiles_and_dtypes():
+    """The C++ GEMM checks what Python would: each mistake is a ValueError/TypeError naming the argument."""
+    ext, one = native._ext(), torch.ones(1)
+    a, b = torch.zeros(4, 64).to(E4M3), torch.zeros(8, 64).to(E4M3)
+    codes_a, codes_b = torch.zeros(4, 2, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8)
+    bad = [
+        (ValueError, "inner dims", lambda: ext.exact_gemm(a, one, 0, 0, torch.zeros(8, 32).to(E4M3), one, 0, 0,
+                                                          None, torch.bfloat16)),
+        (TypeError, "^a: .*float8", lambda: ext.exact_gemm(a.view(torch.uint8), one, 0, 0, b, one, 0, 0, None,
+                                                           torch.bfloat16)),
+        (ValueError, "^a: .*tile sizes", lambda: ext.exact_gemm(a, codes_a, 1, 0, b, codes_b, 1, 32, None,
+                                                                torch.bfloat16)),
+        (ValueError, "^b: .*tile scales of shape", lambda: ext.exact_gemm(a, codes_a, 1, 32, b, codes_a, 1, 32,
+                                                                          None, torch.bfloat16)),
+        (ValueError, "per-tensor", lambda: ext.exact_gemm(a, one, 0, 0, b, codes_b, 1, 32, None, torch.bfloat16)),
+        (ValueError, "^bias: .*shape", lambda: ext.exact_gemm(a, one, 0, 0, b, one, 0, 0, torch.zeros(4),
+                                                              torch.bfloat16)),
+        (TypeError, "^out_dtype", lambda: ext.exact_gemm(a, one, 0, 0, b, one, 0, 0, None, torch.int32)),
+        (ValueError, "^a: .*1-element", lambda: ext.exact_gemm(a, torch.ones(2), 0, 0, b, one, 0, 0, None,
+                                                               torch.bfloat16)),
+    ]
+    for error, pattern, call in bad:
+        with pytest.raises(error, match=pattern):
+            call()

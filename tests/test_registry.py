@@ -51,7 +51,7 @@ def edge_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def bits(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.int32)
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -89,10 +89,55 @@ def compare_delayed_update(fn) -> list[str]:
     return bad
 
 
+def gemm_operands(rows: int, k: int, tile: tuple[int, int], element: torch.dtype, e8m0: bool, g: torch.Generator):
+    """FP8 data [rows, K] over every code (NaN, E5M2 inf, subnormals) and its scales: [1] per tensor, else one
+    power-of-2 scale per tile (E8M0 codes with 0, 254 and 255 among them, or fp32 powers of two)."""
+    data = torch.randint(0, 256, (rows, k), generator=g, dtype=torch.uint8)
+    data.view(-1)[: min(256, rows * k)] = torch.arange(min(256, rows * k), dtype=torch.uint8)
+    if tile == (0, 0):
+        return data.view(element), torch.rand(1, generator=g) * 4 + 0.01
+    grid = (-(-rows // tile[0]), -(-k // tile[1]))
+    codes = torch.randint(110, 140, grid, generator=g, dtype=torch.uint8)
+    codes.view(-1)[:3] = torch.tensor([0, 254, 255], dtype=torch.uint8)[: codes.numel()]
+    scales = codes if e8m0 else torch.exp2(codes.float() - 127)
+    return data.view(element), scales
+
+
+def compare_exact_gemm(fn) -> list[str]:
+    """The exact GEMM over per-tensor and power-of-2 tile pairs: odd and empty shapes, transposed (strided)
+    data and scales, a bias, every output dtype, scale products out of fp32's normal range (None)."""
+    g, bad = torch.Generator().manual_seed(0), []
+    cases = [((0, 0), (0, 0), 16, 37, 40), ((1, 32), (1, 32), 9, 21, 70), ((1, 128), (128, 128), 5, 130, 260),
+             ((32, 1), (32, 1), 40, 33, 64), ((1, 32), (1, 32), 0, 3, 32), ((1, 32), (1, 32), 3, 4, 0)]
+    for a_tile, b_tile, m, n, k in cases:
+        for element in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for e8m0 in (True, False):
+                a, sa = gemm_operands(m, k, a_tile, element, e8m0, g)
+                b, sb = gemm_operands(n, k, b_tile, element, e8m0, g)
+                if a_tile == (32, 1):  # stored in x's shape, read transposed: strided data and scales
+                    a, sa = a.t().contiguous().t(), sa.t().contiguous().t()
+                if a_tile == (1, 32) and m == 9:  # the extreme codes meet: 2^-127 (subnormal) times 2^127
+                    sa.fill_(0 if e8m0 else 2.0**-127)
+                    sb.fill_(254 if e8m0 else 2.0**127)
+                for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
+                    for bias in (None, torch.randn(n, generator=g).to(out_dtype)):
+                        args = (a, sa, a_tile, b, sb, b_tile, bias, out_dtype)
+                        if not same_bits(fn(*args), registry.REFERENCE["exact_gemm"](*args)):
+                            bad.append(f"exact_gemm {a_tile}x{b_tile} {m}x{n}x{k} {element} e8m0={e8m0} {out_dtype}")
+    tiny = torch.tensor([1e-30]), torch.tensor([1e-20])
+    a, _ = gemm_operands(4, 16, (0, 0), torch.float8_e4m3fn, True, g)
+    for sa, sb in (tiny, (torch.tensor([1e30]), torch.tensor([1e20])), (torch.tensor([0.0]), torch.tensor([1.0]))):
+        if fn(a, sa, (0, 0), a, sb, (0, 0), None, torch.float32) is not None:
+            bad.append(f"exact_gemm: scale product {sa.item()} * {sb.item()} not normal, but no None")
+    return bad
+
+
 def compare_entry(op: str, layout: str, fn) -> list[str]:
     """Mismatches between a registered kernel and the reference, over every scheme of its layout."""
     if op == "delayed_update":
         return compare_delayed_update(fn)
+    if op == "exact_gemm":
+        return compare_exact_gemm(fn)
     bad = []
     recorded = iter([None, 0.0, 5.0, float("nan"), 1e30] * 1000)  # per-tensor kernels record max(state, amax)
     for dtype in DTYPES:

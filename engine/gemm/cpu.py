@@ -13,14 +13,15 @@ bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an f
 
 from __future__ import annotations
 
-import math
-import struct
+from typing import Callable
 
 import torch
 
 from engine.gemm.operand import GemmOperand
 from engine.gemm.scales import split_scales, times_pow2
+from engine.ops import backend as ops_backend
 from engine.ops import quantize as ops
+from engine.ops import registry
 
 FP32 = torch.finfo(torch.float32)
 
@@ -48,53 +49,23 @@ def _per_tensor_rescaled(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
     return out.to(out_dtype)
 
 
-
-
-def _addmm(lhs: torch.Tensor, rhs: torch.Tensor, alpha: float, out_dtype: torch.dtype,
-           bias: torch.Tensor | None) -> torch.Tensor:
-    gemm_dtype = lhs.dtype
-    if bias is None:
-        out = torch.empty(lhs.shape[0], rhs.shape[0], dtype=gemm_dtype, device=lhs.device)
-        out = torch.addmm(out, lhs, rhs.t(), beta=0, alpha=alpha)
-    else:
-        out = torch.addmm(bias.to(gemm_dtype).expand(lhs.shape[0], rhs.shape[0]), lhs, rhs.t(), alpha=alpha)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
-
-
-def scale_product(sa: torch.Tensor, sb: torch.Tensor) -> float:
-    """fp32(sa * sb) as a host number, for addmm's alpha (an mm then a multiply by a tensor changes the bits).
-
-    The one host read of the CPU path. Two fp32 values multiply exactly in a double; packing it
-    as fp32 rounds once (to nearest even), as an fp32 multiply would - without three torch ops.
-    """
-    product = sa.item() * sb.item()  # 1-element tensors (the operand's per-tensor scale_inv)
-    try:
-        return struct.unpack("f", struct.pack("f", product))[0]
-    except OverflowError:  # rounds past FLT_MAX: the fp32 product is inf
-        return math.copysign(math.inf, product)
-
-
-def gemm_dtype_for(out_dtype: torch.dtype) -> torch.dtype:
-    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+def exact_gemm_fn() -> Callable:
+    """The exact GEMM's kernel: the C++ one unless a backend other than "native" is forced (or it did not build)."""
+    forced = ops_backend.forced_backend()
+    if forced not in (None, "native"):
+        return registry.REFERENCE["exact_gemm"]
+    return registry.kernel("exact_gemm", registry.ANY, "cpu")
 
 
 def per_tensor(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """One scale each: bf16-exact upcast, one GEMM, the scale product as alpha."""
-    alpha = scale_product(a.scale_inv, b.scale_inv)
-    if not FP32.tiny <= abs(alpha) <= FP32.max:  # subnormal/0 (tiny operands), inf, NaN: rescale, no sync
-        return _per_tensor_rescaled(a, b, out_dtype, bias)
-    gemm_dtype = gemm_dtype_for(out_dtype)
-    lhs, rhs = ops.fp8_to_bf16(a.data), ops.fp8_to_bf16(b.data)
-    if gemm_dtype != torch.bfloat16:
-        lhs, rhs = lhs.to(gemm_dtype), rhs.to(gemm_dtype)
-    return _addmm(lhs, rhs, alpha, out_dtype, bias)
+    """One scale each: bf16-exact upcast, one GEMM, the scale product as alpha (rescaled when not normal)."""
+    out = exact_gemm_fn()(a.data, a.scale_inv, (0, 0), b.data, b.scale_inv, (0, 0), bias, out_dtype)
+    return _per_tensor_rescaled(a, b, out_dtype, bias) if out is None else out
 
 
 def pow2_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """Power-of-2 tile scales on both sides: exact bf16 values, one GEMM."""
-    gemm_dtype = gemm_dtype_for(out_dtype)
-    return _addmm(a.dequantize_pow2_bf16().to(gemm_dtype), b.dequantize_pow2_bf16().to(gemm_dtype), 1.0,
-                  out_dtype, bias)
+    return exact_gemm_fn()(a.data, a.scale_inv, a.tile, b.data, b.scale_inv, b.tile, bias, out_dtype)
 
 
 def fp32_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,15 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops import quantize as ops
 from engine.ops import reference as ref
 from engine.schemes import ScaleEncoding
 from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import QuantizedTensorBase
-
-# 2^(code - 127) for every E8M0 code, as bf16 (exact: bf16 has fp32's exponent range; 255 is NaN)
-E8M0_TO_BF16 = ref.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class GemmOperand:
@@ -51,6 +46,11 @@ class GemmOperand:
             return "tensor"
         return "pow2" if self.encoding.is_pow2 else "block"
 
+    @property
+    def tile(self) -> tuple[int, int]:
+        """(tile_rows, tile_cols), at least 1 each; (0, 0) for one scale per tensor."""
+        return (0, 0) if self.per_tensor else (max(self.tile_rows, 1), max(self.tile_cols, 1))
+
     def tile_scales(self) -> torch.Tensor:
         """fp32 scale_inv per tile (E8M0 codes decoded)."""
         return ref.e8m0_to_float(self.scale_inv) if self.encoding is ScaleEncoding.E8M0 else self.scale_inv.float()
@@ -60,25 +60,6 @@ class GemmOperand:
             return (self.data.float() * self.scale_inv.float()).to(dtype)
         return ref.dequantize_block(self.data, self.tile_scales(), tile_rows=self.tile_rows,
                                     tile_cols=self.tile_cols, dtype=dtype)
-
-    def dequantize_pow2_bf16(self) -> torch.Tensor:
-        """bf16 value of an operand with power-of-2 tile scales: exact, as a broadcast multiply.
-
-        An FP8 value times a power of two is a bf16 value (bf16 has fp32's exponent range),
-        so upcasting the data and multiplying by bf16 scales rounds nothing.
-        """
-        rows, k = self.data.shape
-        tr, tc = self.tile_rows, self.tile_cols
-        values = ops.fp8_to_bf16(self.data)
-        padded_rows, padded_k = -(-rows // tr) * tr, -(-k // tc) * tc
-        if (padded_rows, padded_k) != (rows, k):  # partial edge tiles: zero-pad to whole tiles, then cut
-            values = torch.nn.functional.pad(values, (0, padded_k - k, 0, padded_rows - rows))
-        if self.encoding is ScaleEncoding.E8M0:
-            scales = E8M0_TO_BF16.to(self.data.device)[self.scale_inv.long()]
-        else:
-            scales = self.scale_inv.to(torch.bfloat16)
-        tiles = values.view(padded_rows // tr, tr, padded_k // tc, tc) * scales[:, None, :, None]
-        return tiles.view(padded_rows, padded_k)[:rows, :k]
 
 
 def is_high_precision(t: object) -> bool:

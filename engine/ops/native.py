@@ -471,3 +471,19 @@ def fp8_to_bf16(data: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
         result = reference.fp8_to_bf16(data)
         return result if out is None else out.copy_(result)
     return _ext().fp8_to_bf16(data, out)
+
+
+def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, int], b: torch.Tensor,
+               b_scale_inv: torch.Tensor, b_tile: tuple[int, int], bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor | None:
+    """decode(a) @ decode(b)^T (+ bias) in out_dtype: the exact CPU GEMM of `engine.gemm.cpu` in one call.
+
+    a [M, K] and b [N, K] are FP8 data (any strides). A tile of (0, 0) means one scale per
+    tensor: both must be, and the fp32 product of the two scale_inv is addmm's alpha; None
+    when that product is not a normal fp32 number (the caller rescales). Otherwise each
+    scale_inv has one power-of-2 scale (fp32, or uint8 E8M0 codes) per tile of that shape.
+    Each operand is decoded to bf16 exactly; an out_dtype other than bf16 runs an fp32 GEMM.
+    The C++ side checks every argument.
+    """
+    return _ext().exact_gemm(a, a_scale_inv, a_tile[0], a_tile[1], b, b_scale_inv, b_tile[0], b_tile[1], bias,
+                             out_dtype)

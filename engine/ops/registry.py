@@ -29,6 +29,7 @@ import torch
 
 from engine.ops import backend
 from engine.ops import reference as ref
+from engine.ops.exact_gemm import exact_gemm as exact_gemm_reference
 from engine.ops.reference import quantize_blocked
 from engine.schemes import Scheme
 
@@ -137,6 +138,12 @@ def fp8_to_bf16_kernel(kernels: ModuleType, data: torch.Tensor) -> torch.Tensor:
     return kernels.fp8_to_bf16(data)
 
 
+def exact_gemm_kernel(kernels: ModuleType, a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, int],
+                      b: torch.Tensor, b_scale_inv: torch.Tensor, b_tile: tuple[int, int],
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    return kernels.exact_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, bias, out_dtype)
+
+
 def delayed_update_kernel(kernels: ModuleType, amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                           margin: int, algo: str, held: Iterable[int] = ()) -> None:
     kernels.delayed_update(amax_history, scale, fp8_max, margin, algo, held)
@@ -188,12 +195,14 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
     **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     ("delayed_update", ANY, "cpu"): Kernel("native", delayed_update_kernel),  # no Triton kernel: see quantize.py
+    ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
 }
 REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,
     "amax": ref.amax,
     "fp8_to_bf16": ref.fp8_to_bf16,
     "delayed_update": delayed_update_reference,
+    "exact_gemm": exact_gemm_reference,
 }
 
 
