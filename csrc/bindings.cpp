@@ -568,13 +568,6 @@ Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
 // is decoded to bf16 exactly and one addmm (fp32 accumulation) runs, with the per-tensor
 // scale product as alpha. Same ATen calls as the Python path, without its per-call cost.
 
-// bf16 bits of an fp32 value, rounded to nearest even; every NaN gives 0x7FC0.
-inline uint16_t f32_to_bf16_rne(float f) {
-  if (is_nan_f32(f)) return 0x7FC0u;
-  const uint32_t u = f32_bits(f);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 // One K-major operand: FP8 data [rows, K] (any strides) and its scale_inv: [1] (tile 0 x 0,
 // per tensor: not applied here) or one scale per tile_rows x tile_cols tile (fp32 powers of
 // two, or uint8 E8M0 codes), shaped [ceil(rows/tile_rows), ceil(K/tile_cols)], any strides.
@@ -609,41 +602,45 @@ Operand checked_operand(const Tensor& data, const Tensor& scale_inv, int64_t til
   return {data, scale_inv, tile_rows, tile_cols};
 }
 
-// The operand's exact bf16 value [rows, K] (data times its tile scale; per tensor: the data).
+// The operand's exact bf16 value [rows, K]: data times its tile scale (per tensor: the data).
+// Data stored column-major (a transposed view) is decoded in its storage order and returned
+// as the same transposed view, which addmm reads as it is.
 Tensor decode_bf16(const Operand& op) {
-  const int64_t rows = op.data.size(0), k = op.data.size(1);
+  const bool transposed = op.data.size(0) > 1 && op.data.size(1) > 1 && op.data.stride(0) == 1 &&
+                          op.data.stride(1) == op.data.size(0);
+  const Tensor data = transposed ? op.data.t() : op.data.contiguous();
+  const int64_t rows = data.size(0), k = data.size(1);
   Tensor out = at::empty({rows, k}, at::TensorOptions().dtype(at::kBFloat16));
-  if (rows * k == 0) return out;
-  const Fp8Kind kind = op.data.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
-  uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
-  if (op.per_tensor() && op.data.is_contiguous()) {
-    const uint8_t* codes = bytes(op.data);
+  if (rows * k > 0) {
+    const Fp8Kind kind = data.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
+    const uint8_t* codes = bytes(data);
+    uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
     const Kernels& kern = kernels();
-    parallel_chunks(rows * k, kElemGrain, [&](int64_t b, int64_t e, int) { kern.fp8_to_bf16(codes, kind, b, e, dst); });
-    return out;
-  }
-  float table[256];
-  for (int i = 0; i < 256; ++i) table[i] = bf16_to_f32(fp8_to_bf16_bits(static_cast<uint8_t>(i), kind));
-  const uint8_t* codes = bytes(op.data);
-  const int64_t ds0 = op.data.stride(0), ds1 = op.data.stride(1);
-  const bool e8m0 = op.scale_inv.scalar_type() == at::kByte;
-  const void* scales = op.scale_inv.data_ptr();
-  const int64_t ss0 = op.per_tensor() ? 0 : op.scale_inv.stride(0), ss1 = op.per_tensor() ? 0 : op.scale_inv.stride(1);
-  const int64_t tr = op.per_tensor() ? rows : op.tile_rows, tc = op.per_tensor() ? k : op.tile_cols;
-  parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t c0 = 0; c0 < k; c0 += tc) {
-        float s = 1.0f;
-        if (!op.per_tensor()) {
-          const int64_t at = (r / tr) * ss0 + (c0 / tc) * ss1;
-          s = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(scales)[at]) : static_cast<const float*>(scales)[at];
+    if (op.per_tensor()) {
+      parallel_chunks(rows * k, kElemGrain, [&](int64_t b, int64_t e, int) { kern.fp8_to_bf16(codes, kind, b, e, dst); });
+    } else {
+      const Tensor scales = transposed ? op.scale_inv.t() : op.scale_inv;
+      const int64_t tr = transposed ? op.tile_cols : op.tile_rows, tc = transposed ? op.tile_rows : op.tile_cols;
+      const bool e8m0 = scales.scalar_type() == at::kByte;
+      const void* sp = scales.data_ptr();
+      const int64_t ss0 = scales.stride(0), ss1 = scales.stride(1);
+      parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
+        kern.fp8_to_bf16(codes, kind, r0 * k, r1 * k, dst);
+        std::vector<float> row_scales(static_cast<size_t>(k));  // the scale of each column in this tile row
+        for (int64_t r = r0; r < r1; ++r) {
+          if (r == r0 || r % tr == 0) {
+            for (int64_t c0 = 0; c0 < k; c0 += tc) {
+              const int64_t at = (r / tr) * ss0 + (c0 / tc) * ss1;
+              const float s = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
+              std::fill(row_scales.begin() + c0, row_scales.begin() + std::min(k, c0 + tc), s);
+            }
+          }
+          kern.scale_bf16(dst + r * k, row_scales.data(), k);
         }
-        const int64_t c1 = std::min(k, c0 + tc);
-        for (int64_t c = c0; c < c1; ++c) dst[r * k + c] = f32_to_bf16_rne(table[codes[r * ds0 + c * ds1]] * s);
-      }
+      });
     }
-  });
-  return out;
+  }
+  return transposed ? out.t() : out;
 }
 
 // out = decode(a) @ decode(b)^T * alpha (+ bias), in out_dtype; nullopt for a per-tensor pair

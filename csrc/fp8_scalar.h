@@ -188,6 +188,18 @@ static inline float e8m0_element_scale(uint8_t code) {
   return bits_f32(static_cast<uint32_t>(254 - code) << 23);
 }
 
+// ------------------------------------------------------------ bf16 times a power of two
+// x[i] = bf16(x[i] * s[i]) for bf16 bits x: the product in fp32, rounded to nearest even, every
+// NaN 0x7FC0 (torch's own bf16 multiply gives other NaN bits in its vector loop). Branch-free,
+// so each kernel file's compiler vectorises it for its instruction set.
+static inline void scale_bf16_loop(uint16_t* x, const float* s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = f32_bits(bits_f32(static_cast<uint32_t>(x[i]) << 16) * s[i]);
+    const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    x[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : rounded;
+  }
+}
+
 // ------------------------------------------------------------------------- FP8 -> bf16
 // Every E4M3/E5M2 value is a bf16 value. Every NaN code gives the positive quiet NaN 0x7FC0,
 // as torch's .to(bfloat16) does; E5M2 infinities give bf16 infinities.

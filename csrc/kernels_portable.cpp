@@ -198,11 +198,14 @@ void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end,
   for (int64_t i = begin; i < end; ++i) out[i] = table[codes[i]];
 }
 
+void scale_bf16(uint16_t* x, const float* s, int64_t n) { scale_bf16_loop(x, s, n); }
+
 }  // namespace
 
 const Kernels& portable_kernels() {
   static const Kernels k = {"portable",       amax_key,   cast,       cast_transpose_region, block_rowwise,
-                            block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16};
+                            block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
+                            scale_bf16};
   return k;
 }
 

@@ -116,14 +116,24 @@ def compare_exact_gemm(fn) -> list[str]:
                 b, sb = gemm_operands(n, k, b_tile, element, e8m0, g)
                 if a_tile == (32, 1):  # stored in x's shape, read transposed: strided data and scales
                     a, sa = a.t().contiguous().t(), sa.t().contiguous().t()
-                if a_tile == (1, 32) and m == 9:  # the extreme codes meet: 2^-127 (subnormal) times 2^127
+                if a_tile == (1, 32) and m == 9:  # extreme codes: A's values round into bf16's subnormals
                     sa.fill_(0 if e8m0 else 2.0**-127)
-                    sb.fill_(254 if e8m0 else 2.0**127)
+                    sb.fill_(227 if e8m0 else 2.0**100)
                 for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
                     for bias in (None, torch.randn(n, generator=g).to(out_dtype)):
                         args = (a, sa, a_tile, b, sb, b_tile, bias, out_dtype)
                         if not same_bits(fn(*args), registry.REFERENCE["exact_gemm"](*args)):
                             bad.append(f"exact_gemm {a_tile}x{b_tile} {m}x{n}x{k} {element} e8m0={e8m0} {out_dtype}")
+    for element in (torch.float8_e4m3fn, torch.float8_e5m2):  # B = I: the output is A's decoded value itself
+        codes = torch.arange(256, dtype=torch.uint8).view(element)
+        finite = codes[codes.float().isfinite()]
+        a = finite[torch.randint(0, finite.numel(), (64, 96), generator=g)]
+        sa = torch.randint(0, 255, (64, 3), generator=g, dtype=torch.uint8)  # every code but NaN, 0 and 254 too
+        sa[0, :2] = torch.tensor([0, 254], dtype=torch.uint8)
+        eye, ones = torch.eye(96).to(element), torch.full((96, 3), 127, dtype=torch.uint8)
+        args = (a, sa, (1, 32), eye, ones, (1, 32), None, torch.float32)
+        if not same_bits(fn(*args), registry.REFERENCE["exact_gemm"](*args)):
+            bad.append(f"exact_gemm: A @ I differs from A's reference decode ({element})")
     tiny = torch.tensor([1e-30]), torch.tensor([1e-20])
     a, _ = gemm_operands(4, 16, (0, 0), torch.float8_e4m3fn, True, g)
     for sa, sb in (tiny, (torch.tensor([1e30]), torch.tensor([1e20])), (torch.tensor([0.0]), torch.tensor([1.0]))):
@@ -179,6 +189,16 @@ def test_every_cpu_kernel_matches_the_reference_bitwise(key):
     assert module is not None, why
     bad = compare_entry(key[0], key[1], functools.partial(entry.fn, module))
     assert not bad, bad[:10]
+
+
+def test_exact_gemm_matches_the_reference_on_every_isa():
+    """The decode (a table, then the scale multiply) has a portable and an AVX-512 version."""
+    from engine.ops import native
+
+    for isa in native.available_isas():
+        with native.use_isa(isa):
+            bad = compare_exact_gemm(native.exact_gemm)
+        assert not bad, (isa, bad[:5])
 
 
 def _worker() -> None:
