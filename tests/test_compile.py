@@ -229,3 +229,17 @@ def test_compiled_grads_when_only_some_inputs_need_them(frozen):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), name
+
+
+def test_the_states_hook_is_marked_as_torch_marks_an_assumed_constant():
+    """engine marks `_states_while_tracing` by hand (importing torch._dynamo at `import engine` costs ~2.5 s);
+    torch's decorator must still mean exactly that mark."""
+    from engine.modules.base import _states_while_tracing
+
+    def probe():
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    extra = {k: v for k, v in vars(marked).items() if not k.startswith("__")}
+    assert extra == {"_dynamo_marked_constant": True}
+    assert _states_while_tracing._dynamo_marked_constant is True

@@ -223,7 +223,6 @@ class FP8Module(torch.nn.Module):
                     param.update_quantizer(quantizer)
 
 
-@torch.compiler.assume_constant_result
 def _states_while_tracing(module: FP8Module, recipe_key: str, device: torch.device) -> bool:
     """States for the autocast's recipe, made by Dynamo while it traces (eagerly, outside the graph), before
     the traced code reads them: the first compiled step's guards already see them, so the second step does
@@ -231,6 +230,12 @@ def _states_while_tracing(module: FP8Module, recipe_key: str, device: torch.devi
     if module._fwd_state is None or module._fwd_state.key != recipe_key:
         module._build_states(autocast.get_recipe(), device)
     return True
+
+
+# What `torch.compiler.assume_constant_result` does (Dynamo runs the function while tracing and
+# keeps its result as a constant), without importing torch._dynamo with engine: that import
+# takes ~2.5 s, as long as torch's own. tests/test_compile.py checks the two agree.
+_states_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def check_extra_state(state: dict[str, Any], num_gemms: int) -> Recipe:
