@@ -609,3 +609,28 @@ def print_error_table(seeds: int = 5) -> None:
 
 if __name__ == "__main__":
     print_error_table()
+
+
+def test_fp32_weights_get_the_wgrad_in_the_activation_dtype_as_transformer_engine_does():
+    """With bf16 activations, the wgrad GEMM outputs bf16 (fp32 accumulation, one rounding), then takes the fp32
+    weight's dtype: TE's `out_dtype=activation_dtype` when not fusing into main_grad. Checked against the
+    product of the current-scaling FP8 values in fp64, rounded once to bf16."""
+    torch.manual_seed(0)
+    layer = engine.Linear(64, 48, bias=False, params_dtype=torch.float32)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    grad = torch.randn(40, 48, dtype=torch.bfloat16)
+    recipe = Float8CurrentScaling(fp8_format=Format.E4M3)
+    with fp8_autocast(recipe=recipe):
+        out = layer(x)
+    out.backward(grad)
+
+    def fp8_values(t: torch.Tensor) -> torch.Tensor:  # current scaling, E4M3, per tensor
+        scale = 448.0 / t.float().abs().max()
+        return (t.float() * scale).to(torch.float8_e4m3fn).double() / scale.double()
+
+    want = (fp8_values(grad).t() @ fp8_values(x)).to(torch.bfloat16).float()
+    got = layer.weight.grad
+    assert got.dtype == torch.float32
+    assert torch.equal(got, got.to(torch.bfloat16).float()), "the wgrad was not rounded to bf16 once"
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-30)
+    assert ((got - want).abs() <= ulp).all()

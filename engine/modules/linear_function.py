@@ -131,7 +131,11 @@ def fprop(inp2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None, args: LinearArgs, *,
           need_dgrad: bool, need_wgrad: bool, inp_dtype: torch.dtype, weight_dtype: torch.dtype,
           main_grad: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The quantized backward: (dx [M, K], dW [N, K]) for a dy [M, N]; dW is added into `main_grad` if given."""
+    """The quantized backward: (dx [M, K], dW [N, K]) for a dy [M, N]; dW is added into `main_grad` if given.
+
+    Both GEMMs output the activation dtype (dW then takes the weight's dtype), except that a fused
+    wgrad accumulates into the fp32 `main_grad` directly.
+    """
     dy_dgrad, dy_wgrad = quantize_uses(dy, args.bwd, Role.GRAD_OUTPUT, args.gemm,
                                        rowwise=need_dgrad, columnwise=need_wgrad)
     dx = dw = None
@@ -141,7 +145,10 @@ def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None
         if main_grad is not None:
             general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out=main_grad, accumulate=True)
         else:
-            dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out_dtype=weight_dtype)
+            # in the activation dtype, as Transformer Engine does (and torch.autocast's Linear): an fp32 GEMM
+            # would cost 2.2x a bf16 one on the CPU; accumulation is fp32 either way, then one rounding
+            dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out_dtype=inp_dtype)
+            dw = dw.to(weight_dtype)
     return dx, dw
 
 
