@@ -390,3 +390,19 @@ def test_per_tensor_by_mxfp8_pairs_exactly_too():
     wq = MXFP8Quantizer(E4M3)(w)
     assert torch.equal(xq.dequantize(), x) and torch.equal(wq.dequantize(), w)  # exact operands
     assert torch.equal(general_gemm(xq, wq, out_dtype=torch.float32).double(), x.double() @ w.double().t())
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_torch_compile_gives_eager_bits(name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(engine.Linear(64, 64), engine.Linear(64, 32))
+    x = torch.randn(4, 8, 64)
+    results = []
+    for step in (model, torch.compile(model, fullgraph=True)):
+        with engine.fp8_autocast(recipe=RECIPES[name]):
+            y = step(x)
+        y.pow(2).sum().backward()
+        results.append([y.detach()] + [p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
