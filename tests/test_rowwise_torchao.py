@@ -55,6 +55,10 @@ def run_both(name: str, dtype: torch.dtype, bias: bool, seed: int = 0):
     """(torchao's (y, dx, dw), engine's (y, dx, dw)) for one linear layer with the same weights and data."""
     torch.manual_seed(seed)
     base = torch.nn.Linear(96, 80, bias=bias).to(dtype)
+    with torch.no_grad():  # magnitudes spread over output channels and over K: per-row, per-K and
+        g = torch.Generator().manual_seed(seed + 1)  # per-tensor scales all differ
+        spread = torch.exp2(torch.randint(-3, 4, (80, 1), generator=g) + torch.randint(-3, 4, (1, 96), generator=g))
+        base.weight.mul_(spread.to(dtype))
     config = float8.Float8LinearConfig.from_recipe_name(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -94,7 +98,7 @@ def test_bf16_linear_output_and_grads_are_torchaos_bit_for_bit(name):
 def test_bf16_linear_with_bias_differs_only_by_torchaos_second_rounding(name):
     (ya, *grads_a), (ye, *grads_e) = run_both(name, torch.bfloat16, bias=True)
     (_, _, _), (product, _, _) = run_both(name, torch.bfloat16, bias=False)  # engine's rounded product, no bias
-    torch.manual_seed(0)  # the layer run_both built (the weight is drawn first, so it is the same without bias)
+    torch.manual_seed(0)  # the layer run_both built (the bias is drawn after the weight)
     bias = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16).bias.detach()
     assert torch.equal(ya.detach(), product.detach() + bias)  # torchao: round(product) + bias, rounded again
     bound = U_BF16 * (product.abs() + ya.abs() + ye.abs()).detach().float()
