@@ -10,7 +10,9 @@ Every operand has one scale per index of its non-contracted dim (`Float8RowwiseQ
 (power-of-2) weight against rowwise dy, and wgrad runs in high precision. It is a field of
 one recipe rather than a second preset because it is the same recipe with one switch (as
 Transformer Engine's recipes carry theirs), so checkpoints, the CLI and `RECIPES` name one
-thing, and its fprop is bit for bit the plain recipe's.
+thing, and its fprop is bit for bit the plain recipe's. With FP8 primary weights
+(`fp8_model_init`) a weight is stored once, in fprop's per-row scheme with its per-K columnwise
+copy, and dgrad reads that copy, as under any recipe whose two weight uses differ.
 """
 
 from __future__ import annotations
