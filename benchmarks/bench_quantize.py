@@ -31,7 +31,9 @@ import torch
 from engine import memory
 from engine.ops import native
 from engine.ops import reference as ref
-from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
+from engine.quantizers import (
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, Float8RowwiseQuantizer, MXFP8Quantizer,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -126,6 +128,9 @@ def schemes(x: torch.Tensor, fp8: torch.dtype) -> list[Scheme]:
     block1d = Float8BlockQuantizer(fp8, block_scaling_dim=1)
     block2d = Float8BlockQuantizer(fp8, block_scaling_dim=2, columnwise=False)
     mx = MXFP8Quantizer(fp8)
+    rowwise = Float8RowwiseQuantizer(fp8)
+    rows_ax, cols_ax = e8(m, 1), e8(k, 1)
+    axis = {"tile_rows": 1, "force_pow_2_scales": True, "amax_epsilon": 1e-12, "value_for_inf": vfi}
 
     return [
         Scheme("per-tensor cast+amax (rowwise)",
@@ -160,6 +165,14 @@ def schemes(x: torch.Tensor, fp8: torch.dtype) -> list[Scheme]:
                lambda: (ref.quantize_mxfp8(x, fp8), ref.quantize_mxfp8(x, fp8, columnwise=True)),
                lambda: mx(x),
                2 * n * es + 2 * n + mx_row_codes.numel() + mx_col_codes.numel(), "out= all; x read twice"),
+        Scheme("axiswise (rowwise) row + col",
+               lambda: (native.quantize_block(x, fp8, tile_cols=k, **axis, out_data=data, out_scale_inv=rows_ax),
+                        native.quantize_block(x.t(), fp8, tile_cols=m, **axis, out_data=data_t2,
+                                              out_scale_inv=cols_ax)),
+               lambda: (ref.quantize_block(x, fp8, tile_cols=k, **axis), ref.quantize_block(x.t(), fp8, tile_cols=m,
+                                                                                            **axis)),
+               lambda: rowwise(x),
+               2 * n * es + 2 * n + 4 * (m + k), "out= all; x read twice"),
     ]
 
 

@@ -76,7 +76,7 @@ TENSOR = Block(0, 0)
 class Scheme:
     """One way of storing a quantized tensor."""
 
-    layout: str  # "tensor" | "block1d" | "block2d" | "mx"
+    layout: str  # "tensor" | "block1d" | "block2d" | "mx" | "axiswise"
     element: torch.dtype
     scale: ScaleEncoding
     rowwise_block: Block
@@ -140,6 +140,9 @@ LAYOUTS: dict[str, tuple[Block, Block, bool]] = {
     "block1d": (Block(1, BLOCK_128), Block(BLOCK_128, 1), True),
     "block2d": (Block(BLOCK_128, BLOCK_128), Block(BLOCK_128, BLOCK_128), True),
     "mx": (Block(1, MX_BLOCK), Block(MX_BLOCK, 1), False),
+    # torchao's axiswise ("rowwise") float8: one scale per row over the whole K, and per column
+    # (over the whole M) for the columnwise copy, stored [K, M] with one scale per row again
+    "axiswise": (Block(1, 0), Block(0, 1), True),
 }
 
 

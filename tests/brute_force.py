@@ -23,7 +23,7 @@ import torch
 # name: (exponent bits, mantissa bits, bias, IEEE-like: all-ones exponent is inf / NaN)
 FORMATS = {"e4m3": (4, 3, 7, False), "e5m2": (5, 2, 15, True)}
 ELEMENT_OF = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-LAYOUTS = ("tensor", "block1d", "block2d", "mx")
+LAYOUTS = ("tensor", "block1d", "block2d", "mx", "axiswise")
 TILE = 128  # block scaling: 1x128 (1D) and 128x128 (2D) tiles
 MX_BLOCK = 32
 FLT_MAX = 3.4028234663852886e38  # (2 - 2^-23) * 2^127
@@ -130,6 +130,8 @@ def buffer_shapes(layout: str, shape, *, columnwise: bool) -> tuple[tuple[int, .
         return tuple(shape), (_cdiv(m, TILE), _cdiv(k, TILE)), torch.float32
     if layout == "mx":
         return tuple(shape), ((_cdiv(m, MX_BLOCK), k) if columnwise else (m, _cdiv(k, MX_BLOCK))), torch.uint8
+    if layout == "axiswise":  # one scale per row of x (rowwise) / per column of x (columnwise, data [K, M])
+        return ((k, m), (k, 1), torch.float32) if columnwise else (tuple(shape), (m, 1), torch.float32)
     raise AssertionError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
 
 
@@ -157,6 +159,8 @@ def scale_index(layout: str, i: torch.Tensor, j: torch.Tensor, *, columnwise: bo
         return (j // TILE, i // TILE) if columnwise else (i // TILE, j // TILE)
     if layout == "mx":  # rowwise 1x32 blocks along K, columnwise 32x1 blocks along M; data in x's shape
         return (i // MX_BLOCK, j) if columnwise else (i, j // MX_BLOCK)
+    if layout == "axiswise":  # one scale per row over all of K; columnwise, per column over all of M
+        return (j, torch.zeros_like(j)) if columnwise else (i, torch.zeros_like(i))
     raise AssertionError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
 
 

@@ -12,7 +12,9 @@ import brute_force
 from engine import gemm
 from engine.gemm import cuda
 from engine.gemm import general_gemm, gemm_operand
-from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer
+from engine.quantizers import (
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -199,8 +201,8 @@ def test_errors_name_the_problem():
     x, w = qx(torch.randn(16, 64)), qw(torch.randn(32, 64))
     with pytest.raises(TypeError, match="a: expected a quantized tensor"):
         general_gemm([[1.0] * 64] * 16, w)
-    with pytest.raises(TypeError, match="cannot pair"):
-        general_gemm(x, MXFP8Quantizer(E4M3)(torch.randn(32, 64)))
+    with pytest.raises(TypeError, match="cannot pair"):  # 1x32 blocks against one scale per 64-wide row
+        general_gemm(MXFP8Quantizer(E4M3)(torch.randn(16, 64)), Float8RowwiseQuantizer(E4M3)(torch.randn(32, 64)))
     with pytest.raises(ValueError, match="inner dims"):
         general_gemm(x, qw(torch.randn(32, 96)))
     with pytest.raises(ValueError, match="bias"):

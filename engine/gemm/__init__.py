@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from engine.gemm import cpu, cuda
+from engine.gemm import cpu, cuda, mixed
 from engine.gemm.operand import GemmOperand, as_matrix, gemm_operand, is_high_precision
 from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.storage import QuantizedTensorBase
@@ -39,6 +39,8 @@ PAIRINGS: dict[tuple[str, str, str], Impl] = {
     ("block", "block", "cpu"): cpu.fp32_tiles,
     ("pow2", "block", "cpu"): cpu.fp32_tiles,
     ("block", "pow2", "cpu"): cpu.fp32_tiles,
+    **{pair: mixed.tensor_by_tiles for tiles in ("pow2", "block")
+       for pair in (("tensor", tiles, "cpu"), (tiles, "tensor", "cpu"))},
 }
 
 Operand = QuantizedTensor | QuantizedTensorBase | torch.Tensor

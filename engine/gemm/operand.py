@@ -82,8 +82,7 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
     if block.is_tensor:
         return GemmOperand(data2d, scale_inv, True, scheme.scale)
-    return GemmOperand(data2d, scale_inv, False, scheme.scale, block.rows or data2d.shape[0],
-                       block.cols or data2d.shape[1])
+    return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape))
 
 
 def as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transposed: bool, dtype: torch.dtype,

@@ -119,6 +119,29 @@ def quantize_per_tile(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, r
     return out, None
 
 
+def quantize_per_row(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                     scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
+    """Axiswise: the block kernel with 1 x whole-row tiles, on x (rowwise) and on x^T as a view (columnwise).
+
+    An empty x still has a scale per row of the other dim (that of an all-zero row): the reference makes those.
+    """
+    x2d = ref.as_2d(x)
+    if x2d.numel() == 0:
+        return quantize_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale,
+                                  amax_epsilon=amax_epsilon, scale_mode=scale_mode)
+    opts = {"force_pow_2_scales": scheme.scale.is_pow2, "amax_epsilon": amax_epsilon,
+            "value_for_inf": ref.block_value_for_inf(x.dtype)}
+    out: Buffers = dict.fromkeys(BUFFER_FIELDS)
+    if rowwise:
+        data, out["rowwise_scale_inv"] = kernels.quantize_block(x2d, scheme.element, tile_rows=1,
+                                                                tile_cols=x2d.shape[1], **opts)
+        out["rowwise_data"] = data.view(x.shape)
+    if columnwise:
+        out["columnwise_data"], out["columnwise_scale_inv"] = kernels.quantize_block(
+            x2d.t(), scheme.element, tile_rows=1, tile_cols=x2d.shape[0], **opts)
+    return out, None
+
+
 def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                 scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
     """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape)."""
@@ -196,6 +219,8 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     ("delayed_update", ANY, "cpu"): Kernel("native", delayed_update_kernel),  # no Triton kernel: see quantize.py
     ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
+    # no Triton entry: its 1-row kernel holds a whole tile (here a whole row) in registers
+    ("quantize", "axiswise", "cpu"): Kernel("native", quantize_per_row),
 }
 REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,

@@ -2,7 +2,7 @@
 
 * `DelayedRule`: a given per-tensor scale, read from scaling state that the recipe updates
   from an amax history; quantizing records max|x| into that state (the only stateful rule).
-* `CurrentRule`: from the data itself, fp8_max / max(amax, eps) per tensor or per tile
+* `CurrentRule`: from the data itself, fp8_max / max(amax, eps) per tensor, per tile or per row
   (power-of-2 or not, as the scheme's scale encoding says); a per-tensor amax can be
   all-reduced over a process group first.
 * `E8M0Rule`: an E8M0 exponent per MX block, "rceil" (NVIDIA hardware) or "floor" (OCP spec).
@@ -98,7 +98,7 @@ class DelayedRule(ScaleRule):
 class CurrentRule(ScaleRule):
     """fp8_max / max(amax, amax_epsilon) from this tensor (or each tile); amax all-reduced over a group if given."""
 
-    layouts = ("tensor", "block1d", "block2d")
+    layouts = ("tensor", "block1d", "block2d", "axiswise")
 
     def __init__(self, amax_epsilon: float = 0.0, amax_reduction_group: dist.ProcessGroup | None = None) -> None:
         self.amax_epsilon = check_epsilon(amax_epsilon)

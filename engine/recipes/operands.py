@@ -17,7 +17,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer, Quantizer
+from engine.quantizers import (
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, Quantizer,
+)
 
 
 class Gemm(str, Enum):
@@ -65,7 +67,7 @@ class QuantizerSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    layout: Literal["tensor", "block1d", "block2d", "mx"]
+    layout: Literal["tensor", "block1d", "block2d", "mx", "axiswise"]
     element: Literal["e4m3", "e5m2"] = "e4m3"
     scaling: Literal["current", "e8m0", "delayed"] = "current"
     pow2: bool = False
@@ -92,6 +94,8 @@ class QuantizerSpec(BaseModel):
                              "builds; it has no stand-alone quantizer")
         if self.layout == "mx":
             return MXFP8Quantizer(self.dtype, scale_mode=self.scale_mode)
+        if self.layout == "axiswise":
+            return Float8RowwiseQuantizer(self.dtype, force_pow_2_scales=self.pow2, amax_epsilon=self.amax_epsilon)
         if self.layout == "tensor":
             return Float8CurrentScalingQuantizer(self.dtype, force_pow_2_scales=self.pow2,
                                                  amax_epsilon=self.amax_epsilon)

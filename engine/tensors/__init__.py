@@ -3,13 +3,15 @@
 from engine.tensors.quantized import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedFallbackWarning, QuantizedTensor,
 )
+from engine.tensors.rowwise import Float8RowwiseTensor, Float8RowwiseTensorStorage
 from engine.tensors.serialization import rebuild_quantized_tensor, rebuild_storage
 from engine.tensors.storage import (
     Float8BlockwiseTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorBase,
 )
 
 __all__ = [
-    "Float8BlockwiseTensor", "Float8BlockwiseTensorStorage", "Float8Tensor", "Float8TensorStorage",
+    "Float8BlockwiseTensor", "Float8BlockwiseTensorStorage", "Float8RowwiseTensor", "Float8RowwiseTensorStorage",
+    "Float8Tensor", "Float8TensorStorage",
     "MXFP8Tensor", "MXFP8TensorStorage", "QuantizedFallbackWarning", "QuantizedTensor", "QuantizedTensorBase",
     "rebuild_quantized_tensor", "rebuild_storage",
 ]
