@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from engine.checks import check_bool
-from engine.distributed import all_reduce_max
+from engine.distributed import all_reduce_max, group_size
 from engine.recipes import DelayedScaling, Recipe, RecipeState
 
 
@@ -139,7 +139,8 @@ def get_fp8_group() -> dist.ProcessGroup | None:
 
 def update_states(states: list[RecipeState], group: dist.ProcessGroup | None) -> None:
     """All-reduce the amaxes the states recorded (one collective), then update them (stateless: no-ops)."""
-    all_reduce_max([a for s in states for a in s.amaxes_to_reduce()], group)
+    if group_size(group) > 1:  # one process: no views of the histories to collect
+        all_reduce_max([a for s in states for a in s.amaxes_to_reduce()], group)
     for s in states:
         s.update()
 
