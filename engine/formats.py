@@ -109,15 +109,15 @@ MX_ELEMENTS: dict[str, FloatFormat] = {"e2m1": E2M1, "e2m3": E2M3, "e3m2": E3M2}
 _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
-def element_format(element: torch.dtype | FloatFormat) -> FloatFormat:
-    """The FloatFormat of a scheme element (an FP8 dtype or an MX element format)."""
+def element_format(element: torch.dtype | FloatFormat, name: str = "element") -> FloatFormat:
+    """The FloatFormat of a scheme element (an FP8 dtype or an MX element format); TypeError naming `name`."""
     if isinstance(element, FloatFormat):
         if element not in MX_ELEMENTS.values():
-            raise TypeError(f"element: expected one of the MX element formats {sorted(MX_ELEMENTS)}, got {element.name}")
+            raise TypeError(f"{name}: expected one of the MX element formats {sorted(MX_ELEMENTS)}, got {element.name}")
         return element
     if element in FP8_DTYPES:
         return format_of(element)
-    raise TypeError(f"element: expected torch.float8_e4m3fn, torch.float8_e5m2 or one of {sorted(MX_ELEMENTS)}, "
+    raise TypeError(f"{name}: expected torch.float8_e4m3fn, torch.float8_e5m2 or one of {sorted(MX_ELEMENTS)}, "
                     f"got {element!r}")
 
 

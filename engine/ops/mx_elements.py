@@ -77,7 +77,7 @@ def pack(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     cols = codes.shape[-1]
     if cols % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)  # explicit sizes: empty tensors too
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
 
@@ -86,7 +86,7 @@ def unpack(data: torch.Tensor, fmt: FloatFormat, cols: int) -> torch.Tensor:
     if per_byte(fmt) == 1:
         return data
     both = torch.stack((data & 0x0F, data >> 4), dim=-1)
-    return both.reshape(*data.shape[:-1], -1)[..., :cols]
+    return both.reshape(*data.shape[:-1], 2 * data.shape[-1])[..., :cols]
 
 
 def elements_to_bf16(data: torch.Tensor, fmt: FloatFormat, cols: int | None = None) -> torch.Tensor:

@@ -120,7 +120,20 @@ def quantize_per_tile(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, r
 
 def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                 scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
-    """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape)."""
+    """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape).
+
+    Elements without a torch dtype (E2M1, E2M3, E3M2: `scheme.coded`) go to the backend's
+    `quantize_mx_coded` (both usages in one pass over x); a backend without one (Triton, for now)
+    runs the reference's torch ops on x's device.
+    """
+    if scheme.coded:
+        fn = getattr(kernels, "quantize_mx_coded", None)
+        if fn is None:
+            return quantize_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, scale_mode=scale_mode)
+        row_data, row_scale, col_data, col_scale = fn(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
+                                                      columnwise=columnwise)
+        return {"rowwise_data": row_data, "rowwise_scale_inv": row_scale, "columnwise_data": col_data,
+                "columnwise_scale_inv": col_scale}, None
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
