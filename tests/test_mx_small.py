@@ -87,3 +87,94 @@ def test_nan_block_scale_is_255_and_elements_are_zero_codes():
     assert scales.tolist() == [[254]]  # inf -> the largest scale; inf saturates to 6 -> dequantizes to inf
     value = ref.dequantize_blocked(data, scales, SCHEMES["mx_e2m1"], shape=x.shape)
     assert value[0, 3] == float("inf") and value[0, 0] == 0
+
+
+# ============================================================================ MXQuantizer / MXTensor
+import io  # noqa: E402
+
+from engine.quantizers import MXFP8Quantizer, MXQuantizer  # noqa: E402
+from engine.tensors import MXTensor, MXTensorStorage  # noqa: E402
+from engine.tensors.serialization import pop_components, rebuild_storage, to_components  # noqa: E402
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_mx_quantizer_makes_mx_tensors_with_both_usages(name, mode):
+    x = mx_brute.edge_input((2, 35, 70), torch.bfloat16, seed=3)
+    t = MXQuantizer(name, scale_mode=mode)(x)
+    assert isinstance(t, MXTensor) and t.scheme.name == f"mx_{name}" and t.dtype == torch.bfloat16
+    st = t.qstorage
+    for usage, columnwise in (("rowwise", False), ("columnwise", True)):
+        want_data, want_scales = mx_brute.quantize(x, name, mode, columnwise)
+        assert same_bytes(getattr(st, f"{usage}_data"), want_data), usage
+        assert same_bytes(getattr(st, f"{usage}_scale_inv"), want_scales), usage
+    want = torch.from_numpy(mx_brute.dequantize(*mx_brute.quantize(x, name, mode, False), name, x.shape, False))
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        got = t.dequantize(dtype=dtype)
+        assert got.dtype == dtype
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~want.isnan()], want.float().to(dtype)[~want.isnan()])
+    t.update_usage(rowwise_usage=False)  # columnwise alone still dequantizes (to the columnwise blocks' value)
+    want_col = torch.from_numpy(mx_brute.dequantize(*mx_brute.quantize(x, name, mode, True), name, x.shape, True))
+    got = t.dequantize(dtype=torch.float64)
+    assert torch.equal(got.isnan(), want_col.isnan()) and torch.equal(got[~got.isnan()], want_col.float().double()[~got.isnan()])
+    with pytest.raises(ValueError, match="cannot be derived"):
+        t.update_usage(rowwise_usage=True)
+
+
+def test_mx_quantizer_arguments_and_the_mxfp8_preset():
+    q = MXQuantizer("e3m2", scale_mode="floor", columnwise=False)
+    assert q.element == "e3m2" and q.scale_mode == "floor" and q.config() == {"element": "e3m2", "scale_mode": "floor"}
+    fp8 = MXFP8Quantizer(torch.float8_e4m3fn)
+    assert isinstance(fp8, MXQuantizer) and fp8.element == "e4m3" and fp8.scheme is MXQuantizer("e4m3").scheme
+    assert fp8.config() == {"fp8_dtype": "float8_e4m3fn", "scale_mode": "rceil"}  # checkpoints read as before
+    with pytest.raises(TypeError, match="^element: "):
+        MXQuantizer("e2m2")
+    with pytest.raises(TypeError, match="^element: "):
+        MXQuantizer(torch.float16)
+    with pytest.raises(ValueError, match="^scale_mode: "):
+        MXQuantizer("e2m1", scale_mode="round")
+    with pytest.raises(TypeError, match="^fp8_dtype: "):
+        MXFP8Quantizer("e2m1")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mx_tensor_saves_and_loads_with_weights_only(name):
+    x = mx_brute.edge_input((40, 33), torch.float32, seed=4)
+    t = MXQuantizer(name)(x)
+    buf = io.BytesIO()
+    torch.save({"t": t}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)["t"]
+    assert isinstance(back, MXTensor) and back.quantizer.config() == t.quantizer.config()
+    for field in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert torch.equal(getattr(back.qstorage, field), getattr(t.qstorage, field)), field
+    parts = to_components("w", t)
+    assert set(parts) == {"w", "w_scale_inv", "w_columnwise_data", "w_columnwise_scale_inv", "w_quantization"}
+    storage, saved = pop_components(dict(parts), "w")
+    assert saved == {"class": "MXQuantizer", "config": {"element": name, "scale_mode": "rceil"}}
+    assert torch.equal(storage.rowwise_data, t.qstorage.rowwise_data) and storage.scheme is t.scheme
+    tensors, _ = t.prepare_for_saving()
+    assert t.qstorage.rowwise_data is None
+    t.restore_from_saved(tensors)
+    assert torch.equal(t.dequantize(), back.dequantize())
+
+
+def test_loading_checks_mx_small_buffers():
+    x = torch.randn(40, 33)
+    plain = MXQuantizer("e2m1")(x).qstorage.to_plain()
+    bad_shape = {**plain, "rowwise_data": torch.zeros(40, 33, dtype=torch.uint8)}  # not packed
+    with pytest.raises(ValueError, match=r"^rowwise_data: expected torch.uint8 of shape \(40, 17\)"):
+        rebuild_storage(bad_shape)
+    scales = plain["rowwise_scale_inv"].clone()
+    scales[3, 0] = 255  # a NaN scale on a block whose codes are not all +0
+    with pytest.raises(ValueError, match="^rowwise_scale_inv: E8M0 code 255"):
+        rebuild_storage({**plain, "rowwise_scale_inv": scales})
+    col = plain["columnwise_scale_inv"].clone()
+    col[1, 32] = 255  # the last (odd) column's block: its byte's high nibble is padding
+    with pytest.raises(ValueError, match="^columnwise_scale_inv: E8M0 code 255"):
+        rebuild_storage({**plain, "columnwise_scale_inv": col})
+    nan = x.clone()
+    nan[0, 0] = float("nan")  # a real NaN block loads
+    st = rebuild_storage(MXQuantizer("e2m1")(nan).qstorage.to_plain())
+    assert isinstance(st, MXTensorStorage) and st.dequantize()[0, :32].isnan().all()

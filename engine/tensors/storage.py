@@ -9,7 +9,7 @@ wait for backward.
 
 There is one storage type: buffer shapes, views, deriving one usage from the other,
 dequantizing and serialization are all functions of the storage's `Scheme`. The public
-names `Float8TensorStorage`, `Float8BlockwiseTensorStorage` and `MXFP8TensorStorage` are
+names `Float8TensorStorage`, `Float8BlockwiseTensorStorage` and `MXTensorStorage` (= `MXFP8TensorStorage`) are
 the same type seen per layout (so `isinstance` keeps working); they also accept the
 constructor arguments they had before schemes (`fp8_dtype`, `block_scaling_dim`).
 """
@@ -402,11 +402,16 @@ class Float8BlockwiseTensorStorage(QuantizedTensorBase):
         return fp8_scheme(f"block{block_scaling_dim}d", fp8_dtype, **kw)
 
 
-class MXFP8TensorStorage(QuantizedTensorBase):
-    """MXFP8: an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block; columnwise data keeps x's shape."""
+class MXTensorStorage(QuantizedTensorBase):
+    """OCP MX (MXFP8, MXFP6, MXFP4): an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block; columnwise
+    data keeps x's shape (E2M1 codes packed two per byte along the last dim)."""
 
     layouts = ("mx",)
 
     @classmethod
     def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
         return fp8_scheme("mx", fp8_dtype, **kw)
+
+
+#: the name from before MXFP4/MXFP6: the same class
+MXFP8TensorStorage = MXTensorStorage
