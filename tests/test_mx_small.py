@@ -178,3 +178,73 @@ def test_loading_checks_mx_small_buffers():
     nan[0, 0] = float("nan")  # a real NaN block loads
     st = rebuild_storage(MXQuantizer("e2m1")(nan).qstorage.to_plain())
     assert isinstance(st, MXTensorStorage) and st.dequantize()[0, :32].isnan().all()
+
+
+# ============================================================================ GEMM
+from engine.gemm import general_gemm  # noqa: E402
+from engine.ops import quantize as qops  # noqa: E402
+
+
+def exact_value(t, columnwise: bool) -> torch.Tensor:
+    """float64 value of one usage of an MX tensor, by the brute force (FP8 elements: engine's dequantize,
+    which tests/test_tensors.py checks against its own brute force)."""
+    st = t.qstorage
+    name = st.scheme.name.removeprefix("mx_")
+    usage = "columnwise" if columnwise else "rowwise"
+    if name in mx_brute.SPEC:
+        return torch.from_numpy(mx_brute.dequantize(getattr(st, f"{usage}_data").numpy(),
+                                                    getattr(st, f"{usage}_scale_inv").numpy(), name, st.shape,
+                                                    columnwise))
+    return (st.replace(rowwise_data=None, rowwise_scale_inv=None) if columnwise else st).dequantize(torch.float64)
+
+
+def check_gemm(got: torch.Tensor, exact: torch.Tensor, abs_a: torch.Tensor, abs_b: torch.Tensor, k: int) -> None:
+    """|got - exact| within fp32 accumulation's bound K * 2^-24 * sum|a||b| (the elements and products are exact),
+    plus half a unit of the output dtype's last place."""
+    bound = k * 2.0**-24 * (abs_a @ abs_b.t())
+    if got.dtype != torch.float32:
+        bound = bound + exact.abs() * torch.finfo(got.dtype).eps / 2
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item()}, bound there {bound[err.argmax() // err.shape[1]].max()}"
+
+
+@pytest.mark.parametrize("elements", [("e2m1", "e2m1"), ("e2m3", "e3m2"), ("e2m1", "e4m3"), ("e4m3", "e3m2")])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemms_on_mx_small_operands_match_an_fp64_reference(elements, out_dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 72, generator=gen) * torch.logspace(-3, 3, 72)  # K = 72: a partial last block
+    w = torch.randn(40, 72, generator=gen)
+    dy = torch.randn(48, 40, generator=gen)
+    qx, qw = MXQuantizer(elements[0])(x), MXQuantizer(elements[1])(w)
+    qdy = MXQuantizer(elements[1])(dy)
+    bias = torch.randn(40, generator=gen)
+    # fprop y = x W^T (+ bias), dgrad dx = dy W, wgrad dW = dy^T x
+    cases = [
+        (general_gemm(qx, qw, out_dtype=out_dtype), exact_value(qx, False), exact_value(qw, False)),
+        (general_gemm(qdy, qw, b_transposed=True, out_dtype=out_dtype), exact_value(qdy, False),
+         exact_value(qw, True).t()),
+        (general_gemm(qdy, qx, a_transposed=True, b_transposed=True, out_dtype=out_dtype),
+         exact_value(qdy, True).t(), exact_value(qx, True).t()),
+    ]
+    for got, a, b in cases:
+        check_gemm(got, a @ b.t(), a.abs(), b.abs(), a.shape[1])
+    with_bias = general_gemm(qx, qw, out_dtype=torch.float32, bias=bias)
+    a, b = exact_value(qx, False), exact_value(qw, False)
+    check_gemm(with_bias, a @ b.t() + bias.double(), a.abs(), b.abs(), a.shape[1] + 1)
+
+
+def test_elements_to_bf16_op_checks_and_traces():
+    scheme = SCHEMES["mx_e2m1"]
+    data = torch.tensor([[0x21, 0x07]], dtype=torch.uint8)
+    assert qops.elements_to_bf16(data, scheme, cols=3).tolist() == [[0.5, 1.0, 6.0]]
+    with pytest.raises(ValueError, match="^cols: "):
+        qops.elements_to_bf16(data, scheme, cols=5)
+    with pytest.raises(TypeError, match="^data: "):
+        qops.elements_to_bf16(data.float(), scheme, cols=3)
+    with pytest.raises(TypeError, match="^scheme: "):
+        qops.elements_to_bf16(data, SCHEMES["mx_e4m3"], cols=3)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = qops.elements_to_bf16(mode.from_tensor(data), scheme, cols=3)
+    assert fake.shape == (1, 3) and fake.dtype == torch.bfloat16

@@ -389,3 +389,9 @@ def dequantize_mxfp8(
 def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
     """FP8 values as bf16 (exact: every E4M3 and E5M2 value is a bf16 value)."""
     return data.to(torch.bfloat16)
+
+
+def elements_to_bf16(data: torch.Tensor, element: FloatFormat, cols: int | None = None) -> torch.Tensor:
+    """Stored MX element codes (E2M1 packed, E2M3 / E3M2 one per byte) -> their values as bf16, unscaled and
+    exact, [..., cols] (`cols`: the unpacked last dim; default every element the bytes hold)."""
+    return mx_elements.elements_to_bf16(data, element_format(element), cols)

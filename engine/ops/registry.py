@@ -8,6 +8,7 @@ a one-time warning. `ENGINE_BACKEND=reference|native|triton` forces a backend fo
 Each entry is enrolled in the bitwise tests (tests/test_registry.py) by iterating this table.
 
 Kernel functions take and return plain tensors:
+`elements_to_bf16(data, element, cols)` decodes MX E2M1/E2M3/E3M2 codes to bf16 (exact, unscaled).
 `quantize(x, scheme, *, rowwise, columnwise, scale, amax_epsilon, scale_mode)` returns the
 four buffers (None for a usage not asked for) and max|x| where the kernel measured it; the
 per-tensor ones also take `record_amax` (a 1-element fp32 tensor that becomes
@@ -150,6 +151,10 @@ def fp8_to_bf16_kernel(kernels: ModuleType, data: torch.Tensor) -> torch.Tensor:
     return kernels.fp8_to_bf16(data)
 
 
+def elements_to_bf16_kernel(kernels: ModuleType, data: torch.Tensor, element: object, cols: int) -> torch.Tensor:
+    return kernels.elements_to_bf16(data, element, cols)
+
+
 def delayed_update_kernel(kernels: ModuleType, amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                           margin: int, algo: str, held: Iterable[int] = ()) -> None:
     kernels.delayed_update(amax_history, scale, fp8_max, margin, algo, held)
@@ -206,6 +211,7 @@ REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,
     "amax": ref.amax,
     "fp8_to_bf16": ref.fp8_to_bf16,
+    "elements_to_bf16": ref.elements_to_bf16,
     "delayed_update": delayed_update_reference,
 }
 
