@@ -563,6 +563,10 @@ Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
 }  // namespace
 }  // namespace engine_native
 
+namespace engine_native {
+void register_mx_small(pybind11::module_& m);  // kernels_mx_small.cpp: MXFP4 / MXFP6
+}  // namespace engine_native
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace engine_native;
   namespace py = pybind11;
@@ -586,4 +590,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_mxfp8", &quantize_mxfp8, py::arg("x2d"), py::arg("kind"), py::arg("rceil"), py::arg("columnwise"),
         py::arg("out_data") = py::none(), py::arg("out_scale") = py::none());
   m.def("fp8_to_bf16", &fp8_to_bf16, py::arg("data"), py::arg("out") = py::none());
+  register_mx_small(m);
 }

@@ -248,3 +248,86 @@ def test_elements_to_bf16_op_checks_and_traces():
     with FakeTensorMode() as mode:
         fake = qops.elements_to_bf16(mode.from_tensor(data), scheme, cols=3)
     assert fake.shape == (1, 3) and fake.dtype == torch.bfloat16
+
+
+# ============================================================================ C++ kernels
+from engine.ops import native  # noqa: E402
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"C++ kernels unavailable: {native.why_unavailable()}")
+
+
+def edge_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    x = mx_brute.edge_input((70, 300), dtype, seed=11)
+    big = torch.finfo(dtype).max
+    specials = torch.tensor([0.0, -0.0, big, -big, 1e-40, -3e-45, 6.0, -6.0, 7.5, 28.0, 5.0, 3.0e38,
+                             float("inf"), float("-inf"), float("nan"), -float("nan")]).to(dtype)
+    mixed = specials.repeat(64 * 3)[: 64 * 40].reshape(64, 40)
+    mixed[:, 32:] = 0.0  # all-zero rowwise blocks
+    outlier = torch.full((64, 64), 1e-3, dtype=dtype)
+    outlier[::33, ::17] = 1e4  # one outlier per block
+    return {"edges": x, "specials": mixed, "outlier": outlier, "3d-partial": x[:69, :257].reshape(3, 23, 257),
+            "tiny": torch.full((33, 33), 1e-39).to(dtype), "one": x[:1, :1], "empty-rows": x[:0], "empty-cols": x[:, :0],
+            "transposed-view": x[:, :64].t()}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["portable", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_quantize_is_bitwise_the_reference(isa, dtype):
+    if isa not in native.available_isas():
+        pytest.skip(f"no {isa} on this CPU")
+    bad = []
+    with native.use_isa(isa):
+        for case, x in edge_cases(dtype).items():
+            for name in NAMES:
+                scheme = SCHEMES[f"mx_{name}"]
+                for mode in ("rceil", "floor"):
+                    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+                        got = native.quantize_mx_coded(x, scheme.element, scale_mode=mode, rowwise=rowwise,
+                                                       columnwise=columnwise)
+                        for i, (usage, wanted) in enumerate((("rowwise", rowwise), ("columnwise", columnwise))):
+                            if not wanted:
+                                if got[2 * i] is not None or got[2 * i + 1] is not None:
+                                    bad.append(f"{case} {name} {mode}: {usage} not asked for, but returned")
+                                continue
+                            data, scales = ref.quantize_blocked(x, scheme, columnwise=usage == "columnwise",
+                                                                scale_mode=mode)
+                            if not (torch.equal(got[2 * i], data) and torch.equal(got[2 * i + 1], scales)):
+                                bad.append(f"{case} {name} {mode} {usage}")
+    assert not bad, bad[:10]
+
+
+@needs_native
+def test_native_quantize_ignores_flush_denormal():
+    x = torch.full((32, 32), 1e-39) * torch.linspace(0.5, 2, 32)  # fp32 subnormals, scaled into range
+    want = ref.quantize_blocked(x, SCHEMES["mx_e2m3"], scale_mode="rceil")
+    torch.set_flush_denormal(True)
+    try:
+        got = native.quantize_mx_coded(x, E2M3, columnwise=False)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_native
+def test_native_decode_is_bitwise_the_reference():
+    codes = torch.randint(0, 256, (3, 5, 33), dtype=torch.uint8)
+    for name, fmt in (("e2m1", E2M1), ("e2m3", E2M3), ("e3m2", E3M2)):
+        for cols in ((65, 66) if name == "e2m1" else (33,)):
+            got, want = native.elements_to_bf16(codes, fmt, cols), ref.elements_to_bf16(codes, fmt, cols)
+            assert got.shape == want.shape == (3, 5, cols) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_native
+def test_native_functions_check_their_arguments():
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="^x: "):
+        native.quantize_mx_coded(x.double(), E2M1)
+    with pytest.raises(TypeError, match="^element: "):
+        native.quantize_mx_coded(x, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="^scale_mode: "):
+        native.quantize_mx_coded(x, E2M1, scale_mode="up")
+    with pytest.raises(TypeError, match="^data: "):
+        native.elements_to_bf16(x, E2M1)
+    with pytest.raises(ValueError, match="cols"):
+        native.elements_to_bf16(torch.zeros(4, 8, dtype=torch.uint8), E2M1, 20)
