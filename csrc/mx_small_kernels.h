@@ -65,20 +65,21 @@ using E2M1 = Format<2, 1, 1>;
 using E2M3 = Format<2, 3, 1>;
 using E3M2 = Format<3, 2, 3>;
 
-// Saturating round-to-nearest-even fp32 -> element code (mx_elements.encode).
+// Saturating round-to-nearest-even fp32 -> element code (mx_elements.encode), branch-free. With c = min(|y|, max)
+// and E' = max(exponent of c, the smallest normal exponent), M = 2^(E' + 23 - mbits) + j ulp(M) has the element's
+// step at c as its ulp, and j = (E' - emin) << mbits counts the codes below binade E'. The fp32 sum c + M rounds c
+// to that step, ties to even (j is even, so the tie parity is c's own), and its low mantissa bits are
+// j + round(c / step): the code of |y|, subnormals included, with no fp32 subnormal arithmetic.
 template <typename F>
 inline uint8_t encode(float y) {
+  constexpr uint32_t kMinField = F::kMinNormalBits >> 23;
   const uint32_t b = bits_of(y);
-  const uint32_t sign = (b >> 31) << (F::kBits - 1);
-  const int32_t mag = static_cast<int32_t>(b & 0x7FFFFFFFu);
-  const uint32_t not_nan = mask_if(mag <= 0x7F800000);
-  const uint32_t m = select(mask_if(mag > static_cast<int32_t>(F::kMaxBits)), F::kMaxBits, static_cast<uint32_t>(mag));
-  const uint32_t lsb = (m >> F::kDrop) & 1u;
-  const uint32_t normal = ((m + ((1u << (F::kDrop - 1)) - 1u) + lsb) >> F::kDrop) - F::kOffset;
-  const uint32_t subnormal = bits_of(float_of(m) + float_of(F::kMagicBits)) - F::kMagicBits;
-  const uint32_t code = select(mask_if(static_cast<int32_t>(m) >= static_cast<int32_t>(F::kMinNormalBits)), normal,
-                               subnormal) | sign;
-  return static_cast<uint8_t>(code & not_nan);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  const uint32_t c = mag < F::kMaxBits ? mag : F::kMaxBits;  // +-inf saturate (NaN too, zeroed below)
+  const uint32_t field = (c >> 23) > kMinField ? (c >> 23) : kMinField;
+  const uint32_t magic = ((field + 23u - F::kMant) << 23) + ((field - kMinField) << F::kMant);
+  const uint32_t code = (bits_of(float_of(c) + float_of(magic)) & 0x7FFFFFu) | ((b >> (32 - F::kBits)) & (1u << (F::kBits - 1)));
+  return static_cast<uint8_t>(mag > 0x7F800000u ? 0u : code);
 }
 
 // E8M0 code of a block from its amax key (|x| bits; a NaN is above every number), branch-free (vectorisable).
