@@ -582,8 +582,8 @@ Operand checked_operand(const Tensor& data, const Tensor& scale_inv, int64_t til
   check_plain(data, name);
   check_plain(scale_inv, name);
   const auto dt = data.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2, name,
-                   ": expected float8_e4m3fn or float8_e5m2 data, got ", dt);
+  TORCH_CHECK_TYPE(dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2 || dt == at::kBFloat16, name,
+                   ": expected float8_e4m3fn or float8_e5m2 data (or bfloat16: decoded 4/6-bit elements), got ", dt);
   TORCH_CHECK_VALUE(data.dim() == 2, name, ": expected 2D data [rows, K], got shape ", data.sizes());
   TORCH_CHECK_VALUE(tile_rows >= 0 && tile_cols >= 0 && (tile_rows == 0) == (tile_cols == 0), name,
                     ": expected tile sizes both 0 (per tensor) or both >= 1, got ", tile_rows, " x ", tile_cols);
@@ -612,12 +612,20 @@ Tensor decode_bf16(const Operand& op) {
   const int64_t rows = data.size(0), k = data.size(1);
   Tensor out = at::empty({rows, k}, at::TensorOptions().dtype(at::kBFloat16));
   if (rows * k > 0) {
+    const bool decoded = data.scalar_type() == at::kBFloat16;  // element values already (MXFP4/MXFP6)
     const Fp8Kind kind = data.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
     const uint8_t* codes = bytes(data);
     uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
     const Kernels& kern = kernels();
+    const auto to_bf16 = [&](int64_t b, int64_t e) {
+      if (decoded) {
+        std::memcpy(dst + b, reinterpret_cast<const uint16_t*>(codes) + b, static_cast<size_t>(e - b) * 2);
+      } else {
+        kern.fp8_to_bf16(codes, kind, b, e, dst);
+      }
+    };
     if (op.per_tensor()) {
-      parallel_chunks(rows * k, kElemGrain, [&](int64_t b, int64_t e, int) { kern.fp8_to_bf16(codes, kind, b, e, dst); });
+      parallel_chunks(rows * k, kElemGrain, [&](int64_t b, int64_t e, int) { to_bf16(b, e); });
     } else {
       const Tensor scales = transposed ? op.scale_inv.t() : op.scale_inv;
       const int64_t tr = transposed ? op.tile_cols : op.tile_rows, tc = transposed ? op.tile_rows : op.tile_cols;
@@ -625,7 +633,7 @@ Tensor decode_bf16(const Operand& op) {
       const void* sp = scales.data_ptr();
       const int64_t ss0 = scales.stride(0), ss1 = scales.stride(1);
       parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
-        kern.fp8_to_bf16(codes, kind, r0 * k, r1 * k, dst);
+        to_bf16(r0 * k, r1 * k);
         std::vector<float> row_scales(static_cast<size_t>(k));  // the scale of each column in this tile row
         for (int64_t r = r0; r < r1; ++r) {
           if (r == r0 || r % tr == 0) {
@@ -687,6 +695,10 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
 }  // namespace
 }  // namespace engine_native
 
+namespace engine_native {
+void register_mx_small(pybind11::module_& m);  // kernels_mx_small.cpp: MXFP4 / MXFP6
+}  // namespace engine_native
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace engine_native;
   namespace py = pybind11;
@@ -713,4 +725,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_gemm", &exact_gemm, py::arg("a"), py::arg("a_scale_inv"), py::arg("a_tile_rows"),
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
         py::arg("bias"), py::arg("out_dtype"));
+  register_mx_small(m);
 }

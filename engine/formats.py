@@ -100,6 +100,48 @@ E3M2 = FloatFormat("E3M2", 3, 2, 3, True, False, False, None)
 FORMATS: dict[str, FloatFormat] = {f.name: f for f in (E4M3, E5M2, E8M0, E2M1, E2M3, E3M2)}
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+#: MX element formats that torch has no dtype for, by name. Their quantized data is uint8 codes
+#: (`engine.ops.mx_elements`): E2M1 packed two per byte, E2M3 / E3M2 one per byte. torch's
+#: `float4_e2m1fn_x2` is not used for storage: FP6 has no torch dtype either, so one uniform
+#: representation (uint8 codes) serves all three; CPU ops on float4_e2m1fn_x2 are few (no
+#: arithmetic, no comparison) and it is a free `.view` where a CUDA kernel wants it.
+MX_ELEMENTS: dict[str, FloatFormat] = {"e2m1": E2M1, "e2m3": E2M3, "e3m2": E3M2}
+_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def element_format(element: torch.dtype | FloatFormat, name: str = "element") -> FloatFormat:
+    """The FloatFormat of a scheme element (an FP8 dtype or an MX element format); TypeError naming `name`."""
+    if isinstance(element, FloatFormat):
+        if element not in MX_ELEMENTS.values():
+            raise TypeError(f"{name}: expected one of the MX element formats {sorted(MX_ELEMENTS)}, got {element.name}")
+        return element
+    if element in FP8_DTYPES:
+        return format_of(element)
+    raise TypeError(f"{name}: expected torch.float8_e4m3fn, torch.float8_e5m2 or one of {sorted(MX_ELEMENTS)}, "
+                    f"got {element!r}")
+
+
+def element_name(element: torch.dtype | FloatFormat) -> str:
+    """"e4m3", "e5m2", "e2m1", "e2m3" or "e3m2"."""
+    element_format(element)  # a TypeError for anything else
+    return _FP8_NAMES[element] if isinstance(element, torch.dtype) else element.name.lower()
+
+
+def parse_element(value: object, name: str = "element") -> torch.dtype | FloatFormat:
+    """A scheme element from an FP8 dtype, an MX FloatFormat or a name ("e2m1", "e4m3", "float8_e4m3fn", ...)."""
+    if isinstance(value, str):
+        key = value.lower().removeprefix("torch.")
+        by_name = {**MX_ELEMENTS, **{n: d for d, n in _FP8_NAMES.items()},
+                   **{str(d).removeprefix("torch."): d for d in FP8_DTYPES}}
+        if key in by_name:
+            return by_name[key]
+    elif isinstance(value, FloatFormat) and value in MX_ELEMENTS.values():
+        return value
+    elif isinstance(value, torch.dtype) and value in FP8_DTYPES:
+        return value
+    raise TypeError(f"{name}: expected one of {sorted(MX_ELEMENTS)}, 'e4m3', 'e5m2' or an FP8 torch dtype, "
+                    f"got {value!r}")
+
 
 def format_of(dtype: torch.dtype) -> FloatFormat:
     """The format behind an FP8 torch dtype."""

@@ -20,7 +20,7 @@ from enum import Enum
 
 import torch
 
-from engine.formats import FP8_DTYPES
+from engine.formats import FP8_DTYPES, MX_ELEMENTS, FloatFormat, element_name, parse_element
 
 
 class ScaleEncoding(str, Enum):
@@ -77,7 +77,9 @@ class Scheme:
     """One way of storing a quantized tensor."""
 
     layout: str  # "tensor" | "block1d" | "block2d" | "mx" | "axiswise"
-    element: torch.dtype
+    #: an FP8 torch dtype, or (MX only) an element format torch has no dtype for (formats.MX_ELEMENTS),
+    #: whose data is uint8 codes, `elements_per_byte` to a byte along the last dim (ops/mx_elements.py)
+    element: torch.dtype | FloatFormat
     scale: ScaleEncoding
     rowwise_block: Block
     columnwise_block: Block  # also in x's [M, K] view: 1D block scaling's columnwise tiles are 128x1
@@ -86,7 +88,7 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        element = str(self.element).removeprefix("torch.float8_").removesuffix("fn")
+        element = element_name(self.element)
         suffix = "_pow2" if self.scale is ScaleEncoding.FP32_POW2 and self.layout != "mx" else ""
         return f"{self.layout}_{element}{suffix}"
 
@@ -95,11 +97,25 @@ class Scheme:
         """Either usage can be made exactly from the other (the same blocks, seen transposed)."""
         return self.rowwise_block == self.columnwise_block and self.columnwise_transposed
 
+    @property
+    def data_dtype(self) -> torch.dtype:
+        """dtype of the data buffers: the FP8 dtype, or uint8 codes for an element torch has no dtype for."""
+        return self.element if isinstance(self.element, torch.dtype) else torch.uint8
+
+    @property
+    def coded(self) -> bool:
+        """The data holds uint8 element codes (E2M1 / E2M3 / E3M2), not a torch dtype's values."""
+        return isinstance(self.element, FloatFormat)
+
     def data_shape(self, shape: torch.Size | tuple[int, ...], columnwise: bool) -> tuple[int, ...]:
         if columnwise and self.columnwise_transposed:
             m, k = dims_2d(shape)
-            return (k, m)
-        return tuple(shape)
+            out = (k, m)
+        else:
+            out = tuple(shape)
+        if self.elements_per_byte > 1 and len(out):  # packed along the last dim (a partial last byte)
+            out = (*out[:-1], -(-out[-1] // self.elements_per_byte))
+        return out
 
     def scale_shape(self, shape: torch.Size | tuple[int, ...], columnwise: bool) -> tuple[int, ...]:
         """Shape of scale_inv for a tensor of `shape`, in the orientation its data is stored."""
@@ -152,6 +168,9 @@ def _registry() -> dict[str, Scheme]:
         for layout, (row, col, transposed) in LAYOUTS.items():
             encodings = [ScaleEncoding.E8M0] if layout == "mx" else [ScaleEncoding.FP32, ScaleEncoding.FP32_POW2]
             schemes += [Scheme(layout, element, enc, row, col, transposed) for enc in encodings]
+    row, col, transposed = LAYOUTS["mx"]
+    schemes += [Scheme("mx", fmt, ScaleEncoding.E8M0, row, col, transposed, 2 if fmt.bits == 4 else 1)
+                for fmt in MX_ELEMENTS.values()]
     return {s.name: s for s in schemes}
 
 
@@ -174,3 +193,8 @@ def fp8_scheme(layout: str, element: torch.dtype, *, pow2: bool = False) -> Sche
     row, col, transposed = LAYOUTS[layout]
     encoding = ScaleEncoding.E8M0 if layout == "mx" else (ScaleEncoding.FP32_POW2 if pow2 else ScaleEncoding.FP32)
     return SCHEMES[Scheme(layout, element, encoding, row, col, transposed).name]
+
+
+def mx_scheme(element: torch.dtype | FloatFormat | str) -> Scheme:
+    """The MX scheme (1x32 / 32x1 blocks, E8M0 scales) of an FP8 dtype, an MX element format or its name."""
+    return SCHEMES[f"mx_{element_name(parse_element(element))}"]

@@ -27,6 +27,7 @@ from engine.gemm import general_gemm
 from engine.ops import backend, registry
 from engine.ops import quantize as qops
 from engine.ops.reference import dequantize_blocked
+from engine.formats import MX_ELEMENTS
 from engine.schemes import SCHEMES, Block, ScaleEncoding, Scheme
 from engine.tensors.storage import QuantizedTensorBase
 
@@ -116,6 +117,8 @@ def compare_exact_gemm(fn) -> list[str]:
                 b, sb = gemm_operands(n, k, b_tile, element, e8m0, g)
                 if a_tile == (32, 1):  # stored in x's shape, read transposed: strided data and scales
                     a, sa = a.t().contiguous().t(), sa.t().contiguous().t()
+                if a_tile == (1, 128):  # decoded 4/6-bit element values arrive as bf16 data
+                    a = a.to(torch.bfloat16)
                 if a_tile == (1, 32) and m == 9:  # extreme codes: A's values round into bf16's subnormals
                     sa.fill_(0 if e8m0 else 2.0**-127)
                     sb.fill_(227 if e8m0 else 2.0**100)
@@ -155,6 +158,15 @@ def compare_entry(op: str, layout: str, fn) -> list[str]:
             if op == "amax":
                 if not same_bits(fn(x), registry.REFERENCE["amax"](x)):
                     bad.append(f"amax {dtype} {name}")
+                continue
+            if op == "elements_to_bf16":  # every byte of MX E2M1 / E2M3 / E3M2 codes (high bits ignored)
+                codes = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+                for fmt in MX_ELEMENTS.values():
+                    for cols in ((127, 128) if fmt.bits == 4 else (64,)):
+                        got, want = fn(codes, fmt, cols), registry.REFERENCE["elements_to_bf16"](codes, fmt, cols)
+                        if not (got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+                                and torch.equal(got.view(torch.int16), want.view(torch.int16))):
+                            bad.append(f"elements_to_bf16 {fmt.name} cols={cols}")
                 continue
             if op == "fp8_to_bf16":
                 for element in (torch.float8_e4m3fn, torch.float8_e5m2):

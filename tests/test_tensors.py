@@ -287,7 +287,8 @@ def test_quantized_codes_are_nearest_and_scales_follow_the_rule(case, dtype):
                                         layout=layout, rule=rule, columnwise=columnwise, scale=DELAYED_SCALE)
 
 
-GENERIC_CASES = [(name, mode) for name, scheme in SCHEMES.items()
+# FP8 elements (brute_force.py decodes FP8 bytes); MX E2M1/E2M3/E3M2 schemes: tests/test_mx_small.py's brute force
+GENERIC_CASES = [(name, mode) for name, scheme in SCHEMES.items() if not scheme.coded
                  for mode in (("rceil", "floor") if scheme.scale is ScaleEncoding.E8M0 else ("",))]
 GENERIC_CASES += [(name, "delayed") for name, scheme in SCHEMES.items() if scheme.layout == "tensor"]
 

@@ -11,7 +11,7 @@ import torch
 from engine.cli import main
 from engine.train.data import batch_at, load_corpus
 from engine.train.report import COLUMNS
-from engine.train.run import RUN_NAMES
+from engine.train.run import DEFAULT_RUNS
 
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--eval-every", "10", "--in-process", "--no-progress"]
@@ -26,7 +26,7 @@ def tiny_run(tmp_path_factory):
 
 def test_every_recipe_trains_and_the_outputs_are_written(tiny_run):
     results = json.loads((tiny_run / "results.json").read_text())
-    assert [r["recipe"] for r in results] == list(RUN_NAMES)
+    assert [r["recipe"] for r in results] == list(DEFAULT_RUNS)
     for r in results:
         assert len(r["train_losses"]) == 20 and [s for s, _ in r["val_losses"]] == [10, 20]
         first, last = sum(r["train_losses"][:3]) / 3, r["final_train_loss"]
@@ -35,7 +35,7 @@ def test_every_recipe_trains_and_the_outputs_are_written(tiny_run):
         assert (tiny_run / f"{r['recipe']}.pt").is_file()
     with (tiny_run / "results.csv").open() as f:
         rows = list(csv.reader(f))
-    assert rows[0] == COLUMNS and [row[0] for row in rows[1:]] == list(RUN_NAMES)
+    assert rows[0] == COLUMNS and [row[0] for row in rows[1:]] == list(DEFAULT_RUNS)
     assert rows[1][3] == "+0.00" and rows[1][5] == "1.00"  # bf16 against itself
     png = (tiny_run / "losses.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -43,7 +43,7 @@ def test_every_recipe_trains_and_the_outputs_are_written(tiny_run):
 
 def test_fp8_runs_save_fewer_activation_bytes_than_bf16(tiny_run):
     results = {r["recipe"]: r for r in json.loads((tiny_run / "results.json").read_text())}
-    for name in RUN_NAMES[1:]:
+    for name in DEFAULT_RUNS[1:]:
         assert results[name]["saved_activation_bytes"] < results["bf16"]["saved_activation_bytes"]
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.ops import quantize as ops
 from engine.ops import reference as ref
 from engine.schemes import ScaleEncoding
 from engine.tensors.quantized import QuantizedTensor, storage_of
@@ -76,6 +77,8 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
+    if scheme.coded:  # MX E2M1/E2M3/E3M2 codes (both usages in x's shape): exact bf16 values, then read as FP8 data
+        data = ops.elements_to_bf16(data, scheme, cols=st.shape[-1] if len(st.shape) else 1)
     block = scheme.stored_block(transposed)
     data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
     if transposed and not scheme.columnwise_transposed:  # stored in x's shape: read it as [K, M]

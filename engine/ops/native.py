@@ -56,7 +56,7 @@ from types import ModuleType
 
 import torch
 
-from engine.formats import fp8_max
+from engine.formats import element_format, fp8_max
 from engine.ops import reference
 from engine.ops.backend import PLAIN_TENSOR_TYPES, check_tensor
 
@@ -67,7 +67,8 @@ except ImportError:  # not POSIX: no lock (concurrent first builds may then coll
 
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp")
+SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp", "kernels_mx_small.cpp",
+           "kernels_mx_small_avx512.cpp")
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -478,7 +479,8 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
                out_dtype: torch.dtype) -> torch.Tensor | None:
     """decode(a) @ decode(b)^T (+ bias) in out_dtype: the exact CPU GEMM of `engine.gemm.cpu` in one call.
 
-    a [M, K] and b [N, K] are FP8 data (any strides). A tile of (0, 0) means one scale per
+    a [M, K] and b [N, K] are FP8 data (any strides), or bf16 element values (decoded MXFP4/MXFP6
+    codes). A tile of (0, 0) means one scale per
     tensor: both must be, and the fp32 product of the two scale_inv is addmm's alpha; None
     when that product is not a normal fp32 number (the caller rescales). Otherwise each
     scale_inv has one power-of-2 scale (fp32, or uint8 E8M0 codes) per tile of that shape.
@@ -487,3 +489,53 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
     """
     return _ext().exact_gemm(a, a_scale_inv, a_tile[0], a_tile[1], b, b_scale_inv, b_tile[0], b_tile[1], bias,
                              out_dtype)
+
+
+# ------------------------------------------------------------------------------ MXFP4 / MXFP6
+_MX_SMALL_KIND = {"E2M1": 0, "E2M3": 1, "E3M2": 2}
+
+
+def _mx_small_kind(element: object) -> int:
+    fmt = element_format(element)  # a TypeError naming element for anything else
+    if fmt.name not in _MX_SMALL_KIND:
+        raise TypeError(f"element: expected an MX element without a torch dtype (E2M1, E2M3, E3M2), got {fmt.name}")
+    return _MX_SMALL_KIND[fmt.name]
+
+
+def quantize_mx_coded(
+    x: torch.Tensor, element: object, *, scale_mode: str = "rceil", rowwise: bool = True, columnwise: bool = True,
+    out_row_data: torch.Tensor | None = None, out_row_codes: torch.Tensor | None = None,
+    out_col_data: torch.Tensor | None = None, out_col_codes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """MXFP4 / MXFP6 (E2M1, E2M3 or E3M2 `element`), both usages in one pass over x: (rowwise data, rowwise
+    E8M0 codes [M, ceil(K/32)], columnwise data, columnwise codes [ceil(M/32), K]), None for a usage not
+    asked for. Data keeps x's shape with the last dim packed (E2M1: ceil(K/2) bytes, low nibble first).
+    `out_*`: preallocated uint8 outputs (data as 2D [M, packed K]), contiguous, of exactly those shapes."""
+    check_cpu_tensor(x, "x")
+    reference.check_input(x)
+    kind = _mx_small_kind(element)
+    if scale_mode not in reference.SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {sorted(reference.SCALE_MODES)}, got {scale_mode!r}")
+    outs = {"out_row_data": out_row_data, "out_row_codes": out_row_codes, "out_col_data": out_col_data,
+            "out_col_codes": out_col_codes}
+    _check_outputs(*((t, name) for name, t in outs.items()))
+    x2d = reference.as_2d(x)
+    ext = _ext()
+    row, row_codes, col, col_codes = ext.quantize_mx_small(x2d, kind, scale_mode == "rceil", bool(rowwise),
+                                                           bool(columnwise), ext.isa(), **outs)
+    shape = (*x.shape[:-1], row.shape[-1] if rowwise else col.shape[-1]) if x.dim() else ()
+    return ((row.view(shape) if rowwise else None), (row_codes if rowwise else None),
+            (col.view(shape) if columnwise else None), (col_codes if columnwise else None))
+
+
+def elements_to_bf16(data: torch.Tensor, element: object, cols: int | None = None) -> torch.Tensor:
+    """E2M1 (packed) / E2M3 / E3M2 codes -> bf16 values [..., cols], exact, unscaled (reference.elements_to_bf16)."""
+    check_cpu_tensor(data, "data")
+    kind = _mx_small_kind(element)
+    if data.dtype != torch.uint8:
+        raise TypeError(f"data: expected uint8 element codes, got {data.dtype}")
+    if data.dim() == 0:
+        data = data.reshape(1)
+    if cols is None:
+        cols = data.shape[-1] * (2 if kind == 0 else 1)
+    return _ext().mx_small_to_bf16(data, kind, int(cols))

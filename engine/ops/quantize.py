@@ -1,4 +1,5 @@
-"""Quantization as torch.library custom ops: `engine::quantize`, `engine::amax`, `engine::fp8_to_bf16`
+"""Quantization as torch.library custom ops: `engine::quantize`, `engine::amax`, `engine::fp8_to_bf16`,
+`engine::elements_to_bf16`
 (and delayed scaling's state update, `delayed_update`, a plain function).
 
 Each op checks its tensor arguments (plain and dense, `backend.check_tensor`), runs the
@@ -140,7 +141,30 @@ def _fp8_to_bf16_fake(data):
     return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
-OPS = (quantize_op, amax_op, fp8_to_bf16_op)
+def _elements_to_bf16(data: torch.Tensor, scheme: Scheme, cols: int) -> torch.Tensor:
+    backend.check_tensor(data, "data")
+    if not scheme.coded:
+        raise TypeError(f"scheme: expected an MX scheme with E2M1/E2M3/E3M2 codes, got {scheme.name}")
+    if data.dtype != torch.uint8:
+        raise TypeError(f"data: expected uint8 element codes, got {data.dtype}")
+    if data.dim() == 0 or data.shape[-1] != -(-cols // scheme.elements_per_byte):
+        raise ValueError(f"cols: {cols} elements need {-(-cols // scheme.elements_per_byte)} bytes along the last "
+                         f"dim of data, got shape {tuple(data.shape)}")
+    return registry.kernel("elements_to_bf16", scheme.layout, data.device.type)(data, scheme.element, cols)
+
+
+@torch.library.custom_op("engine::elements_to_bf16", mutates_args=())
+def elements_to_bf16_op(data: torch.Tensor, scheme: str, cols: int) -> torch.Tensor:
+    """MX element codes (E2M1 packed / E2M3 / E3M2) of the named scheme as bf16 values [..., cols] (exact, unscaled)."""
+    return _elements_to_bf16(data, get_scheme(scheme), cols)
+
+
+@elements_to_bf16_op.register_fake
+def _elements_to_bf16_fake(data, scheme, cols):
+    return data.new_empty((*data.shape[:-1], cols), dtype=torch.bfloat16)
+
+
+OPS = (quantize_op, amax_op, fp8_to_bf16_op, elements_to_bf16_op)
 
 
 # ------------------------------------------------------------------------------- what callers use
@@ -235,3 +259,13 @@ def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
     """FP8 values as bf16 (exact), same shape."""
     backend.check_not_subclass(data, "data")
     return fp8_to_bf16_op(data) if _traced(data) else _fp8_to_bf16(data)
+
+
+def elements_to_bf16(data: torch.Tensor, scheme: Scheme, *, cols: int | None = None) -> torch.Tensor:
+    """The values of `scheme`'s stored element codes (MX E2M1 / E2M3 / E3M2) as bf16 [..., cols]: exact, without
+    the block scales (an element times an E8M0 scale is exact in bf16 too). `cols`: the unpacked last dim
+    (default: every element the bytes hold)."""
+    backend.check_not_subclass(data, "data")
+    if cols is None:
+        cols = data.shape[-1] * scheme.elements_per_byte if data.dim() else 1
+    return elements_to_bf16_op(data, scheme.name, cols) if _traced(data) else _elements_to_bf16(data, scheme, cols)

@@ -27,8 +27,9 @@ import math
 
 import torch
 
-from engine.formats import fp8_max
-from engine.schemes import BLOCK_128, MX_BLOCK, ScaleEncoding, Scheme, fp8_scheme  # noqa: F401 (re-exported)
+from engine.formats import FloatFormat, element_format, fp8_max
+from engine.ops import mx_elements
+from engine.schemes import BLOCK_128, MX_BLOCK, ScaleEncoding, Scheme, dims_2d, fp8_scheme  # noqa: F401 (re-exported)
 
 FLT_MAX = torch.finfo(torch.float32).max
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -65,6 +66,14 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.float32, device=x.device)
     a = x.abs().amax().float().reshape(1)
     return a.view(torch.int32).masked_fill(torch.isnan(a), F32_NAN_BITS).view(torch.float32)
+
+
+def cast_to_element(x: torch.Tensor, element: torch.dtype | FloatFormat) -> torch.Tensor:
+    """The saturating RNE cast of an fp32 tensor to a scheme element: FP8 values, or unpacked uint8
+    codes for an MX element without a torch dtype (`mx_elements.encode`)."""
+    if isinstance(element, FloatFormat):
+        return mx_elements.encode(x, element_format(element))
+    return cast_to_fp8(x, element)
 
 
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -129,6 +138,8 @@ def quantize_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2D tensor in tiles of `tile_rows x tile_cols` (0 = the whole dim), one scale per tile.
 
+    `fp8_dtype` is the scheme's element: an FP8 dtype, or an MX element format (E8M0 scales only),
+    whose data comes back as unpacked uint8 codes.
     Each tile's scale is the given `scale` (one per tensor), or comes from the tile's amax:
     E8M0 codes by `scale_mode`, otherwise the current-scaling rule (`compute_scale`, power of
     2 for a power-of-2 encoding). Then q = sat_rne(x * scale). Edge tiles are partial (the
@@ -152,7 +163,7 @@ def quantize_tiles(
                                   amax_epsilon=amax_epsilon, value_for_inf=value_for_inf)
         multiplier = scale.float().reshape(gr, gc)
         scale_inv = reciprocal(multiplier)
-    q = cast_to_fp8(tiles * multiplier[:, None, :, None], fp8_dtype)
+    q = cast_to_element(tiles * multiplier[:, None, :, None], fp8_dtype)
     return q.reshape(gr * tr, gc * tc)[:m, :k].contiguous(), scale_inv
 
 
@@ -180,6 +191,9 @@ def quantize_blocked(
         x2d.t() if transposed else x2d, scheme.element, tile_rows=block.rows, tile_cols=block.cols,
         encoding=scheme.scale, scale=scale, amax_epsilon=amax_epsilon, scale_mode=scale_mode,
         value_for_inf=FLT_MAX if block.is_tensor else block_value_for_inf(x.dtype))
+    if scheme.coded:  # uint8 codes, packed along the last dim of the stored data
+        data = mx_elements.pack(data, scheme.element).reshape(scheme.data_shape(x.shape, columnwise))
+        return data, scale_inv.reshape(scheme.scale_shape(x.shape, columnwise))
     return (data if transposed else data.reshape(x.shape)), scale_inv.reshape(scheme.scale_shape(x.shape, columnwise))
 
 
@@ -201,8 +215,12 @@ def dequantize_blocked(
     """The value of one usage's (data, scale_inv), with the tensor's `shape`: each block times its scale."""
     transposed = columnwise and scheme.columnwise_transposed
     block = scheme.stored_block(columnwise)
+    data = data if transposed else as_2d(data)
+    if scheme.coded:  # element codes -> their fp32 values, in the stored orientation
+        m, k = dims_2d(shape)
+        data = mx_elements.decode(mx_elements.unpack(data, scheme.element, m if transposed else k), scheme.element)
     factors = e8m0_to_float(scale_inv) if scheme.scale is ScaleEncoding.E8M0 else scale_inv
-    value = dequantize_block(data if transposed else as_2d(data), factors, tile_rows=block.rows,
+    value = dequantize_block(data, factors, tile_rows=block.rows,
                              tile_cols=block.cols, dtype=dtype)
     return (value.t().contiguous() if transposed else value).reshape(shape)
 
@@ -289,15 +307,17 @@ def mx_blocks(count: int) -> int:
     return -(-count // MX_BLOCK)
 
 
-def e8m0_rceil(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Shared exponent, hardware/TE rule: round d = amax * (1/fp8_max) up to a power of two.
+def e8m0_rceil(block_amax: torch.Tensor, fp8_dtype: torch.dtype | FloatFormat) -> torch.Tensor:
+    """Shared exponent, hardware/TE rule: round d = amax * (1/max_elem) up to a power of two.
 
-    Like TE, d is the fp32 product with the fp32 reciprocal of fp8_max (not a division).
+    `fp8_dtype` is the block's element (an FP8 dtype or an MX element format; max_elem is its
+    largest normal: 448, 57344, 6, 7.5, 28).
+    Like TE, d is the fp32 product with the fp32 reciprocal of max_elem (not a division).
     The e8m0 code is d's biased exponent, plus one if d's mantissa is non-zero; a
     subnormal d up to 2^-127 gives code 0; the largest code is 254; inf gives 254 and
     NaN gives 255.
     """
-    rcp = torch.tensor(1.0 / fp8_max(fp8_dtype), dtype=torch.float32, device=block_amax.device)
+    rcp = torch.tensor(1.0 / element_format(fp8_dtype, "fp8_dtype").max, dtype=torch.float32, device=block_amax.device)
     d = block_amax.float() * rcp
     bits = d.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
     exponent = bits >> 23
@@ -309,19 +329,19 @@ def e8m0_rceil(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     return code.to(torch.uint8)
 
 
-def e8m0_floor(block_amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def e8m0_floor(block_amax: torch.Tensor, fp8_dtype: torch.dtype | FloatFormat) -> torch.Tensor:
     """Shared exponent, OCP MX v1.0 rule: floor(log2(amax)) - emax_elem, clamped to [-127, 127].
 
+    emax_elem is the unbiased exponent of the element's max normal (E4M3 8, E5M2 15, E2M1 and
+    E2M3 2, E3M2 4; `fp8_dtype` is the block's element: an FP8 dtype or an MX element format).
     floor(log2(amax)) is read from amax's fp32 exponent bits (a zero or subnormal amax
     counts as 2^-127, which the clamp makes code 0). inf or NaN amax gives NaN (255).
     Elements that then exceed the format's max saturate.
     """
-    from engine.formats import format_of
-
-    fp8_max(fp8_dtype)  # a TypeError naming fp8_dtype for anything but E4M3 / E5M2
+    fmt = element_format(fp8_dtype, "fp8_dtype")  # a TypeError for anything but an FP8 dtype or an MX element
     a = block_amax.float()
     biased = (a.view(torch.int32).to(torch.int64) >> 23) & 0xFF
-    shared = (biased - E8M0_BIAS) - format_of(fp8_dtype).max_exponent
+    shared = (biased - E8M0_BIAS) - fmt.max_exponent
     code = (shared.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS)
     code = torch.where(torch.isfinite(a), code, torch.full_like(code, E8M0_NAN))
     return code.to(torch.uint8)
@@ -369,3 +389,9 @@ def dequantize_mxfp8(
 def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
     """FP8 values as bf16 (exact: every E4M3 and E5M2 value is a bf16 value)."""
     return data.to(torch.bfloat16)
+
+
+def elements_to_bf16(data: torch.Tensor, element: FloatFormat, cols: int | None = None) -> torch.Tensor:
+    """Stored MX element codes (E2M1 packed, E2M3 / E3M2 one per byte) -> their values as bf16, unscaled and
+    exact, [..., cols] (`cols`: the unpacked last dim; default every element the bytes hold)."""
+    return mx_elements.elements_to_bf16(data, element_format(element), cols)

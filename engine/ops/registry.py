@@ -8,6 +8,7 @@ a one-time warning. `ENGINE_BACKEND=reference|native|triton` forces a backend fo
 Each entry is enrolled in the bitwise tests (tests/test_registry.py) by iterating this table.
 
 Kernel functions take and return plain tensors:
+`elements_to_bf16(data, element, cols)` decodes MX E2M1/E2M3/E3M2 codes to bf16 (exact, unscaled).
 `quantize(x, scheme, *, rowwise, columnwise, scale, amax_epsilon, scale_mode)` returns the
 four buffers (None for a usage not asked for) and max|x| where the kernel measured it; the
 per-tensor ones also take `record_amax` (a 1-element fp32 tensor that becomes
@@ -144,7 +145,20 @@ def quantize_per_row(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, ro
 
 def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                 scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
-    """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape)."""
+    """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape).
+
+    Elements without a torch dtype (E2M1, E2M3, E3M2: `scheme.coded`) go to the backend's
+    `quantize_mx_coded` (both usages in one pass over x); a backend without one (Triton, for now)
+    runs the reference's torch ops on x's device.
+    """
+    if scheme.coded:
+        fn = getattr(kernels, "quantize_mx_coded", None)
+        if fn is None:
+            return quantize_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, scale_mode=scale_mode)
+        row_data, row_scale, col_data, col_scale = fn(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
+                                                      columnwise=columnwise)
+        return {"rowwise_data": row_data, "rowwise_scale_inv": row_scale, "columnwise_data": col_data,
+                "columnwise_scale_inv": col_scale}, None
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
@@ -165,6 +179,10 @@ def exact_gemm_kernel(kernels: ModuleType, a: torch.Tensor, a_scale_inv: torch.T
                       b: torch.Tensor, b_scale_inv: torch.Tensor, b_tile: tuple[int, int],
                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
     return kernels.exact_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, bias, out_dtype)
+
+
+def elements_to_bf16_kernel(kernels: ModuleType, data: torch.Tensor, element: object, cols: int) -> torch.Tensor:
+    return kernels.elements_to_bf16(data, element, cols)
 
 
 def delayed_update_kernel(kernels: ModuleType, amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
@@ -217,6 +235,7 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
+    ("elements_to_bf16", "mx", "cpu"): Kernel("native", elements_to_bf16_kernel),  # MXFP4/MXFP6 codes
     ("delayed_update", ANY, "cpu"): Kernel("native", delayed_update_kernel),  # no Triton kernel: see quantize.py
     ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
     # no Triton entry: its 1-row kernel holds a whole tile (here a whole row) in registers
@@ -226,6 +245,7 @@ REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,
     "amax": ref.amax,
     "fp8_to_bf16": ref.fp8_to_bf16,
+    "elements_to_bf16": ref.elements_to_bf16,
     "delayed_update": delayed_update_reference,
     "exact_gemm": exact_gemm_reference,
 }

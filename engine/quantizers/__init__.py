@@ -2,7 +2,7 @@
 
 from engine.quantizers.base import Quantizer, quantizer_from_plain
 from engine.quantizers.named import (
-    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, MXQuantizer,
 )
 from engine.quantizers.rowwise import Float8RowwiseQuantizer
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
@@ -12,5 +12,6 @@ QUANTIZER_LOADERS["quantizer"] = quantizer_from_plain
 
 __all__ = [
     "CurrentRule", "DelayedRule", "E8M0Rule", "Float8BlockQuantizer", "Float8CurrentScalingQuantizer",
-    "Float8Quantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "Quantizer", "ScaleRule", "quantizer_from_plain",
+    "Float8Quantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "MXQuantizer", "Quantizer", "ScaleRule",
+    "quantizer_from_plain",
 ]

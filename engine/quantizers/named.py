@@ -14,7 +14,8 @@ import torch.distributed as dist
 from engine.checks import check_bool
 from engine.quantizers.base import Quantizer, dtype_name
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule
-from engine.schemes import fp8_scheme
+from engine.formats import element_name, parse_element
+from engine.schemes import fp8_scheme, mx_scheme
 
 
 class Float8Quantizer(Quantizer):
@@ -105,19 +106,43 @@ class Float8BlockQuantizer(_FromTheData):
                 "force_pow_2_scales": self.force_pow_2_scales, "amax_epsilon": self.amax_epsilon}
 
 
-class MXFP8Quantizer(Quantizer):
-    """Rowwise 1x32 and columnwise 32x1 blocks with E8M0 scales, each usage quantized from the input."""
+class MXQuantizer(Quantizer):
+    """OCP MX: rowwise 1x32 and columnwise 32x1 blocks with E8M0 scales, each usage quantized from the input.
+
+    `element`: "e2m1" (MXFP4), "e2m3" or "e3m2" (MXFP6), or an FP8 dtype / "e4m3" / "e5m2" (MXFP8);
+    `scale_mode`: "rceil" (amax / max_elem rounded up to a power of two, NVIDIA's rule) or "floor"
+    (the OCP spec's floor(log2 amax) - emax_elem). Makes `MXTensor`s.
+    """
+
+    def __init__(
+        self, element: torch.dtype | str, *, scale_mode: str = "rceil",
+        rowwise: bool = True, columnwise: bool = True, internal: bool = False,
+    ) -> None:
+        super().__init__(mx_scheme(parse_element(element)), E8M0Rule(scale_mode), rowwise=rowwise,
+                         columnwise=columnwise, internal=internal)
+
+    @property
+    def element(self) -> str:
+        """"e2m1", "e2m3", "e3m2", "e4m3" or "e5m2"."""
+        return element_name(self.scheme.element)
+
+    @property
+    def scale_mode(self) -> str:
+        return self.rule.scale_mode
+
+    def config(self) -> dict[str, Any]:
+        return {"element": self.element, "scale_mode": self.scale_mode}
+
+
+class MXFP8Quantizer(MXQuantizer):
+    """MXQuantizer with an FP8 element (Transformer Engine's name and arguments)."""
 
     def __init__(
         self, fp8_dtype: torch.dtype, *, scale_mode: str = "rceil",
         rowwise: bool = True, columnwise: bool = True, internal: bool = False,
     ) -> None:
-        super().__init__(fp8_scheme("mx", fp8_dtype), E8M0Rule(scale_mode), rowwise=rowwise, columnwise=columnwise,
-                         internal=internal)
-
-    @property
-    def scale_mode(self) -> str:
-        return self.rule.scale_mode
+        fp8_scheme("mx", fp8_dtype)  # a TypeError naming fp8_dtype for anything but E4M3 / E5M2
+        super().__init__(fp8_dtype, scale_mode=scale_mode, rowwise=rowwise, columnwise=columnwise, internal=internal)
 
     def config(self) -> dict[str, Any]:
         return {"fp8_dtype": dtype_name(self.fp8_dtype), "scale_mode": self.scale_mode}

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.quantizers import (
-    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, Quantizer,
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, MXQuantizer, Quantizer,
 )
 
 
@@ -68,7 +68,8 @@ class QuantizerSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     layout: Literal["tensor", "block1d", "block2d", "mx", "axiswise"]
-    element: Literal["e4m3", "e5m2"] = "e4m3"
+    #: FP8 elements for every layout; the MX-only elements E2M1 (MXFP4), E2M3 and E3M2 (MXFP6) for "mx"
+    element: Literal["e4m3", "e5m2", "e2m1", "e2m3", "e3m2"] = "e4m3"
     scaling: Literal["current", "e8m0", "delayed"] = "current"
     pow2: bool = False
     amax_epsilon: float = Field(0.0, ge=0.0, allow_inf_nan=False)
@@ -81,10 +82,16 @@ class QuantizerSpec(BaseModel):
                              f"{self.scaling!r} for layout {self.layout!r}")
         if self.scaling == "delayed" and self.layout != "tensor":
             raise ValueError(f"scaling: 'delayed' scales are per tensor; got layout {self.layout!r}")
+        if self.element not in ELEMENTS and self.layout != "mx":
+            raise ValueError(f"element: {self.element!r} elements (MXFP4/MXFP6) need layout 'mx', got layout "
+                             f"{self.layout!r}")
         return self
 
     @property
     def dtype(self) -> torch.dtype:
+        """The FP8 dtype of an FP8 element (MXFP4/MXFP6 elements have none: TypeError)."""
+        if self.element not in ELEMENTS:
+            raise TypeError(f"element: {self.element!r} has no torch dtype (its data is uint8 codes)")
         return ELEMENTS[self.element]
 
     def make(self) -> Quantizer:
@@ -93,6 +100,8 @@ class QuantizerSpec(BaseModel):
             raise ValueError("scaling: a 'delayed' spec quantizes with scaling state that DelayedScaling.make_state "
                              "builds; it has no stand-alone quantizer")
         if self.layout == "mx":
+            if self.element not in ELEMENTS:
+                return MXQuantizer(self.element, scale_mode=self.scale_mode)
             return MXFP8Quantizer(self.dtype, scale_mode=self.scale_mode)
         if self.layout == "axiswise":
             return Float8RowwiseQuantizer(self.dtype, force_pow_2_scales=self.pow2, amax_epsilon=self.amax_epsilon)

@@ -1,17 +1,17 @@
 """What a quantized value is: one storage type (buffers + scheme) and the torch.Tensor over it."""
 
 from engine.tensors.quantized import (
-    Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedFallbackWarning, QuantizedTensor,
+    Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, QuantizedFallbackWarning, QuantizedTensor,
 )
 from engine.tensors.rowwise import Float8RowwiseTensor, Float8RowwiseTensorStorage
 from engine.tensors.serialization import rebuild_quantized_tensor, rebuild_storage
 from engine.tensors.storage import (
-    Float8BlockwiseTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorBase,
+    Float8BlockwiseTensorStorage, Float8TensorStorage, MXFP8TensorStorage, MXTensorStorage, QuantizedTensorBase,
 )
 
 __all__ = [
     "Float8BlockwiseTensor", "Float8BlockwiseTensorStorage", "Float8RowwiseTensor", "Float8RowwiseTensorStorage",
-    "Float8Tensor", "Float8TensorStorage",
-    "MXFP8Tensor", "MXFP8TensorStorage", "QuantizedFallbackWarning", "QuantizedTensor", "QuantizedTensorBase",
+    "Float8Tensor", "Float8TensorStorage", "MXFP8Tensor", "MXFP8TensorStorage", "MXTensor", "MXTensorStorage",
+    "QuantizedFallbackWarning", "QuantizedTensor", "QuantizedTensorBase",
     "rebuild_quantized_tensor", "rebuild_storage",
 ]

@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from engine.tensors.storage import (
-    BUFFER_FIELDS, DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXFP8TensorStorage,
+    BUFFER_FIELDS, DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXTensorStorage,
     QuantizedTensorBase, check_dequantize_dtype,
 )
 
@@ -353,7 +353,11 @@ class Float8BlockwiseTensor(QuantizedTensor):
     storage_class = Float8BlockwiseTensorStorage
 
 
-class MXFP8Tensor(QuantizedTensor):
-    """An MXFP8 value as a torch.Tensor."""
+class MXTensor(QuantizedTensor):
+    """An OCP MX value (MXFP8, MXFP6 or MXFP4: the scheme's element says which) as a torch.Tensor."""
 
-    storage_class = MXFP8TensorStorage
+    storage_class = MXTensorStorage
+
+
+#: the name from before MXFP4/MXFP6: the same class
+MXFP8Tensor = MXTensor

@@ -9,7 +9,7 @@ wait for backward.
 
 There is one storage type: buffer shapes, views, deriving one usage from the other,
 dequantizing and serialization are all functions of the storage's `Scheme`. The public
-names `Float8TensorStorage`, `Float8BlockwiseTensorStorage` and `MXFP8TensorStorage` are
+names `Float8TensorStorage`, `Float8BlockwiseTensorStorage` and `MXTensorStorage` (= `MXFP8TensorStorage`) are
 the same type seen per layout (so `isinstance` keeps working); they also accept the
 constructor arguments they had before schemes (`fp8_dtype`, `block_scaling_dim`).
 """
@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.ops import mx_elements
 from engine.ops import reference as ref
 from engine.ops.registry import BUFFER_FIELDS
 from engine.ops.reference import dequantize_blocked
@@ -54,7 +55,7 @@ def buffer_specs(scheme: Scheme, shape: torch.Size, *, rowwise: bool, columnwise
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
             col = usage == "columnwise"
-            specs[f"{usage}_data"] = (scheme.data_shape(shape, col), scheme.element)
+            specs[f"{usage}_data"] = (scheme.data_shape(shape, col), scheme.data_dtype)
             specs[f"{usage}_scale_inv"] = (scheme.scale_shape(shape, col), scheme.scale.dtype)
     return specs
 
@@ -209,8 +210,8 @@ class QuantizedTensorBase:
         if len(shape) and len(self.shape) and shape[-1] == self.shape[-1]:
             columnwise = self.columnwise_data
             if columnwise is not None and not transposed:
-                columnwise = columnwise.view(shape)
-            rowwise = None if self.rowwise_data is None else self.rowwise_data.view(shape)
+                columnwise = columnwise.view(self.scheme.data_shape(shape, True))
+            rowwise = None if self.rowwise_data is None else self.rowwise_data.view(self.scheme.data_shape(shape, False))
             return self.replace(shape=shape, rowwise_data=rowwise, columnwise_data=columnwise)
         if self.scheme.rowwise_block.is_tensor and self.has_rowwise:
             return self.replace(shape=shape, rowwise_data=self.rowwise_data.view(shape),
@@ -313,7 +314,8 @@ class QuantizedTensorBase:
         """ValueError naming the buffer if it holds scales the scheme never makes (checked at load; syncs).
 
         fp32 scales are finite and > 0 (and one per tensor is the same for both usages); an
-        E8M0 scale is the NaN code 255 only for a block whose data holds a NaN.
+        E8M0 scale is the NaN code 255 only for a block whose data holds a NaN (for elements
+        without a NaN code, E2M1/E2M3/E3M2: a block whose codes are all +0, what NaN blocks get).
         """
         for usage, columnwise in (("rowwise", False), ("columnwise", True)):
             data, scale = getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale_inv")
@@ -357,17 +359,22 @@ class QuantizedTensorBase:
 
 
 def _check_e8m0_nan(data: torch.Tensor, codes: torch.Tensor, scheme: Scheme, columnwise: bool, name: str) -> None:
-    nan = torch.isnan(ref.as_2d(data).float())
     block = scheme.stored_block(columnwise)
-    rows, cols = nan.shape
-    padded = torch.nn.functional.pad(nan, (0, -(-cols // block.cols) * block.cols - cols,
-                                           0, -(-rows // block.rows) * block.rows - rows))
-    block_has_nan = padded.reshape(padded.shape[0] // block.rows, block.rows, -1, block.cols).any(dim=(1, 3))
-    bad = (codes == ref.E8M0_NAN) & ~block_has_nan
+    if scheme.coded:  # no NaN code: a block with the NaN scale holds only +0 codes (what a NaN block quantizes to)
+        stored = ref.as_2d(data)
+        unpacked = mx_elements.unpack(stored, scheme.element, stored.shape[-1] * scheme.elements_per_byte)
+        flag = unpacked[:, : codes.shape[-1] * block.cols] != 0  # (an odd last dim's padding nibble is 0)
+    else:
+        flag = torch.isnan(ref.as_2d(data).float())
+    rows, cols = flag.shape
+    padded = torch.nn.functional.pad(flag, (0, -(-cols // block.cols) * block.cols - cols,
+                                            0, -(-rows // block.rows) * block.rows - rows))
+    any_flag = padded.reshape(padded.shape[0] // block.rows, block.rows, -1, block.cols).any(dim=(1, 3))
+    bad = (codes == ref.E8M0_NAN) & (any_flag if scheme.coded else ~any_flag)
     if bool(bad.any()):
         where = [tuple(i) for i in bad.nonzero()[:4].tolist()]
-        raise ValueError(f"{name}: E8M0 code 255 (NaN) in blocks whose data holds no NaN, "
-                         f"at {where} ({int(bad.sum())} blocks)")
+        what = "element codes are not all +0" if scheme.coded else "data holds no NaN"
+        raise ValueError(f"{name}: E8M0 code 255 (NaN) in blocks whose {what}, at {where} ({int(bad.sum())} blocks)")
 
 
 # ---------------------------------------------------------------------- the layout names users know
@@ -395,11 +402,16 @@ class Float8BlockwiseTensorStorage(QuantizedTensorBase):
         return fp8_scheme(f"block{block_scaling_dim}d", fp8_dtype, **kw)
 
 
-class MXFP8TensorStorage(QuantizedTensorBase):
-    """MXFP8: an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block; columnwise data keeps x's shape."""
+class MXTensorStorage(QuantizedTensorBase):
+    """OCP MX (MXFP8, MXFP6, MXFP4): an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block; columnwise
+    data keeps x's shape (E2M1 codes packed two per byte along the last dim)."""
 
     layouts = ("mx",)
 
     @classmethod
     def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
         return fp8_scheme("mx", fp8_dtype, **kw)
+
+
+#: the name from before MXFP4/MXFP6: the same class
+MXFP8TensorStorage = MXTensorStorage

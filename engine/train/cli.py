@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.report import format_table, write_outputs
-from engine.train.run import RUN_NAMES, RunConfig, train, train_to_file
+from engine.train.run import DEFAULT_RUNS, RUN_NAMES, RunConfig, train, train_to_file
 
 
 def _recipe_list(text: str) -> list[str]:
@@ -37,8 +37,8 @@ def _positive(text: str) -> int:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train a small GPT in bf16 and under each FP8 recipe and compare",
                             description=__doc__)
-    p.add_argument("--recipes", type=_recipe_list, default=list(RUN_NAMES),
-                   help=f"runs to make, comma separated (default: {','.join(RUN_NAMES)})")
+    p.add_argument("--recipes", type=_recipe_list, default=list(DEFAULT_RUNS),
+                   help=f"runs to make, comma separated, of {','.join(RUN_NAMES)} (default: {','.join(DEFAULT_RUNS)})")
     p.add_argument("--steps", type=_positive, default=500, help="optimizer steps per run (default 500)")
     p.add_argument("--d-model", type=_positive, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=_positive, default=4, help="transformer blocks (default 4)")

@@ -24,6 +24,8 @@ from engine.train.model import GPT, GPTConfig
 
 BASELINE = "bf16"
 RUN_NAMES = (BASELINE, *RECIPES)
+#: what `python -m engine train` runs by default (MXFP4/MXFP6 runs are reached with --recipes)
+DEFAULT_RUNS = (BASELINE, "delayed", "current", "block", "mxfp8")
 
 
 class RunConfig(BaseModel):
