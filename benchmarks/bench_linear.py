@@ -1,6 +1,9 @@
 """One Linear forward+backward step per recipe vs torch.nn.Linear in bf16, measured in the same run.
 
-    python benchmarks/bench_linear.py [--shapes 4096x4096x4096,16x256x256] [--torchao]
+    python benchmarks/bench_linear.py [--shapes 4096x4096x4096,16x256x256] [--torchao] [--cpu-time]
+
+`--cpu-time`: one thread, thread CPU time of the least disturbed of many interleaved blocks
+(see `common.least_disturbed_cpu_seconds`): steady numbers for small shapes on a shared machine.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, print_table  # noqa: E402
+from common import least_disturbed_cpu_seconds, median_seconds, print_table  # noqa: E402
 
 import engine  # noqa: E402
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling  # noqa: E402
@@ -26,7 +29,8 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
-def step_time(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, recipe=None, *, min_time: float) -> float:
+def step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, recipe=None):
+    """One fwd+bwd step as users write it (fp8_autocast around the forward, backward after it)."""
     def step():
         if recipe is None:
             out = module(x)
@@ -38,7 +42,11 @@ def step_time(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, reci
         for p in module.parameters():
             p.grad = None
 
-    return median_seconds(step, repeat=5, min_time=min_time)
+    return step
+
+
+def step_time(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, recipe=None, *, min_time: float) -> float:
+    return median_seconds(step_fn(module, x, grad, recipe), repeat=5, min_time=min_time)
 
 
 def torchao_time(m: int, k: int, n: int, x: torch.Tensor, grad: torch.Tensor, min_time: float) -> float | None:
@@ -56,7 +64,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     parser.add_argument("--shapes", default="4096x4096x4096,16x256x256", help="MxKxN list, comma separated")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--torchao", action="store_true", help="add torchao's Float8Linear when it is installed")
+    parser.add_argument("--cpu-time", action="store_true", help="1 thread, least disturbed interleaved thread CPU time")
     args = parser.parse_args(argv)
+    if args.cpu_time:
+        return cpu_time_rows(args)
     rows = []
     for shape in args.shapes.split(","):
         m, k, n = parse_shape(shape)
@@ -77,6 +88,28 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             if t is not None:
                 rows.append([shape, "torchao Float8Linear", f"{t * 1e3:.3f}", f"{t / base:.2f}"])
     print(f"Linear fwd+bwd step, bf16 activations and weights, medians ({torch.get_num_threads()} threads)")
+    print_table(["MxKxN", "module", "ms/step", "time vs bf16"], rows)
+    return rows
+
+
+def cpu_time_rows(args: argparse.Namespace) -> list[list[str]]:
+    torch.set_num_threads(1)
+    rows = []
+    for shape in args.shapes.split(","):
+        m, k, n = parse_shape(shape)
+        torch.manual_seed(0)
+        x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(m, n, dtype=torch.bfloat16)
+        module = engine.Linear(k, n, params_dtype=torch.bfloat16)
+        fns = {"base": step_fn(torch.nn.Linear(k, n, dtype=torch.bfloat16), x, grad)}
+        fns.update({name: step_fn(module, x, grad, RECIPES[name]) for name in args.recipes.split(",")})
+        small = m * k * n < 2**24
+        best = least_disturbed_cpu_seconds(fns, blocks=40 if small else 5, calls=50 if small else 1,
+                                           warmup=50 if small else 1)
+        rows.append([shape, "torch.nn.Linear bf16 (baseline)", f"{best['base'] * 1e3:.3f}", "1.00"])
+        rows += [[shape, f"engine.Linear {name}", f"{t * 1e3:.3f}", f"{t / best['base']:.2f}"]
+                 for name, t in best.items() if name != "base"]
+    print("Linear fwd+bwd step, bf16 activations and weights, thread CPU ms (1 thread, least disturbed block)")
     print_table(["MxKxN", "module", "ms/step", "time vs bf16"], rows)
     return rows
 

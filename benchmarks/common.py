@@ -27,6 +27,28 @@ def median_seconds(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2
     return statistics.median(samples)
 
 
+def least_disturbed_cpu_seconds(fns: dict[str, Callable[[], object]], *, blocks: int = 40, calls: int = 50,
+                                warmup: int = 50) -> dict[str, float]:
+    """Per-call thread CPU time of each fn, the least of `blocks` blocks of `calls` calls, the fns interleaved
+    block by block.
+
+    On a shared machine wall-time medians swing 2-3x; the calling thread's CPU time over the
+    least disturbed block, with every variant measured alternately, is what a quiet machine
+    would show (for single-threaded work: set torch.set_num_threads(1) first).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            start = time.thread_time()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.thread_time() - start) / calls)
+    return best
+
+
 def print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
