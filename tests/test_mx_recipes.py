@@ -178,3 +178,13 @@ def test_operand_recipe_can_mix_mx_elements():
     y.sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
     assert roundtrip(recipe_to_plain(recipe)) == recipe_to_plain(recipe)
+
+
+def test_fp8_format_is_refused_where_it_would_be_ignored():
+    """MXFP4/MXFP6 recipes choose elements with their own fields: a Format.HYBRID is an error, not a no-op."""
+    from engine.recipes import Format, MXFP4BlockScaling, MXFP6BlockScaling
+
+    for cls in (MXFP4BlockScaling, MXFP6BlockScaling):
+        with pytest.raises(ValueError, match="backward_element"):
+            cls(fp8_format=Format.HYBRID)
+        assert cls(fp8_format=Format.E4M3) == cls()

@@ -9,7 +9,9 @@ MXFP8 E4M3: 4/6-bit forward GEMMs with 8-bit gradients, the usual way to keep gr
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
+
+from pydantic import field_validator
 
 from engine.recipes.base import Recipe
 from engine.recipes.format import Format
@@ -31,6 +33,14 @@ class _MXSmall(Recipe):
 
     fp8_format: Format = Format.E4M3
     scale_mode: ScaleMode = "rceil"
+
+    @field_validator("fp8_format", mode="after")
+    @classmethod
+    def _elements_come_from_their_own_fields(cls, value: Any) -> Any:
+        if value is not Format.E4M3:
+            raise ValueError(f"{cls.__name__} picks its elements with its own fields (backward_element, element); "
+                             f"fp8_format must stay Format.E4M3, got {value!r}")
+        return value
 
     def forward_element(self) -> str:
         raise NotImplementedError
