@@ -332,3 +332,26 @@ def test_native_functions_check_their_arguments():
         native.elements_to_bf16(x, E2M1)
     with pytest.raises(ValueError, match="cols"):
         native.elements_to_bf16(torch.zeros(4, 8, dtype=torch.uint8), E2M1, 20)
+
+
+def test_a_backend_without_the_coded_kernel_warns_once_and_runs_the_reference():
+    """Triton has MXFP8 kernels but none for E2M1/E2M3/E3M2 yet: the reference runs, with one warning."""
+    import types
+    import warnings
+
+    from engine.ops import registry
+    from engine.schemes import get_scheme
+
+    registry._warn_reference_once.cache_clear()
+    scheme = get_scheme("mx_e2m1")
+    x = torch.randn(8, 64)
+    no_coded_kernel = types.SimpleNamespace()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = registry.quantize_mx(no_coded_kernel, x, scheme, rowwise=True, columnwise=True, scale=None,
+                                      amax_epsilon=0.0, scale_mode="rceil")
+        registry.quantize_mx(no_coded_kernel, x, scheme, rowwise=True, columnwise=False, scale=None,
+                             amax_epsilon=0.0, scale_mode="rceil")
+    assert [str(w.message) for w in caught] == ["engine: no mx_e2m1 quantize kernel on cpu; the reference runs (slow)"]
+    want, _ = registry.quantize_reference(x, scheme, rowwise=True, columnwise=True, scale_mode="rceil")
+    assert all(torch.equal(got[f], want[f]) for f in registry.BUFFER_FIELDS)

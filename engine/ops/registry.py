@@ -154,6 +154,7 @@ def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise
     if scheme.coded:
         fn = getattr(kernels, "quantize_mx_coded", None)
         if fn is None:
+            _warn_reference_once(scheme.name, x.device.type)
             return quantize_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, scale_mode=scale_mode)
         row_data, row_scale, col_data, col_scale = fn(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
                                                       columnwise=columnwise)
@@ -165,6 +166,13 @@ def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise
             out[f"{usage}_data"], out[f"{usage}_scale_inv"] = kernels.quantize_mxfp8(
                 x, scheme.element, scale_mode=scale_mode, columnwise=usage == "columnwise")
     return out, None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_reference_once(scheme_name: str, device_type: str) -> None:
+    """One warning per scheme and device for a backend that has the layout's kernel but not this element's."""
+    warnings.warn(f"engine: no {scheme_name} quantize kernel on {device_type}; the reference runs (slow)",
+                  RuntimeWarning, stacklevel=6)
 
 
 def amax_kernel(kernels: ModuleType, x: torch.Tensor) -> torch.Tensor:
