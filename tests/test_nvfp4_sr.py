@@ -85,3 +85,24 @@ def test_quantize_with_sr_and_rne():
     up = lambda d: mx_elements.unpack(d, E2M1, 48) & 7  # noqa: E731
     assert (up(zero_bits["rowwise_data"]) <= up(rne["rowwise_data"])).all()
     assert (up(zero_bits["rowwise_data"]) != up(rne["rowwise_data"])).any()
+
+
+def _lowbias32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & 0xFFFFFFFF
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & 0xFFFFFFFF
+    return v ^ (v >> 16)
+
+
+@pytest.mark.parametrize("seed,offset", [(0, 0), (12345, 99), (2**40 + 3, 2**33 - 5)])
+def test_random_bits_are_the_documented_hash(seed, offset):
+    """The bits a backend must reproduce, from the module doc's formula in plain Python ints."""
+    got = nvfp4_sr.random_bits((37,), torch.tensor([seed, offset])).tolist()
+    key = _lowbias32(seed & 0xFFFFFFFF) ^ (seed >> 32)
+    want = []
+    for i in range(37):
+        idx = offset + i
+        want.append(_lowbias32(_lowbias32(idx) ^ key ^ (((idx >> 32) * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFF)
+    assert got == want

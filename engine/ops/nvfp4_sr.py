@@ -7,8 +7,10 @@ Rounding (TE's `cvt.rs.satfinite.e2m1x4.f32` with 8 random bits per element): `a
 256 - rbits`, which is what this computes (every term exact in fp32, so no backend rounds it
 differently). E[q] = a up to step/256. The sign is kept; NaN -> code 0, +-inf -> +-6, as RNE.
 
-Random bits: a stateless counter-based hash, `rbits[i] = hash32(key ^ hash32(seed), offset + i) & 0xFF`
-for element i of the row-major tensor, from a `[2]` int64 tensor `(seed, offset)`. The caller owns
+Random bits: a stateless counter-based hash of element i of the row-major tensor, from a `[2]` int64
+tensor `(seed, offset)`: with `j = offset + i`, `key = h(seed mod 2^32) ^ (seed >> 32)`,
+`rbits[i] = h(h(j mod 2^32) ^ key ^ ((j >> 32) * 0x9E3779B9 mod 2^32)) & 0xFF`, `h` the 32-bit
+"lowbias32" mixer. The caller owns
 that tensor (a recipe state's counter) and advances `offset` by the element count after each
 call (`advance`), in place on the device: no global generator, no host sync; the same seed gives
 the same bits run to run.
