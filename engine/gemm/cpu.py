@@ -97,6 +97,27 @@ def pow2_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: tor
                   out_dtype, bias)
 
 
+NVFP4_FACTOR = torch.tensor(1.0 / (2688.0 * 2688.0), dtype=torch.float32)  # 1 / (6 * 448)^2, rounded to fp32
+
+
+def nvfp4(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4 x NVFP4: each side decoded exactly to bf16 (an E2M1 value times an E4M3 scale has at most 6
+    significant bits), one GEMM with fp32 accumulation, then amax_a * amax_b / 2688^2 as one scale.
+
+    That factor (TE's GEMM alpha) is applied as frexp mantissas times a power of two (`times_pow2`), so
+    tiny amaxes do not flush it to zero. Everything stays on the device: no host sync.
+    """
+    lhs, rhs = a.dequantize_pow2_bf16(), b.dequantize_pow2_bf16()
+    y = torch.mm(lhs.float(), rhs.float().t())  # products of bf16 values are exact in fp32; fp32 accumulation
+    ma, ea = torch.frexp(a.amax.float().reshape(()))
+    mb, eb = torch.frexp(b.amax.float().reshape(()))
+    mc, ec = torch.frexp(NVFP4_FACTOR.to(y.device))
+    out = times_pow2(y * (ma * mb * mc), ea + eb + ec)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
 def fp32_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 tile scales: scaled per K block."""
     out = per_k_block(a, b)

@@ -120,13 +120,15 @@ def dequantize_2d(
 def quantize(
     x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True, two_d: bool = False, rht: bool = False,
     rbits: torch.Tensor | None = None, rbits_t: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """x quantized to NVFP4 for the asked usages, as TE does it.
 
     `two_d`: 16x16 tiles (weights), so both usages share their scales (transposed). `rht`: the
     columnwise copy is quantized from `rht_transform(x^T)` (inputs and output gradients). `rbits`
     / `rbits_t`: random bits for stochastic rounding of the rowwise (`[M, K]`) and columnwise
-    (`[K, M]`) data. Returns rowwise_data / rowwise_scale_inv / amax_rowwise and the columnwise
+    (`[K, M]`) data. `amax` / `amax_t`: given per-tensor amaxes (all-reduced over a group) instead of
+    this tensor's own. Returns rowwise_data / rowwise_scale_inv / amax_rowwise and the columnwise
     ones (None where not asked for).
     """
     ref.check_input(x)
@@ -138,17 +140,21 @@ def quantize(
         ("rowwise_data", "rowwise_scale_inv", "amax_rowwise", "columnwise_data", "columnwise_scale_inv",
          "amax_columnwise"))
     if rowwise:
-        a = ref.amax(x2d)
+        a = ref.amax(x2d) if amax is None else amax.float().reshape(1)
         out["rowwise_data"], out["rowwise_scale_inv"] = quantize_2d(x2d, a, tile_rows=tile_rows, rbits=rbits)
         out["amax_rowwise"] = a
     if columnwise:
-        xt = x2d.t().contiguous()
-        if rht:
-            xt = rht_transform(xt)
-        a = ref.amax(xt)
+        xt = columnwise_input(x2d, rht)
+        a = ref.amax(xt) if amax_t is None else amax_t.float().reshape(1)
         out["columnwise_data"], out["columnwise_scale_inv"] = quantize_2d(xt, a, tile_rows=tile_rows, rbits=rbits_t)
         out["amax_columnwise"] = a
     return out
+
+
+def columnwise_input(x2d: torch.Tensor, rht: bool) -> torch.Tensor:
+    """What the columnwise usage quantizes: x^T `[K, M]`, through the RHT when `rht`."""
+    xt = x2d.t().contiguous()
+    return rht_transform(xt) if rht else xt
 
 
 # ------------------------------------------------------------------ random Hadamard transform
