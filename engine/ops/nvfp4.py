@@ -30,10 +30,13 @@ Partial blocks: zero padding changes no block amax, so a dim that is not a multi
 in a partial block (TE requires multiples of 16). The RHT mixes 16 tokens and so needs
 M % 16 == 0; `rht=True` with another M is a ValueError naming that rule.
 
-torchao's `NVFP4Tensor` differs: it stores `per_tensor_scale = amax / (6*448)` and divides by it
-instead of folding `S_enc` into the block scale as above, clamps the E4M3 block scale to at
-least 2^-6 (no subnormal scales), and has no RHT / 2D / stochastic-rounding paths. Its variant
-is not offered: TE is what trains in NVFP4, and bit-exactness against it is the goal here.
+torchao's `NVFP4Tensor` (`prototype/mx_formats/nvfp4_tensor.py`, `nvfp4_quantize`) differs: it stores
+`per_tensor_scale = amax / (6*448)` and computes `s_b = e4m3((block_amax / 6) / per_tensor_scale)`
+(a division, not TE's folded `S_enc * (1/6)` product), clamps that scale to at least 2^-6 (the
+smallest normal E4M3: no subnormal or zero scales), scales elements by `(1 / per_tensor_scale) / s_b`,
+also has a single-level mode without a per-tensor scale, requires K % 16 == 0, and has no RHT / 2D /
+stochastic-rounding paths. Its variant is not offered: TE is what trains in NVFP4 and bit-exactness
+with it is the goal; torchao's form is for inference checkpoints.
 """
 
 from __future__ import annotations
