@@ -8,10 +8,11 @@ from engine.modules.saving import plain_state_dict
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from engine.recompute import checkpoint
 from engine.quantizers import (
-    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, MXQuantizer, Quantizer,
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, MXQuantizer, NVFP4Quantizer,
+    Quantizer,
 )
 from engine.tensors import (
-    Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, QuantizedTensor, QuantizedTensorBase,
+    Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, NVFP4Tensor, QuantizedTensor, QuantizedTensorBase,
 )
 
 memory.tune_malloc()  # opt-in (ENGINE_MALLOC_TUNING=1): large CPU tensors reuse freed memory, not fresh pages
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Float8BlockQuantizer", "Float8BlockwiseTensor", "Float8CurrentScalingQuantizer", "Float8Quantizer",
     "Float8Tensor", "LayerNormLinear", "LayerNormMLP", "Linear", "MXFP8Quantizer", "MXFP8Tensor", "MXQuantizer", "MXTensor",
+    "NVFP4Quantizer", "NVFP4Tensor",
     "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
     "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init", "recipes", "unconvert",

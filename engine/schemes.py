@@ -24,20 +24,21 @@ from engine.formats import FP8_DTYPES, MX_ELEMENTS, FloatFormat, element_name, p
 
 
 class ScaleEncoding(str, Enum):
-    """How scale_inv is stored: any fp32, fp32 powers of two, or uint8 E8M0 exponent codes."""
+    """How scale_inv is stored: any fp32, fp32 powers of two, uint8 E8M0 exponent codes, or E4M3 values (NVFP4)."""
 
     FP32 = "fp32"
     FP32_POW2 = "fp32_pow2"
     E8M0 = "e8m0"
+    E4M3 = "e4m3"
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.uint8 if self is ScaleEncoding.E8M0 else torch.float32
+        return {ScaleEncoding.E8M0: torch.uint8, ScaleEncoding.E4M3: torch.float8_e4m3fn}.get(self, torch.float32)
 
     @property
     def is_pow2(self) -> bool:
         """Every scale is a power of two, so applying one to an FP8 value is exact in bf16."""
-        return self is not ScaleEncoding.FP32
+        return self in (ScaleEncoding.FP32_POW2, ScaleEncoding.E8M0)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,14 @@ LAYOUTS: dict[str, tuple[Block, Block, bool]] = {
 }
 
 
+NVFP4_BLOCK = 16
+#: NVFP4 (E2M1, an E4M3 scale per 16, one fp32 amax per usage; `engine.ops.nvfp4`): rowwise 1x16 blocks,
+#: columnwise 16x1 stored transposed `[K, M]` as TE stores it. Scales are stored per row of the data
+#: (16x16 weight tiles repeat theirs on their 16 rows, as TE does), so 1D and 2D share the layout.
+#: "nvfp4_rht": the columnwise data is of the RHT'd transpose (inputs and gradients; `engine.ops.nvfp4`).
+NVFP4_LAYOUTS = ("nvfp4", "nvfp4_rht")
+
+
 def _registry() -> dict[str, Scheme]:
     schemes = []
     for element in FP8_DTYPES:
@@ -171,6 +180,8 @@ def _registry() -> dict[str, Scheme]:
     row, col, transposed = LAYOUTS["mx"]
     schemes += [Scheme("mx", fmt, ScaleEncoding.E8M0, row, col, transposed, 2 if fmt.bits == 4 else 1)
                 for fmt in MX_ELEMENTS.values()]
+    schemes += [Scheme(layout, MX_ELEMENTS["e2m1"], ScaleEncoding.E4M3, Block(1, NVFP4_BLOCK), Block(NVFP4_BLOCK, 1),
+                       True, 2) for layout in NVFP4_LAYOUTS]
     return {s.name: s for s in schemes}
 
 

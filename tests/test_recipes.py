@@ -81,7 +81,8 @@ def test_defaults_match_transformer_engine():
     r = DelayedScaling()
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.reduce_amax) == (
         0, Format.HYBRID, 1024, "max", True)
-    assert set(RECIPES) == {"delayed", "current", "block", "mxfp8", "rowwise", "mxfp4", "mxfp4_mixed", "mxfp6"}
+    assert set(RECIPES) == {"delayed", "current", "block", "mxfp8", "rowwise", "mxfp4", "mxfp4_mixed", "mxfp6",
+                            "nvfp4"}
 
 
 # ------------------------------------------------------------------------------ quantizers per role

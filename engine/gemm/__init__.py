@@ -31,7 +31,8 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Impl = Callable[[GemmOperand, GemmOperand, torch.dtype, "torch.Tensor | None"], torch.Tensor]
 
 #: (kind of A, kind of B, device type) -> implementation; kinds: "tensor" (one scale each),
-#: "pow2" (power-of-2 tile scales: block scaling's default, MXFP8's E8M0), "block" (fp32 tiles)
+#: "pow2" (power-of-2 tile scales: block scaling's default, MXFP8's E8M0), "block" (fp32 tiles), "nvfp4"
+#: (E4M3 scales per 16 and a per-tensor amax)
 PAIRINGS: dict[tuple[str, str, str], Impl] = {
     ("tensor", "tensor", "cpu"): cpu.per_tensor,
     ("tensor", "tensor", "cuda"): cuda.scaled_mm,
@@ -41,6 +42,7 @@ PAIRINGS: dict[tuple[str, str, str], Impl] = {
     ("block", "pow2", "cpu"): cpu.fp32_tiles,
     **{pair: mixed.tensor_by_tiles for tiles in ("pow2", "block")
        for pair in (("tensor", tiles, "cpu"), (tiles, "tensor", "cpu"))},
+    ("nvfp4", "nvfp4", "cpu"): cpu.nvfp4,
 }
 
 Operand = QuantizedTensor | QuantizedTensorBase | torch.Tensor

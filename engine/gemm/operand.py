@@ -13,7 +13,7 @@ import torch
 
 from engine.ops import quantize as ops
 from engine.ops import reference as ref
-from engine.schemes import ScaleEncoding
+from engine.schemes import ScaleEncoding, dims_2d
 from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import QuantizedTensorBase
 
@@ -31,6 +31,8 @@ class GemmOperand:
     encoding: ScaleEncoding
     tile_rows: int = 1
     tile_cols: int = 1
+    #: NVFP4: the usage's fp32 per-tensor amax (values are data * scale * amax / 2688)
+    amax: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -45,6 +47,8 @@ class GemmOperand:
         """Which GEMM numerics apply: one scale ("tensor"), power-of-2 tiles ("pow2"), fp32 tiles ("block")."""
         if self.per_tensor:
             return "tensor"
+        if self.encoding is ScaleEncoding.E4M3:
+            return "nvfp4"
         return "pow2" if self.encoding.is_pow2 else "block"
 
     @property
@@ -57,6 +61,9 @@ class GemmOperand:
         return ref.e8m0_to_float(self.scale_inv) if self.encoding is ScaleEncoding.E8M0 else self.scale_inv.float()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.amax is not None:  # NVFP4: TE's dequantize, (scale * amax) / 2688 per block
+            factor = self.tile_scales() * self.amax.float().reshape(()) * (1.0 / 2688.0)
+            return ref.dequantize_block(self.data, factor, tile_rows=1, tile_cols=self.tile_cols, dtype=dtype)
         if self.per_tensor:
             return (self.data.float() * self.scale_inv.float()).to(dtype)
         return ref.dequantize_block(self.data, self.tile_scales(), tile_rows=self.tile_rows,
@@ -77,12 +84,19 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
-    if scheme.coded:  # MX E2M1/E2M3/E3M2 codes (both usages in x's shape): exact bf16 values, then read as FP8 data
+    nvfp4 = scheme.scale is ScaleEncoding.E4M3
+    if nvfp4:  # NVFP4 codes: columnwise data is [K, M] (packed along M); exact bf16 values
+        m, k = dims_2d(st.shape)
+        data = ops.elements_to_bf16(data, scheme, cols=m if transposed else k)
+    elif scheme.coded:  # MX E2M1/E2M3/E3M2 codes (both usages in x's shape): exact bf16 values, read as FP8 data
         data = ops.elements_to_bf16(data, scheme, cols=st.shape[-1] if len(st.shape) else 1)
     block = scheme.stored_block(transposed)
     data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
     if transposed and not scheme.columnwise_transposed:  # stored in x's shape: read it as [K, M]
         data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
+    if nvfp4:
+        return GemmOperand(data2d, scale_inv, False, scheme.scale, 1, block.cols,
+                           st.amax_columnwise if transposed else st.amax_rowwise)
     if block.is_tensor:
         return GemmOperand(data2d, scale_inv, True, scheme.scale)
     return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape))
@@ -94,4 +108,7 @@ def as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transpose
     if is_high_precision(t):
         t2d = ref.as_2d(t)
         return (t2d.t() if transposed else t2d).to(dtype)  # op(t): t [M, K], or t^T for a [K, M] tensor
+    st = storage_of(t, name)
+    if transposed and st.scheme.layout == "nvfp4_rht":  # its columnwise data is of the RHT'd transpose: not t^T
+        return ref.as_2d(st.dequantize(dtype)).t()
     return gemm_operand(t, transposed=transposed, name=name).dequantize(dtype)

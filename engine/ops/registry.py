@@ -243,7 +243,8 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
-    ("elements_to_bf16", "mx", "cpu"): Kernel("native", elements_to_bf16_kernel),  # MXFP4/MXFP6 codes
+    **{("elements_to_bf16", layout, "cpu"): Kernel("native", elements_to_bf16_kernel)  # MXFP4/MXFP6/NVFP4 codes
+       for layout in ("mx", "nvfp4", "nvfp4_rht")},
     ("delayed_update", ANY, "cpu"): Kernel("native", delayed_update_kernel),  # no Triton kernel: see quantize.py
     ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
     # no Triton entry: its 1-row kernel holds a whole tile (here a whole row) in registers

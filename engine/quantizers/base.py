@@ -139,7 +139,7 @@ class Quantizer:
         fresh = self._checked_buffers(src, rowwise=rowwise, columnwise=columnwise)
         storage.scheme = self.scheme
         storage.quantizer = self
-        for name in BUFFER_FIELDS:
+        for name in fresh:  # BUFFER_FIELDS and a layout's own (NVFP4's amaxes)
             new, old = fresh[name], getattr(storage, name)
             if new is None:
                 setattr(storage, name, None)

@@ -8,6 +8,7 @@ from engine.recipes.delayed import DelayedScaling, DelayedScalingState
 from engine.recipes.format import Format
 from engine.recipes.mx_small import MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling
 from engine.recipes.mxfp8 import MXFP8BlockScaling
+from engine.recipes.nvfp4 import NVFP4BlockScaling
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Gemm, QuantizerSpec, Role
 from engine.recipes.plain import recipe_from_plain, recipe_to_plain
 from engine.recipes.rowwise import Float8RowwiseScaling
@@ -15,7 +16,8 @@ from engine.recipes.rowwise import Float8RowwiseScaling
 #: the presets (Transformer Engine's recipes), by short name
 RECIPES: dict[str, type[Recipe]] = {
     cls.name: cls for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
-                              Float8RowwiseScaling, MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling)
+                              Float8RowwiseScaling, MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling,
+                              NVFP4BlockScaling)
 }
 #: every recipe a checkpoint can name
 SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: OperandRecipe}
@@ -23,6 +25,6 @@ SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: Operand
 __all__ = [
     "BACKWARD_ROLES", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES", "Float8BlockScaling",
     "Float8CurrentScaling", "Float8RowwiseScaling", "Format", "Gemm", "MXFP4BlockScaling", "MXFP4MixedBlockScaling",
-    "MXFP6BlockScaling", "MXFP8BlockScaling", "OPERANDS", "OperandRecipe", "QuantizerSpec",
+    "MXFP6BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "OPERANDS", "OperandRecipe", "QuantizerSpec",
     "RECIPES", "Recipe", "SAVED_RECIPES", "RecipeState", "Role", "recipe_from_plain", "recipe_to_plain",
 ]

@@ -18,7 +18,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.quantizers import (
-    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, MXQuantizer, Quantizer,
+    Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, MXQuantizer,
+    NVFP4Quantizer, Quantizer,
 )
 
 
@@ -67,16 +68,30 @@ class QuantizerSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    layout: Literal["tensor", "block1d", "block2d", "mx", "axiswise"]
-    #: FP8 elements for every layout; the MX-only elements E2M1 (MXFP4), E2M3 and E3M2 (MXFP6) for "mx"
+    layout: Literal["tensor", "block1d", "block2d", "mx", "axiswise", "nvfp4"]
+    #: FP8 elements for every layout; the MX-only elements E2M1 (MXFP4), E2M3 and E3M2 (MXFP6) for "mx";
+    #: E2M1 for "nvfp4"
     element: Literal["e4m3", "e5m2", "e2m1", "e2m3", "e3m2"] = "e4m3"
-    scaling: Literal["current", "e8m0", "delayed"] = "current"
+    scaling: Literal["current", "e8m0", "delayed", "nvfp4"] = "current"
     pow2: bool = False
     amax_epsilon: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     scale_mode: Literal["rceil", "floor"] = "rceil"
+    #: NVFP4 only (`NVFP4Quantizer`): RHT of the columnwise usage, stochastic rounding, 16x16 tiles
+    rht: bool = False
+    stochastic_rounding: bool = False
+    two_d: bool = False
 
     @model_validator(mode="after")
     def _rule_fits_layout(self) -> QuantizerSpec:
+        if (self.scaling == "nvfp4") != (self.layout == "nvfp4"):
+            raise ValueError(f"scaling: layout 'nvfp4' takes scaling 'nvfp4' and no other layout does; got "
+                             f"{self.scaling!r} for layout {self.layout!r}")
+        if self.layout == "nvfp4":
+            if self.element != "e2m1":
+                raise ValueError(f"element: NVFP4 elements are 'e2m1', got {self.element!r}")
+            return self
+        if self.rht or self.stochastic_rounding or self.two_d:
+            raise ValueError(f"rht / stochastic_rounding / two_d: NVFP4 options, got layout {self.layout!r}")
         if (self.scaling == "e8m0") != (self.layout == "mx"):
             raise ValueError(f"scaling: MX layouts take 'e8m0' scales and others 'current' or 'delayed'; got "
                              f"{self.scaling!r} for layout {self.layout!r}")
@@ -99,6 +114,9 @@ class QuantizerSpec(BaseModel):
         if self.scaling == "delayed":
             raise ValueError("scaling: a 'delayed' spec quantizes with scaling state that DelayedScaling.make_state "
                              "builds; it has no stand-alone quantizer")
+        if self.layout == "nvfp4":
+            return NVFP4Quantizer(with_rht=self.rht, stochastic_rounding=self.stochastic_rounding,
+                                  with_2d_quantization=self.two_d)
         if self.layout == "mx":
             if self.element not in ELEMENTS:
                 return MXQuantizer(self.element, scale_mode=self.scale_mode)

@@ -3,6 +3,7 @@
 from engine.tensors.quantized import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, QuantizedFallbackWarning, QuantizedTensor,
 )
+from engine.tensors.nvfp4 import NVFP4Tensor, NVFP4TensorStorage
 from engine.tensors.rowwise import Float8RowwiseTensor, Float8RowwiseTensorStorage
 from engine.tensors.serialization import rebuild_quantized_tensor, rebuild_storage
 from engine.tensors.storage import (
@@ -12,6 +13,6 @@ from engine.tensors.storage import (
 __all__ = [
     "Float8BlockwiseTensor", "Float8BlockwiseTensorStorage", "Float8RowwiseTensor", "Float8RowwiseTensorStorage",
     "Float8Tensor", "Float8TensorStorage", "MXFP8Tensor", "MXFP8TensorStorage", "MXTensor", "MXTensorStorage",
-    "QuantizedFallbackWarning", "QuantizedTensor", "QuantizedTensorBase",
+    "NVFP4Tensor", "NVFP4TensorStorage", "QuantizedFallbackWarning", "QuantizedTensor", "QuantizedTensorBase",
     "rebuild_quantized_tensor", "rebuild_storage",
 ]

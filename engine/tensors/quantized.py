@@ -200,7 +200,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             raise ValueError(f"copy_: dst ({type(dst).__name__}) has no quantizer to requantize the "
                              f"{type(src).__name__} src with; call dst.update_quantizer first")
         return dst.quantize_(s.dequantize(dst.dtype))
-    for name in BUFFER_FIELDS:
+    for name in d.buffers():  # BUFFER_FIELDS and a layout's own (NVFP4's amaxes)
         mine, theirs = getattr(d, name), getattr(s, name)
         if theirs is None:
             setattr(d, name, None)

@@ -77,6 +77,8 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
         shape = torch.Size(fields.pop("shape"))
         nominal_dtype = parse_dtype(fields.pop("nominal_dtype"), "nominal_dtype")
         buffers = {name: fields.pop(name) for name in BUFFER_FIELDS}
+        extras = {name: fields.pop(name, None) for name in getattr(QuantizedTensorBase.class_for(scheme),
+                                                                   "extra_fields", ())}
     except (KeyError, TypeError) as err:
         raise ValueError(f"quantized tensor state is malformed ({err!r}); keys: {sorted(plain)}") from err
     if fields:
@@ -86,6 +88,11 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
     if nominal_dtype not in HIGH_PRECISION_DTYPES:
         raise ValueError(f"nominal_dtype: expected float32, bfloat16 or float16, got {nominal_dtype}")
     _check_buffers(scheme, shape, buffers)
+    for name, t in extras.items():  # a layout's own buffers (NVFP4's amaxes): dense; the storage checks values
+        if t is not None:
+            if type(t) is not torch.Tensor:
+                raise ValueError(f"{name}: expected a plain torch.Tensor or None, got {type(t).__name__}")
+            _check_dense(t, name)
     quantizer = None
     if quantizer_state is not None:
         quantizer = QUANTIZER_LOADERS["quantizer"](quantizer_state)
@@ -94,7 +101,7 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
                              f"into a {scheme.name} tensor")
         scheme = quantizer.scheme  # a pre-scheme block checkpoint learns its scale encoding from its quantizer
     storage = QuantizedTensorBase(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer,
-                                  **buffers)
+                                  **buffers, **extras)
     if not any(t is not None and t.is_meta for t in buffers.values()):  # map_location="meta" has no values
         storage.check_values()
     return storage
