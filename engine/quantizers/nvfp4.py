@@ -11,6 +11,9 @@ amax is all-reduced (max) over the group before the scales are made, as current 
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 from typing import Any
 
 import torch
@@ -57,6 +60,7 @@ class NVFP4Rule(ScaleRule):
         return bits
 
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
+        _warn_reference_once(x.device.type)
         rht = scheme.layout == "nvfp4_rht"
         x2d = ref.as_2d(x)
         m, k = x2d.shape
@@ -114,3 +118,10 @@ class NVFP4Quantizer(Quantizer):
 
     def config(self) -> dict[str, Any]:
         return {"with_rht": self.with_rht, **self.rule.config()}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_reference_once(device_type: str) -> None:
+    """NVFP4 has no kernel yet: its quantization is the plain-PyTorch reference (about 4x slower steps)."""
+    warnings.warn(f"engine: NVFP4 quantization on {device_type} runs the plain-PyTorch reference (no kernel yet; "
+                  "slow)", RuntimeWarning, stacklevel=6)
