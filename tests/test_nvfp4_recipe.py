@@ -119,3 +119,16 @@ def test_demo_cli_runs_nvfp4(tmp_path):
     assert main(["train", "--recipes", "nvfp4", "--steps", "3", "--out", str(tmp_path), *tiny]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["recipe"] for r in results] == ["nvfp4"]
+
+
+def test_compile_refuses_stochastic_rounding_it_could_not_advance():
+    """Compiled, the SR counter would not advance between calls: a clear error instead of repeated bits."""
+    import engine
+    from engine.recipes import NVFP4BlockScaling
+
+    layer = engine.Linear(32, 32)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 32)
+    with pytest.raises(Exception, match="disable_stochastic_rounding=True"):
+        with engine.fp8_autocast(recipe=NVFP4BlockScaling()):
+            compiled(x)

@@ -120,6 +120,9 @@ class RecipeState:
         self.num_gemms = num_gemms
         self._quantizers = quantizers
         self.key = recipe.key  # plain data read by compiled code (a str, guarded by value)
+        #: a quantizer rounds stochastically (NVFP4 gradients): its bits come from a counter eager code advances
+        self.stochastic = any(getattr(q.rule, "stochastic_rounding", False) for q in quantizers.values()
+                              if q is not None)
         #: per GEMM, the scheme names of the x (wgrad) and W (dgrad) a forward saves (None: high precision)
         self.saved_schemes = [tuple(None if quantizers.get((use, g)) is None else quantizers[use, g].scheme.name
                                     for use in ((Gemm.WGRAD, Role.INPUT), (Gemm.DGRAD, Role.WEIGHT)))
