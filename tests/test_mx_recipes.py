@@ -11,12 +11,13 @@ import engine
 from engine.autocast import fp8_autocast, fp8_model_init
 from engine.modules.saving import read_extra_state
 from engine.recipes import (
-    RECIPES, MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling, MXFP8BlockScaling, OperandRecipe,
+    RECIPES, MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling, OperandRecipe,
     QuantizerSpec, Role, recipe_from_plain, recipe_to_plain,
 )
 from engine.recipes.operands import OPERANDS, Gemm
 from engine.quantizers import MXFP8Quantizer, MXQuantizer
 from engine.tensors import MXTensor
+from small_mlp import train_losses
 
 SMALL = [MXFP4BlockScaling(), MXFP4MixedBlockScaling(), MXFP6BlockScaling(), MXFP6BlockScaling(element="e3m2"),
          MXFP4BlockScaling(scale_mode="floor", backward_element="e5m2"), MXFP6BlockScaling(backward_element="e3m2")]
@@ -55,26 +56,6 @@ def test_mixed_recipe_quantizes_each_use_of_a_tensor_with_its_own_element():
     assert fprop.scheme.name == "mx_e2m1" and dgrad.scheme.name == "mx_e4m3" and fprop is not dgrad
     same = MXFP4BlockScaling().make_state(forward=True)
     assert same.operand((Gemm.FPROP, Role.WEIGHT)) is same.operand((Gemm.DGRAD, Role.WEIGHT))  # one for both uses
-
-
-def train_losses(recipe, steps: int = 25) -> list[float]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(engine.Linear(64, 96), torch.nn.GELU(), engine.Linear(96, 32))
-    target = torch.nn.Linear(64, 32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(64, 64, generator=gen)
-        with torch.no_grad():
-            y = target(x)
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = (model(x) - y).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 #: half the relative spacing of each forward element's grid (2^-(mantissa bits + 1)): an element's rounding error

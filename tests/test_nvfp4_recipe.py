@@ -15,6 +15,7 @@ from engine.modules.saving import read_extra_state
 from engine.quantizers import NVFP4Quantizer
 from engine.recipes import RECIPES, NVFP4BlockScaling, QuantizerSpec, Role, recipe_from_plain, recipe_to_plain
 from engine.recipes.operands import Gemm
+from small_mlp import train_losses
 
 
 def test_operands_follow_te():
@@ -40,26 +41,6 @@ def test_operands_follow_te():
     with pytest.raises(ValueError, match="NVFP4 options"):
         QuantizerSpec(layout="tensor", rht=True)
     assert recipe_from_plain(recipe_to_plain(off)) == off
-
-
-def train_losses(recipe, steps: int = 25) -> list[float]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(engine.Linear(64, 96), torch.nn.GELU(), engine.Linear(96, 32))
-    target = torch.nn.Linear(64, 32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(64, 64, generator=gen)
-        with torch.no_grad():
-            y = target(x)
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = (model(x) - y).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("recipe", [NVFP4BlockScaling(), NVFP4BlockScaling(disable_rht=True,
