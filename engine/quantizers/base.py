@@ -19,7 +19,7 @@ from engine.ops import reference as ref
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
 from engine.schemes import Scheme, get_scheme
 from engine.tensors.quantized import QuantizedTensor, storage_of
-from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase
+from engine.tensors.storage import QuantizedTensorBase
 
 Buffers = dict[str, torch.Tensor | None]
 RULES: dict[str, type[ScaleRule]] = {cls.__name__: cls for cls in (DelayedRule, CurrentRule, E8M0Rule)}

@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from engine.tensors.storage import (
-    BUFFER_FIELDS, DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXTensorStorage,
+    DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXTensorStorage,
     QuantizedTensorBase, check_dequantize_dtype,
 )
 
