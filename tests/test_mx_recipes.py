@@ -169,3 +169,20 @@ def test_fp8_format_is_refused_where_it_would_be_ignored():
         with pytest.raises(ValueError, match="backward_element"):
             cls(fp8_format=Format.HYBRID)
         assert cls(fp8_format=Format.E4M3) == cls()
+
+
+@pytest.mark.parametrize("recipe", [MXFP4BlockScaling(), MXFP6BlockScaling(element="e3m2")], ids=lambda r: r.name)
+def test_compiled_linear_gives_eager_bits(recipe):
+    """The ops' fake implementations give 4/6-bit data its uint8 storage dtype, so Dynamo traces them."""
+    torch.manual_seed(0)
+    layer = engine.Linear(64, 48)
+    x = torch.randn(32, 64, requires_grad=True)
+    with fp8_autocast(recipe=recipe):
+        eager = layer(x)
+    eager.sum().backward()
+    want_grad, x.grad = x.grad.clone(), None
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with fp8_autocast(recipe=recipe):
+        out = compiled(x)
+    out.sum().backward()
+    assert torch.equal(out, eager) and torch.equal(x.grad, want_grad)

@@ -156,10 +156,10 @@ def compiled_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if args.is_first_microbatch is not None:
         raise NotImplementedError("torch.compile: is_first_microbatch weight caching is not supported; "
                                   "pass is_first_microbatch=None")
-    if args.fwd.stochastic or (args.bwd is not None and args.bwd.stochastic):
-        raise NotImplementedError("torch.compile: stochastic rounding (NVFP4BlockScaling's gradients) draws its bits "
-                                  "from a counter the eager backward state advances; compiled, calls would reuse "
-                                  "the same bits. Pass disable_stochastic_rounding=True or run eagerly")
+    if args.fwd.nvfp4 or (args.bwd is not None and args.bwd.nvfp4):
+        raise NotImplementedError("torch.compile: NVFP4 recipes are not supported yet (the compiled ops do not carry "
+                                  "NVFP4's per-tensor amaxes, and stochastic rounding's counter advances only in "
+                                  "eager code); run NVFP4 models eagerly")
     inp2d = inp.reshape(-1, inp.shape[-1])
     need_dgrad = args.grad_enabled and inp.requires_grad
     need_wgrad = args.grad_enabled and weight.requires_grad

@@ -35,7 +35,7 @@ def _output_specs(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bo
     """(shape, dtype) of the op's five outputs; a usage not asked for is an empty tensor."""
     specs = []
     for wanted, col in ((rowwise, False), (columnwise, True)):
-        specs.append((scheme.data_shape(x.shape, col) if wanted else (0,), scheme.element))
+        specs.append((scheme.data_shape(x.shape, col) if wanted else (0,), scheme.data_dtype))
     shared = _shares_scale(scheme, rowwise, columnwise)
     for wanted, col in ((rowwise, False), (columnwise, True)):
         present = wanted and not (col and shared)

@@ -120,9 +120,9 @@ class RecipeState:
         self.num_gemms = num_gemms
         self._quantizers = quantizers
         self.key = recipe.key  # plain data read by compiled code (a str, guarded by value)
-        #: a quantizer rounds stochastically (NVFP4 gradients): its bits come from a counter eager code advances
-        self.stochastic = any(getattr(q.rule, "stochastic_rounding", False) for q in quantizers.values()
-                              if q is not None)
+        #: NVFP4 quantizers: the compiled ops do not carry their per-tensor amaxes, and stochastic rounding's
+        #: counter advances only in eager code (plain data compiled code can read)
+        self.nvfp4 = any(q is not None and q.scheme.layout.startswith("nvfp4") for q in quantizers.values())
         #: per GEMM, the scheme names of the x (wgrad) and W (dgrad) a forward saves (None: high precision)
         self.saved_schemes = [tuple(None if quantizers.get((use, g)) is None else quantizers[use, g].scheme.name
                                     for use in ((Gemm.WGRAD, Role.INPUT), (Gemm.DGRAD, Role.WEIGHT)))
