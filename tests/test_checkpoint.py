@@ -1,6 +1,5 @@
 """Checkpoints: scaling state in _extra_state, weights_only loads, loads across recipes (formats: test_saving.py)."""
 
-import io
 
 import pytest
 import torch
@@ -10,44 +9,9 @@ from engine.autocast import fp8_autocast, fp8_model_init
 from engine.modules.saving import encode_extra_state, read_extra_state
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from engine.tensors import Float8Tensor, MXFP8Tensor, QuantizedTensor
+from tiny_models import TinyModel, next_output, roundtrip, train
 
 RECIPES = [DelayedScaling(amax_history_len=8), Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
-
-
-class TinyModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = engine.LayerNormLinear(64, 96)
-        self.proj = engine.Linear(96, 64)
-        self.mlp = engine.LayerNormMLP(64, 128, activation="swiglu")
-
-    def forward(self, x):
-        return self.mlp(self.proj(self.qkv(x)) + x)
-
-
-def train(model, recipe, steps, seed=0):
-    torch.manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
-        x = torch.randn(2, 32, 64)
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
-def next_output(model, recipe):
-    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(99))
-    with fp8_autocast(recipe=recipe):
-        return model(x)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from engine.recipes import (
 from engine.recipes.operands import OPERANDS, Gemm
 from engine.quantizers import MXFP8Quantizer, MXQuantizer
 from engine.tensors import MXTensor
-from small_mlp import train_losses
+from tiny_models import TinyModel, next_output, roundtrip, train, train_losses
 
 SMALL = [MXFP4BlockScaling(), MXFP4MixedBlockScaling(), MXFP6BlockScaling(), MXFP6BlockScaling(element="e3m2"),
          MXFP4BlockScaling(scale_mode="floor", backward_element="e5m2"), MXFP6BlockScaling(backward_element="e3m2")]
@@ -77,48 +76,14 @@ def test_linear_layers_train_under_mx_small_recipes_close_to_high_precision(reci
     assert all(abs(g - b) <= 2 * eps * b + 1e-3 for g, b in zip(got[:3], base[:3]))  # the first steps track too
 
 
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = engine.LayerNormLinear(64, 96)
-        self.proj = engine.Linear(96, 64)
-        self.mlp = engine.LayerNormMLP(64, 128, activation="swiglu")
-
-    def forward(self, x):
-        return self.mlp(self.proj(self.qkv(x)) + x)
-
-
-def train(model, recipe, steps):
-    torch.manual_seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
-        with fp8_autocast(recipe=recipe):
-            loss = model(torch.randn(2, 32, 64)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
-def next_output(model, recipe):
-    with fp8_autocast(recipe=recipe):
-        return model(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(99)))
-
-
 @pytest.mark.parametrize("recipe", SMALL[:3], ids=ids)
 def test_checkpoints_carry_the_recipe_and_resume_bit_exactly(recipe):
-    model = Tiny()
+    model = TinyModel()
     train(model, recipe, steps=2)
     state = roundtrip(model.state_dict())
     assert recipe_from_plain(read_extra_state(state["proj._extra_state"])["recipe"]) == recipe
     torch.manual_seed(1)
-    fresh = Tiny()
+    fresh = TinyModel()
     fresh.load_state_dict(state)
     assert torch.equal(next_output(fresh, recipe), next_output(model, recipe))
 
@@ -131,13 +96,13 @@ def test_recipes_round_trip_as_plain_data(recipe):
 def test_mxfp4_primary_weights_save_and_load_bit_exactly():
     recipe = MXFP4BlockScaling()
     with fp8_model_init(recipe=recipe):
-        model = Tiny()
+        model = TinyModel()
     assert isinstance(model.proj.weight, MXTensor) and model.proj.weight.scheme.name == "mx_e2m1"
     train(model, recipe, steps=1)
     state = roundtrip(model.state_dict())
     assert state["proj.weight"].dtype == torch.uint8 and state["proj.weight"].shape == (64, 48)  # packed E2M1
     with fp8_model_init(recipe=recipe):
-        fresh = Tiny()
+        fresh = TinyModel()
     fresh.load_state_dict(state)
     for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
         assert torch.equal(getattr(fresh.proj.weight.qstorage, name), getattr(model.proj.weight.qstorage, name))

@@ -15,7 +15,7 @@ from engine.modules.saving import read_extra_state
 from engine.quantizers import NVFP4Quantizer
 from engine.recipes import RECIPES, NVFP4BlockScaling, QuantizerSpec, Role, recipe_from_plain, recipe_to_plain
 from engine.recipes.operands import Gemm
-from small_mlp import train_losses
+from tiny_models import TinyModel, train_losses
 
 
 def test_operands_follow_te():
@@ -57,20 +57,9 @@ def test_linear_layers_train_close_to_high_precision(recipe):
     assert got != base  # it did quantize
 
 
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = engine.LayerNormLinear(64, 96)
-        self.proj = engine.Linear(96, 64)
-        self.mlp = engine.LayerNormMLP(64, 128, activation="swiglu")
-
-    def forward(self, x):
-        return self.mlp(self.proj(self.qkv(x)) + x)
-
-
 def test_layernorm_modules_train_and_checkpoint():
     recipe = NVFP4BlockScaling()
-    model = Tiny()
+    model = TinyModel()
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     losses = []
@@ -87,7 +76,7 @@ def test_layernorm_modules_train_and_checkpoint():
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
     assert recipe_from_plain(read_extra_state(state["proj._extra_state"])["recipe"]) == recipe
-    fresh = Tiny()
+    fresh = TinyModel()
     fresh.load_state_dict(state)
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(9))
     with fp8_autocast(recipe=recipe):
@@ -105,7 +94,6 @@ def test_demo_cli_runs_nvfp4(tmp_path):
 @pytest.mark.parametrize("sr", [True, False])
 def test_compile_refuses_nvfp4_with_a_clear_error(sr):
     """The compiled ops carry no NVFP4 amaxes (and the SR counter would not advance): an error naming NVFP4."""
-    import engine
     from engine.recipes import NVFP4BlockScaling
 
     layer = engine.Linear(32, 32)

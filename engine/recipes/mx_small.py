@@ -43,7 +43,8 @@ class _MXSmall(Recipe):
         return value
 
     def forward_element(self) -> str:
-        raise NotImplementedError
+        """The element of the forward GEMMs' operands (each MX recipe names its own)."""
+        raise NotImplementedError(f"{type(self).__name__}: an MX recipe names its forward element")
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
         forward = self.forward_element()
