@@ -564,6 +564,15 @@ void mx_row_blocks(const void* x, int64_t i, int64_t n, bool rceil, uint8_t* out
 template <InType T, Fp8Kind K>
 void mx_rowwise_t(Src x, int64_t Kc, bool rceil, int64_t r0, int64_t r1, uint8_t* out, uint8_t* codes) {
   const int64_t nb = (Kc + kMx - 1) / kMx;
+  if (Kc % kMx == 0 && x.ld == Kc) {  // whole blocks in a dense tensor: rows [r0, r1) are one run of blocks
+    const int64_t start = r0 * Kc, n = (r1 - r0) * Kc;
+    int64_t c = 0;
+    for (; c + 512 <= n; c += 512) {
+      mx_row_16_blocks<T, K>(x.data, start + c, rceil, out + start + c, codes + (start + c) / kMx);
+    }
+    if (c < n) mx_row_blocks<T, K>(x.data, start + c, n - c, rceil, out + start + c, codes + (start + c) / kMx);
+    return;
+  }
   for (int64_t r = r0; r < r1; ++r) {
     int64_t c = 0;
     for (; c + 512 <= Kc; c += 512) {
