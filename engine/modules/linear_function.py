@@ -175,12 +175,17 @@ def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return LinearFunction.apply(inp, weight, bias, args)
 
 
+def _nd(out2d: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """The [M, N] GEMM output in inp's leading dims (a 2D input's output is returned as it is)."""
+    return out2d if inp.dim() == 2 else out2d.view(*inp.shape[:-1], out2d.shape[-1])
+
+
 class LinearFunction(torch.autograd.Function):
     """y = x W^T + b over the last dim of x, on quantized operands (args.fp8) or in x's dtype."""
 
     @staticmethod
     def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
-        inp2d = inp.reshape(-1, inp.shape[-1])
+        inp2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])  # a same-shape reshape still costs a view
         ctx.args, ctx.inp_shape, ctx.inp_dtype = args, inp.shape, inp.dtype
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
         ctx.weight_ref = weight if args.fuse_wgrad_accumulation else None
@@ -191,12 +196,12 @@ class LinearFunction(torch.autograd.Function):
             w = w.to(inp.dtype)
             out = torch.nn.functional.linear(inp2d, w, None if bias is None else bias.to(inp.dtype))
             ctx.save_for_backward(inp2d if need_wgrad else None, w if need_dgrad else None)
-            return out.view(*inp.shape[:-1], out.shape[-1])
+            return _nd(out, inp)
         out, x_wgrad, w_dgrad = fprop(inp2d, weight, bias, args, need_dgrad, need_wgrad)
         saved_x, ctx.restore_x = save_for_backward(x_wgrad)
         saved_w, ctx.restore_w = save_for_backward(w_dgrad)
         ctx.save_for_backward(*saved_x, *saved_w)
-        return out.view(*inp.shape[:-1], out.shape[-1])
+        return _nd(out, inp)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -209,7 +214,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         args: LinearArgs = ctx.args
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fuse = args.fuse_wgrad_accumulation and need_wgrad
         dx = dw = None  # with fuse_wgrad_accumulation the weight gradient goes into weight.main_grad
@@ -227,7 +232,7 @@ class LinearFunction(torch.autograd.Function):
             dx, dw = bprop(dy.contiguous(), x_wgrad, w_dgrad, args, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
                            inp_dtype=ctx.inp_dtype, weight_dtype=ctx.weight_dtype,
                            main_grad=main_grad_of(ctx.weight_ref) if fuse else None)
-            if dx is not None:
+            if dx is not None and dx.shape != ctx.inp_shape:
                 dx = dx.view(ctx.inp_shape)
         dbias = dy.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None

@@ -7,7 +7,7 @@ kernel the registry names for its scheme's layout and device, and has a fake (me
 implementation, so FakeTensor mode and torch.compile trace it without running it. The
 functions at the bottom are what the layers above call: plain tensors in, plain tensors
 (and None for what was not asked for) out. Traced calls go through the ops; eager calls run
-the same implementation without the dispatcher's per-call cost (`_traced`).
+the same implementation without the dispatcher's per-call cost (`traced`).
 """
 
 from __future__ import annotations
@@ -168,7 +168,16 @@ OPS = (quantize_op, amax_op, fp8_to_bf16_op, elements_to_bf16_op)
 
 
 # ------------------------------------------------------------------------------- what callers use
-def _traced(x: torch.Tensor) -> bool:
+def kernel_buffers(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool,
+                   kernel_args: dict) -> Buffers:
+    """An eager quantization that is one kernel call (`ScaleRule.kernel_args`): x checked, then the
+    registry's kernel for the scheme's layout and x's device."""
+    backend.check_tensor(x, "x")
+    fn = registry.kernel("quantize", scheme.layout, "cpu" if x.is_cpu else x.device.type)
+    return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, **kernel_args)[0]
+
+
+def traced(x: torch.Tensor) -> bool:
     """Under torch.compile or with FakeTensors the ops must be seen; eager calls skip the dispatcher.
 
     A custom op costs 60-80 us per call in eager (its autograd and dispatch wrappers), as much as
@@ -197,8 +206,8 @@ def quantize(
     """
     backend.check_not_subclass(x, "x")
     if record_amax is not None:
-        _check_record_amax(record_amax, scheme, _traced(x))
-    if not _traced(x):  # eager: the op's implementation, without packing its outputs into five tensors
+        _check_record_amax(record_amax, scheme, traced(x))
+    if not traced(x):  # eager: the op's implementation, without packing its outputs into five tensors
         return _buffers(x, scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode, record_amax)
     row_data, col_data, row_scale, col_scale, amax = quantize_op(
         x, scheme.name, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
@@ -252,13 +261,13 @@ def delayed_update(
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as fp32 [1] (NaN if x has NaN, 0 for an empty tensor)."""
     backend.check_not_subclass(x, "x")
-    return amax_op(x) if _traced(x) else _amax(x)
+    return amax_op(x) if traced(x) else _amax(x)
 
 
 def fp8_to_bf16(data: torch.Tensor) -> torch.Tensor:
     """FP8 values as bf16 (exact), same shape."""
     backend.check_not_subclass(data, "data")
-    return fp8_to_bf16_op(data) if _traced(data) else _fp8_to_bf16(data)
+    return fp8_to_bf16_op(data) if traced(data) else _fp8_to_bf16(data)
 
 
 def elements_to_bf16(data: torch.Tensor, scheme: Scheme, *, cols: int | None = None) -> torch.Tensor:
@@ -268,4 +277,4 @@ def elements_to_bf16(data: torch.Tensor, scheme: Scheme, *, cols: int | None = N
     backend.check_not_subclass(data, "data")
     if cols is None:
         cols = data.shape[-1] * scheme.elements_per_byte if data.dim() else 1
-    return elements_to_bf16_op(data, scheme.name, cols) if _traced(data) else _elements_to_bf16(data, scheme, cols)
+    return elements_to_bf16_op(data, scheme.name, cols) if traced(data) else _elements_to_bf16(data, scheme, cols)

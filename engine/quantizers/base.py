@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.checks import check_bool
+from engine.ops import quantize as qops
 from engine.ops import reference as ref
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
 from engine.schemes import Scheme, get_scheme
@@ -90,7 +91,12 @@ class Quantizer:
         ref.check_input(x, "x")
         if not (rowwise or columnwise):
             raise ValueError(f"{type(self).__name__}: both usages are off; set_usage(rowwise=True) or columnwise")
-        return self.rule.quantize(x.detach(), self.scheme, rowwise=rowwise, columnwise=columnwise)
+        if x.requires_grad:
+            x = x.detach()
+        kernel_args = self.rule.kernel_args()
+        if kernel_args is not None and not qops.traced(x):  # eager, and the rule is one kernel call: make it
+            return qops.kernel_buffers(x, self.scheme, rowwise, columnwise, kernel_args)
+        return self.rule.quantize(x, self.scheme, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_storage(self, x: torch.Tensor) -> QuantizedTensorBase:
         """x quantized, as a bare storage."""

@@ -70,6 +70,12 @@ class ScaleRule(ABC):
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
         """The buffers of x under `scheme` for the asked usages."""
 
+    def kernel_args(self) -> dict[str, Any] | None:
+        """When `quantize` is exactly one call of the registry's quantize kernel: that call's scale arguments
+        (`scale`, `amax_epsilon`, `scale_mode`, and `record_amax` for a delayed record), so an eager
+        quantization can call the kernel without the layers in between; None when the rule does more."""
+        return None
+
 
 class DelayedRule(ScaleRule):
     """Quantize with the given `scale`; record max|x| into `amax` (max with what is there), both in place."""
@@ -93,6 +99,9 @@ class DelayedRule(ScaleRule):
         buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=self.scale,
                                    record_amax=self.amax)  # the record happens in the same kernel call
         return buffers
+
+    def kernel_args(self) -> dict[str, Any] | None:
+        return {"scale": self.scale, "amax_epsilon": 0.0, "scale_mode": "rceil", "record_amax": self.amax}
 
 
 class CurrentRule(ScaleRule):
@@ -118,6 +127,11 @@ class CurrentRule(ScaleRule):
                                    amax_epsilon=self.amax_epsilon)
         return buffers
 
+    def kernel_args(self) -> dict[str, Any] | None:
+        if self.amax_reduction_group is not None:
+            return None
+        return {"scale": None, "amax_epsilon": self.amax_epsilon, "scale_mode": "rceil"}
+
 
 class E8M0Rule(ScaleRule):
     """MX shared exponents: "rceil" rounds amax / fp8_max up to a power of two; "floor" is the OCP rule."""
@@ -135,3 +149,6 @@ class E8M0Rule(ScaleRule):
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
         buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale_mode=self.scale_mode)
         return buffers
+
+    def kernel_args(self) -> dict[str, Any] | None:
+        return {"scale": None, "amax_epsilon": 0.0, "scale_mode": self.scale_mode}
