@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+import engine
+
 from engine.cli import main
 from engine.train.data import batch_at, load_corpus
 from engine.train.report import COLUMNS
@@ -70,7 +72,9 @@ class _no_warning:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--recipes", "fp4"], "expected a comma-separated list"),
+    (["--recipes", "fp4"], "expected one of"),
+    (["--recipes", "nvfp4:bogus"], "'bogus' is not an option of nvfp4"),
+    (["--recipes", "bf16:last_block_bf16"], "the bf16 baseline takes no recipe options"),
     (["--steps", "0"], "expected a whole number >= 1"),
     (["--recipe", "mxfp8"], "--recipe goes with --resume"),
     (["--resume", "/nonexistent.pt", "--recipe", "bf16"], "no checkpoint"),
@@ -117,3 +121,22 @@ def test_compile_trains_the_same_losses_as_eager(tmp_path, monkeypatch):
         assert main(["train", "--steps", "4", "--recipes", "delayed", "--out", str(out), *TINY, *flag]) == 0
         results[bool(flag)] = json.loads((out / "results.json").read_text())[0]["train_losses"]
     torch.testing.assert_close(results[True], results[False], rtol=1e-4, atol=0)
+
+
+def test_run_options_set_recipe_fields_and_keep_the_last_block_in_bf16():
+    from engine.recipes import NVFP4BlockScaling
+    from engine.train.model import GPT, GPTConfig
+    from engine.train.run import make_recipe
+
+    assert make_recipe("nvfp4:disable_rht:disable_stochastic_rounding") == NVFP4BlockScaling(
+        disable_rht=True, disable_stochastic_rounding=True)
+    assert make_recipe("mxfp8:last_block_bf16") == make_recipe("mxfp8")  # a model option, not a recipe field
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=32, n_layers=3, n_heads=2, seq_len=8), high_precision_last_blocks=1)
+    tokens = torch.randint(0, 256, (2, 8))
+    with engine.fp8_autocast(recipe=make_recipe("mxfp8")):
+        model(tokens).sum().backward()
+    ran_fp8 = [[m._recipe is not None for m in block.modules() if isinstance(m, engine.Linear | engine.LayerNormLinear
+                                                                            | engine.LayerNormMLP)]
+               for block in model.blocks]
+    assert ran_fp8 == [[True] * 3, [True] * 3, [False] * 3]

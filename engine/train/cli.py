@@ -13,14 +13,18 @@ from pydantic import ValidationError
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.report import format_table, write_outputs
-from engine.train.run import DEFAULT_RUNS, RUN_NAMES, RunConfig, train, train_to_file
+from engine.train.run import DEFAULT_RUNS, RUN_NAMES, RunConfig, make_recipe, train, train_to_file
 
 
 def _recipe_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUN_NAMES]
-    if not names or unknown:
+    if not names:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(RUN_NAMES)}; got {text!r}")
+    for name in names:
+        try:
+            make_recipe(name)
+        except (ValueError, ValidationError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
     return names
 
 
@@ -38,7 +42,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train a small GPT in bf16 and under each FP8 recipe and compare",
                             description=__doc__)
     p.add_argument("--recipes", type=_recipe_list, default=list(DEFAULT_RUNS),
-                   help=f"runs to make, comma separated, of {','.join(RUN_NAMES)} (default: {','.join(DEFAULT_RUNS)})")
+                   help=f"runs to make, comma separated, of {','.join(RUN_NAMES)} (default: {','.join(DEFAULT_RUNS)}); "
+                        "a run may add options: nvfp4:disable_rht sets the recipe's bool field, :last_block_bf16 keeps the "
+                        "last block in bf16")
     p.add_argument("--steps", type=_positive, default=500, help="optimizer steps per run (default 500)")
     p.add_argument("--d-model", type=_positive, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=_positive, default=4, help="transformer blocks (default 4)")

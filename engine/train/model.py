@@ -59,9 +59,11 @@ class Block(torch.nn.Module):
 
 
 class GPT(torch.nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, high_precision_last_blocks: int = 0) -> None:
+        """`high_precision_last_blocks`: the last blocks run in bf16 inside fp8_autocast (as TE advises for NVFP4)."""
         super().__init__()
         self.cfg = cfg
+        self.high_precision_last_blocks = high_precision_last_blocks
         self.tok_emb = torch.nn.Embedding(VOCAB_SIZE, cfg.d_model)
         self.pos_emb = torch.nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = torch.nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -74,8 +76,13 @@ class GPT(torch.nn.Module):
         """Logits (fp32) for every position of a [batch, seq] byte tensor."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = (self.tok_emb(tokens) + self.pos_emb(positions)).to(torch.bfloat16)
-        for block in self.blocks:
-            x = block(x)
+        first_bf16 = len(self.blocks) - self.high_precision_last_blocks
+        for i, block in enumerate(self.blocks):
+            if i >= first_bf16:
+                with engine.fp8_autocast(enabled=False):
+                    x = block(x)
+            else:
+                x = block(x)
         return self.head(self.norm(x.float()))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -46,13 +46,33 @@ class RunConfig(BaseModel):
     compile: bool = False  # torch.compile(model.loss, fullgraph=True)
 
 
+#: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
+LAST_BLOCK_BF16 = "last_block_bf16"
+
+
+def split_run_name(name: str) -> tuple[str, list[str]]:
+    """A run name is `recipe[:option...]`: `nvfp4:disable_rht` sets the recipe's bool field `disable_rht`;
+    `:last_block_bf16` runs the last block in bf16."""
+    base, *options = name.split(":")
+    return base, options
+
+
 def make_recipe(name: str) -> Recipe | None:
-    """None for the bf16 baseline, else the named recipe with its defaults."""
-    if name == BASELINE:
+    """None for the bf16 baseline, else the named recipe with its defaults and the run's bool options set."""
+    base, options = split_run_name(name)
+    if base not in RUN_NAMES:
+        raise ValueError(f"recipe: expected one of {list(RUN_NAMES)} (optionally followed by :options), got {name!r}")
+    fields = [o for o in options if o != LAST_BLOCK_BF16]
+    if base == BASELINE:
+        if options:
+            raise ValueError(f"recipe: the bf16 baseline takes no recipe options, got {name!r}")
         return None
-    if name not in RECIPES:
-        raise ValueError(f"recipe: expected one of {list(RUN_NAMES)}, got {name!r}")
-    return RECIPES[name]()
+    known = {f for f, info in RECIPES[base].model_fields.items() if info.annotation is bool}
+    unknown = [f for f in fields if f not in known]
+    if unknown:
+        raise ValueError(f"recipe: {unknown[0]!r} is not an option of {base}; its options are "
+                         f"{sorted(known) + [LAST_BLOCK_BF16]}, got {name!r}")
+    return RECIPES[base](**dict.fromkeys(fields, True))
 
 
 def learning_rate(cfg: RunConfig, step: int, total: int) -> float:
@@ -99,7 +119,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     """Train, evaluate, checkpoint; returns the run's numbers as plain data."""
     recipe = make_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     start = 0
     if cfg.resume is not None:
@@ -137,7 +157,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     probe = batch_at(corpus.train, 0, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = out_dir / f"{cfg.recipe}.pt"
+    checkpoint_path = out_dir / f"{cfg.recipe.replace(':', '-')}.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": end,
                 "model_config": cfg.model.model_dump(), "recipe": cfg.recipe, "seed": cfg.seed}, checkpoint_path)
     last = train_losses[-min(10, len(train_losses)):]
