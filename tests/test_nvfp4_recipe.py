@@ -11,7 +11,7 @@ import torch
 import engine
 from engine.autocast import fp8_autocast
 from engine.cli import main
-from engine.modules.saving import read_extra_state
+from engine.modules.saving import encode_extra_state, read_extra_state
 from engine.quantizers import NVFP4Quantizer
 from engine.recipes import RECIPES, NVFP4BlockScaling, QuantizerSpec, Role, recipe_from_plain, recipe_to_plain
 from engine.recipes.operands import Gemm
@@ -32,7 +32,8 @@ def test_operands_follow_te():
     state = NVFP4BlockScaling(seed=7).make_state(forward=False, num_gemms=2)
     q0, q1 = state.quantizer(Role.GRAD_OUTPUT, 0), state.quantizer(Role.GRAD_OUTPUT, 1)
     assert isinstance(q0, NVFP4Quantizer) and q0.with_rht and q0.stochastic_rounding
-    assert q0.rule.rng_counter.tolist() == [7, 0] and q1.rule.rng_counter.tolist() == [8, 0]
+    (s0, o0), (s1, o1) = q0.rule.rng_counter.tolist(), q1.rule.rng_counter.tolist()
+    assert (s0 & 0xFFFFFFFF, s1 & 0xFFFFFFFF, o0, o1) == (7, 8, 0, 0)  # seed + gemm below a per-state stream
     fwd = NVFP4BlockScaling().make_state(forward=True)
     assert fwd.operand((Gemm.FPROP, Role.WEIGHT)) is fwd.operand((Gemm.DGRAD, Role.WEIGHT))  # one 2D quantization
     assert fwd.operand((Gemm.FPROP, Role.WEIGHT)).with_2d_quantization
@@ -102,3 +103,45 @@ def test_compile_refuses_nvfp4_with_a_clear_error(sr):
     with pytest.raises(Exception, match="NVFP4 recipes are not supported yet"):
         with engine.fp8_autocast(recipe=NVFP4BlockScaling(disable_stochastic_rounding=not sr)):
             compiled(x)
+
+
+def _sr_step(model, x, grad):
+    with fp8_autocast(recipe=NVFP4BlockScaling()):
+        out = model(x)
+    out.backward(grad)
+    dw = model.weight.grad.clone()
+    model.weight.grad = None
+    return dw
+
+
+def test_stochastic_rounding_streams_are_per_module_and_resume_exactly():
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    a, b = engine.Linear(64, 64), engine.Linear(64, 64)
+    b.load_state_dict(a.state_dict())
+    da, db = _sr_step(a, x, grad), _sr_step(b, x, grad)
+    streams = [m._bwd_state.rng_counters[0][0].item() for m in (a, b)]
+    assert streams[0] != streams[1] and not torch.equal(da, db)  # same weights and data, other random bits
+    torch.manual_seed(0)
+    again, _ = engine.Linear(64, 64), engine.Linear(64, 64)
+    _sr_step(again, x, grad)
+    assert again._bwd_state.rng_counters[0][0].item() == streams[0]  # torch.manual_seed reproduces the streams
+
+    _sr_step(a, x, grad)
+    saved = torch.load(io.BytesIO(_saved(a.state_dict())), weights_only=True)
+    resumed = engine.Linear(64, 64)
+    resumed.load_state_dict(saved)
+    assert torch.equal(_sr_step(resumed, x, grad), _sr_step(a, x, grad))  # the third step's bits, continued
+    assert torch.equal(resumed._bwd_state.rng_counters[0], a._bwd_state.rng_counters[0])
+
+    plain = read_extra_state(saved["_extra_state"])
+    plain["backward"]["rng_counter"] = torch.tensor([[5, -1]])
+    with pytest.raises(ValueError, match="offsets must be >= 0"):
+        engine.Linear(64, 64).load_state_dict({**saved, "_extra_state": encode_extra_state(plain)})
+
+
+def _saved(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()

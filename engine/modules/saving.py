@@ -9,7 +9,8 @@ a JSON header, raw little-endian tensor bytes) with magic b"ENGXSTAT":
                          ["backward.scale", ...], ["backward.amax_history", ...]]}
 
 The tensors are the delayed-scaling state in Transformer Engine's column layout (forward
-n = 3 per GEMM, backward n = 2 per GEMM); other recipes have none. A module that has run
+n = 3 per GEMM, backward n = 2 per GEMM), or NVFP4's stochastic-rounding counters
+("backward.rng_counter", int64 [gemms, 2]); other recipes have none. A module that has run
 (or holds FP8 weights) saves its recipe whatever the recipe, as Transformer Engine does, so
 that loading under another recipe can say so; a module that never ran saves no
 `_extra_state` key at all, so a converted model that never ran FP8 loads strictly into the
@@ -36,7 +37,7 @@ EXTRA_STATE_VERSION = 2
 DICT_VERSION = 1  # the Python dict of checkpoints written before version 2
 EXTRA_STATE_KEY = "_extra_state"
 DIRECTIONS = ("forward", "backward")
-STATE_TENSORS = ("scale", "amax_history")
+STATE_TENSORS = ("scale", "amax_history", "rng_counter")  # rng_counter: NVFP4's stochastic rounding
 _WHERE = "_extra_state"
 
 

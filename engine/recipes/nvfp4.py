@@ -6,19 +6,21 @@ with the 16-point random Hadamard transform on their columnwise (wgrad) usage; o
 stochastically rounded. Each switch turns one of these off, with TE's names and defaults (TE reads
 its defaults from NVTE_NVFP4_DISABLE_* environment variables; here they are plain fields).
 
-Stochastic rounding draws from a counter owned by the module's backward recipe state: `(seed + gemm
-index, offset)`, the offset advancing by the elements quantized, so a run is reproducible. Every
-module starts from the same seed (its own state); the counter is not in checkpoints (a resumed run
-restarts its random stream).
+Stochastic rounding draws from a counter owned by the module's backward recipe state: `(stream,
+offset)`, the offset advancing by the elements quantized. `stream` holds `seed + gemm index` in its
+low 32 bits and, in its high 32 bits, a number drawn from torch's default generator when the module
+builds its states (as TE's stochastic rounding draws from torch's RNG): every module rounds with its
+own random stream, and `torch.manual_seed` makes a run reproducible. The counters are scaling state:
+they are saved in the module's `_extra_state` and a resumed run continues its streams exactly.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from engine.recipes.base import Recipe, RecipeState
+from engine.recipes.base import SLOTS_PER_GEMM, Recipe, RecipeState
 from engine.recipes.format import Format
 from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec, Role
 
@@ -50,10 +52,49 @@ class NVFP4BlockScaling(Recipe):
         return {op: by_role[op[1]] for op in OPERANDS}
 
     def make_state(self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None) -> RecipeState:
-        state = super().make_state(forward=forward, num_gemms=num_gemms, device=device)
+        base = super().make_state(forward=forward, num_gemms=num_gemms, device=device)
+        state = NVFP4State(self, forward, num_gemms, base._quantizers)
         for gemm in range(num_gemms):
             for role in ((Role.INPUT, Role.WEIGHT) if forward else (Role.GRAD_OUTPUT,)):
                 q = state.quantizer(role, gemm)
                 if q is not None and q.stochastic_rounding:
-                    q.rule.rng_counter = torch.tensor([self.seed + gemm, 0], dtype=torch.int64, device=device)
+                    stream = int(torch.randint(0, 2**31, (1,)).item()) << 32 | (self.seed + gemm) & 0xFFFFFFFF
+                    q.rule.rng_counter = torch.tensor([stream, 0], dtype=torch.int64, device=device)
+                    state.rng_counters.append(q.rule.rng_counter)
         return state
+
+    def check_saved_state(self, part: Any, where: str, slots: int) -> None:
+        """None, or a backward state's stochastic-rounding counters: int64 [gemms, 2] (stream, offset >= 0)."""
+        if part is None:
+            return
+        counters = part.get("rng_counter") if isinstance(part, dict) and set(part) == {"rng_counter"} else None
+        rows = slots // SLOTS_PER_GEMM[False]
+        if not isinstance(counters, torch.Tensor) or type(counters) is not torch.Tensor or \
+                counters.dtype != torch.int64 or tuple(counters.shape) != (rows, 2):
+            raise ValueError(f"{where}: expected {{'rng_counter': an int64 tensor of shape ({rows}, 2)}} "
+                             f"(stochastic rounding's stream and offset per GEMM), got {part!r:.200}")
+        if bool((counters[:, 1] < 0).any()):
+            raise ValueError(f"{where}['rng_counter']: offsets must be >= 0, got {counters[:, 1].tolist()}")
+
+
+class NVFP4State(RecipeState):
+    """An NVFP4 recipe state: the quantizers, and the stochastic-rounding counters they advance (saved)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng_counters: list[torch.Tensor] = []
+
+    def to_plain(self) -> dict[str, torch.Tensor] | None:
+        if not self.rng_counters:
+            return None
+        return {"rng_counter": torch.stack([c.detach().cpu() for c in self.rng_counters])}
+
+    def load_plain(self, part: dict[str, torch.Tensor]) -> None:
+        """A checked saved state: each GEMM's counter continues where the saved one stopped."""
+        for counter, saved in zip(self.rng_counters, part["rng_counter"]):
+            counter.copy_(saved)
+
+    def carry_from(self, old: RecipeState) -> None:
+        if isinstance(old, NVFP4State) and len(old.rng_counters) == len(self.rng_counters):
+            for counter, before in zip(self.rng_counters, old.rng_counters):
+                counter.copy_(before)
