@@ -51,11 +51,11 @@ def quantize_uses(
 ) -> tuple[GemmInput | None, GemmInput | None]:
     """t for its rowwise use and its columnwise use (None where not needed): quantized by each use's
     quantizer - one quantization when both uses share a quantizer - or t itself where the recipe says None."""
-    q_row, q_col = (state.operand(use, gemm) for use in role.uses)
+    q_row, q_col = state.uses(role, gemm)
     if q_row is not None and q_row is q_col:
         if not (rowwise or columnwise):
             return None, None
-        q_row.set_usage(rowwise=rowwise, columnwise=columnwise)
+        q_row.rowwise_usage, q_row.columnwise_usage = rowwise, columnwise  # bools: no set_usage checks
         storage = q_row.quantize_storage(t)
         return (storage if rowwise else None), (storage if columnwise else None)
     uses = []

@@ -119,6 +119,7 @@ class RecipeState:
         self.forward = forward
         self.num_gemms = num_gemms
         self._quantizers = quantizers
+        self._uses: dict[tuple[Role, int], tuple[Quantizer | None, Quantizer | None]] = {}  # `uses`, looked up once
         self.key = recipe.key  # plain data read by compiled code (a str, guarded by value)
         #: NVFP4 quantizers: the compiled ops do not carry their per-tensor amaxes, and stochastic rounding's
         #: counter advances only in eager code (plain data compiled code can read)
@@ -139,6 +140,14 @@ class RecipeState:
         """The quantizer of one GEMM operand (None: it stays in high precision)."""
         self._check(operand[1], gemm)
         return self._quantizers[operand, gemm]
+
+    def uses(self, role: Role, gemm: int = 0) -> tuple[Quantizer | None, Quantizer | None]:
+        """The quantizers of a tensor's two uses (rowwise, columnwise) in one GEMM: what the modules ask per call."""
+        found = self._uses.get((role, gemm))
+        if found is None:
+            first, second = role.uses
+            found = self._uses[role, gemm] = (self.operand(first, gemm), self.operand(second, gemm))
+        return found
 
     def quantizer(self, role: Role, gemm: int = 0) -> Quantizer | None:
         """The quantizer of a tensor (its rowwise use's, else its columnwise use's)."""

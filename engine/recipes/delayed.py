@@ -241,6 +241,7 @@ class DelayedScalingState(RecipeState):
             twin.quantizers[-1].rule = rule
         twin_of = {id(q): t for q, t in zip(self.quantizers, twin.quantizers)}
         twin._quantizers = {key: twin_of[id(q)] for key, q in self._quantizers.items()}
+        twin._uses = {}
         return twin
 
 
