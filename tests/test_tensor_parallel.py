@@ -1,0 +1,203 @@
+"""Tensor and sequence parallel on DTensor, 2 and 4 gloo processes vs one process.
+
+The block is LayerNormLinear (column parallel) -> gelu -> Linear (row parallel), under every
+recipe and in bf16, plain (input replicated, output all-reduced) and sequence parallel (input
+sharded along the sequence and all-gathered, in FP8 where the recipe allows; output
+reduce-scattered). Each process runs every case once; the parent compares with the same
+steps run in one process.
+
+Bounds, and why:
+* exact (same bits): what a rank computes as a slice of the single-process result - the
+  column-parallel output and weight/bias gradients (its rows of W), the row-parallel weight
+  gradient (its columns of W) and bias gradient. Per-tensor scales are agreed across ranks
+  (amax all-reduced), block/MX tiles do not straddle shards, so each quantized operand holds
+  the same bytes as in one process and each output element is the same dot product.
+* bounded: what sums partial results of ranks - the block output (row parallel: partial sums
+  over K added by the reduction, not inside one GEMM), the input gradient (column parallel's
+  dgrad partials), the norm's gradients (sums over sequence shards). These differ only by the
+  order of additions: fp32 activations (every FP8 recipe) within 64 * eps_fp32 * max|reference|;
+  bf16 within 4 bf16 ulps of max|reference| (each rank's partial is rounded to bf16 before the
+  sum), 16 for the norm's gradients (sums over every token of products whose inputs already
+  differ by an ulp; in sequence parallel each rank's partial sum is rounded to bf16 too). An
+  FP8 difference (a scale or a tile not agreed) is about 2**-4 relative, hundreds of times the
+  fp32 bound; a missing or doubled reduction is of the order of the values themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import engine
+from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+D, B = 64, 2  # FFN and sequence: 128 per rank (whole 128-blocks on every rank, as the exact checks need)
+RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
+           "block": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling()}
+EXACT = ("fc1_out", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+BOUNDED = ("y", "dx", "fc1.layer_norm_weight", "fc1.layer_norm_bias")
+
+
+def steps(name: str) -> int:
+    """Delayed scaling's second step quantizes with the scales the first step's (reduced) amaxes made."""
+    return 2 if name == "delayed" else 1
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+class Block(torch.nn.Module):
+    def __init__(self, ffn: int, dtype: torch.dtype):
+        super().__init__()
+        self.fc1 = engine.LayerNormLinear(D, ffn, params_dtype=dtype)
+        self.fc2 = engine.Linear(ffn, D, params_dtype=dtype)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def make_case(name: str, world_size: int) -> tuple[Block, list[torch.Tensor], list[torch.Tensor]]:
+    """The model and each step's input and output gradient, the same in every process."""
+    dtype, seq = dtype_of(name), 128 * world_size
+    torch.manual_seed(0)
+    model = Block(128 * world_size, dtype)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(B, seq, D, generator=gen).to(dtype) for _ in range(steps(name))]
+    dys = [torch.randn(B, seq, D, generator=gen).to(dtype) for _ in range(steps(name))]
+    return model, xs, dys
+
+
+def run_steps(model, xs, dys, recipe) -> dict[str, torch.Tensor]:
+    """Forward/backward steps; the last one's output, input gradient and fc1 output (gradients zeroed between)."""
+    seen = {}
+    model.fc1.register_forward_hook(lambda m, i, out: seen.__setitem__("fc1_out", out.detach().clone()))
+    for x, dy in zip(xs, dys):
+        model.zero_grad(set_to_none=True)
+        x = x.detach().clone().requires_grad_(True)
+        with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            y = model(x)
+        y.backward(dy)
+    return {"y": y.detach().clone(), "dx": x.grad.clone(), "fc1_out": seen["fc1_out"]}
+
+
+def reference(name: str, world_size: int) -> dict[str, torch.Tensor]:
+    model, xs, dys = make_case(name, world_size)
+    out = run_steps(model, xs, dys, RECIPES[name])
+    out.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _count_gathers(log: list) -> None:
+    """Record the bytes each rank sends to every all_gather_single (what sequence parallel gathers)."""
+    original = dist.all_gather_single
+
+    def counting(output, inp, *args, **kwargs):
+        log.append(inp.numel() * inp.element_size())
+        return original(output, inp, *args, **kwargs)
+
+    dist.all_gather_single = counting
+
+
+WORLD = 4
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    """4-way: the world's 1-D mesh. 2-way: the "tp" dim of a (dp=2, tp=2) mesh, two groups running the same case
+    at once (data-parallel replicas; delayed scaling reduces its amaxes over the world, which holds both)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        meshes = {4: init_device_mesh("cpu", (WORLD,)),
+                  2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]}
+        gathered: list[int] = []
+        _count_gathers(gathered)
+        results = {}
+        for tp, mesh in meshes.items():
+            tp_rank = mesh.get_local_rank()
+            for sp in (False, True):
+                for name, recipe in RECIPES.items():
+                    model, xs, dys = make_case(name, tp)
+                    plan = ({"fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(1)),
+                             "fc2": engine.distributed.RowwiseParallel(output_layouts=Shard(1))} if sp else
+                            {"fc1": engine.distributed.ColwiseParallel(), "fc2": engine.distributed.RowwiseParallel()})
+                    parallelize_module(model, mesh, plan)
+                    if sp:  # this rank's sequence shard of the input and of the output gradient
+                        xs, dys = ([t.chunk(tp, dim=1)[tp_rank].contiguous() for t in ts] for ts in (xs, dys))
+                    start = len(gathered)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        out = run_steps(model, xs, dys, recipe)
+                    out.update({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+                    out["gathered"] = torch.tensor(gathered[start:])
+                    out["hp_warnings"] = torch.tensor(sum("high precision" in str(w.message) for w in caught))
+                    results[tp, "sp" if sp else "tp", name] = out
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """One launch of 4 processes serves every case."""
+    tmp = tmp_path_factory.mktemp("tp")
+    mp.spawn(_worker, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def bound(name: str, key: str, ref: torch.Tensor) -> float:
+    """See the module docstring: a few units in the last place of max|reference|."""
+    scale = ref.float().abs().max().item()
+    if name != "bf16":
+        return 64 * torch.finfo(torch.float32).eps * scale
+    return (16 if key.startswith("fc1.layer_norm") else 4) * 2.0 ** -8 * scale
+
+
+def gathered_bytes(name: str, rows: int) -> tuple[int, int]:
+    """(forward, backward) bytes a rank sends for its `rows` x D input shard, from the layouts by hand."""
+    if name == "bf16":
+        return 2 * rows * D, 2 * rows * D  # forward for fprop, backward again for wgrad
+    if name in ("delayed", "current"):
+        return rows * D, rows * D  # FP8 bytes only: the scale is agreed, not sent
+    if name == "block":  # fp32 scales: 1x128 rowwise (one partial block per row: D = 64), 128x1 columnwise
+        return rows * D + rows * 4, rows * D + D * (rows // 128) * 4
+    return rows * D + rows * (D // 32), rows * D + (rows // 32) * D  # mxfp8: E8M0 bytes per 32
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_and_sequence_parallel_match_one_process(world_size, ranks):
+    group = ranks[:world_size]  # 2-way: ranks 0 and 1 form the first tp group
+    table = []
+    for name in RECIPES:
+        ref = reference(name, world_size)
+        for variant in ("tp", "sp"):
+            got = [r[world_size, variant, name] for r in group]
+            cat = (lambda key: torch.cat([g[key] for g in got], dim=1)) if variant == "sp" else (lambda key: got[0][key])
+            full = {"y": cat("y"), "dx": cat("dx"), "fc1_out": torch.cat([g["fc1_out"] for g in got], dim=-1)}
+            full.update({k: got[0][k] for k in ref if k not in full})
+            for rank_out in got[1:]:  # every rank holds the same gradients
+                for key in EXACT[1:] + BOUNDED[2:]:
+                    assert torch.equal(rank_out[key], got[0][key]), (variant, name, key)
+            for key in EXACT:
+                assert torch.equal(full[key], ref[key]), (variant, name, key, (full[key] - ref[key]).abs().max())
+            diffs = {key: (full[key].float() - ref[key].float()).abs().max().item() for key in BOUNDED}
+            table.append((variant, name, diffs, {key: bound(name, key, ref[key]) for key in BOUNDED}))
+            if variant == "sp":
+                fwd, bwd = gathered_bytes(name, B * 128)
+                assert got[0]["gathered"].tolist() == [fwd, bwd] * steps(name), (name, got[0]["gathered"].tolist())
+                assert got[0]["hp_warnings"].item() == 0
+    print(f"\nworld size {world_size}: max |TP - one process| (bound)")
+    for variant, name, diffs, bounds in table:
+        print(f"  {variant} {name:8s} " + " ".join(f"{k}={v:.2e} ({bounds[k]:.1e})" for k, v in diffs.items()))
+    for variant, name, diffs, bounds in table:
+        for key, diff in diffs.items():
+            assert diff <= bounds[key], (variant, name, key, diff, bounds[key])
