@@ -271,6 +271,16 @@ def _extra_cases(mesh, gathered: list[int]) -> dict:
                                                           engine.distributed.ColwiseParallel())),
         "mesh_2d": _raised(lambda: two_d(torch.randn(4, D))),
     }
+    first_two = dist.new_group([0, 1])  # every rank takes part in making it
+    column = engine.Linear(D, D)
+    parallelize_module(column, mesh, engine.distributed.ColwiseParallel())
+    if dist.get_rank() < 2:  # ranks 2 and 3 are in the mesh but not in this fp8_group
+
+        def delayed_over_two():
+            with engine.fp8_autocast(recipe=DelayedScaling(), fp8_group=first_two):
+                column(torch.randn(4, D))
+
+        out["errors"]["fp8_group"] = _raised(delayed_over_two)
     return out
 
 
@@ -411,3 +421,5 @@ def test_what_is_refused(ranks):
     assert errors["colwise_mlp"].startswith("NotImplementedError: ColwiseParallel") \
         and "got LayerNormMLP" in errors["colwise_mlp"]
     assert errors["mesh_2d"].startswith("NotImplementedError") and "1-D device mesh" in errors["mesh_2d"]
+    # delayed scaling agrees on scales over fp8_group: one missing ranks of the mesh would let them differ
+    assert errors["fp8_group"].startswith("ValueError: fp8_group") and "ranks [2, 3]" in errors["fp8_group"]
