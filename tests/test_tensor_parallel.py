@@ -77,14 +77,15 @@ def make_case(name: str, world_size: int) -> tuple[Block, list[torch.Tensor], li
 def run_steps(model, xs, dys, recipe) -> dict[str, torch.Tensor]:
     """Forward/backward steps; the last one's output, input gradient and fc1 output (gradients zeroed between)."""
     seen = {}
-    model.fc1.register_forward_hook(lambda m, i, out: seen.__setitem__("fc1_out", out.detach().clone()))
+    if hasattr(model, "fc1"):
+        model.fc1.register_forward_hook(lambda m, i, out: seen.__setitem__("fc1_out", out.detach().clone()))
     for x, dy in zip(xs, dys):
         model.zero_grad(set_to_none=True)
         x = x.detach().clone().requires_grad_(True)
         with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
             y = model(x)
         y.backward(dy)
-    return {"y": y.detach().clone(), "dx": x.grad.clone(), "fc1_out": seen["fc1_out"]}
+    return {"y": y.detach().clone(), "dx": x.grad.clone(), **seen}
 
 
 def reference(name: str, world_size: int) -> dict[str, torch.Tensor]:
@@ -201,6 +202,13 @@ def norm_case() -> tuple[NormBlock, list[torch.Tensor], list[torch.Tensor]]:
     return model, [torch.randn(B, 128 * WORLD, D, generator=gen)], [torch.randn(B, 128 * WORLD, D, generator=gen)]
 
 
+def mlp_sequence_case() -> tuple[engine.LayerNormMLP, list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = engine.LayerNormMLP(D, 128 * WORLD)
+    gen = torch.Generator().manual_seed(6)
+    return model, [torch.randn(B, 128 * WORLD, D, generator=gen)], [torch.randn(B, 128 * WORLD, D, generator=gen)]
+
+
 def fallback_case() -> tuple[Block, list[torch.Tensor], list[torch.Tensor]]:
     """Block scaling with 32 sequence rows per rank: 128x1 columnwise blocks would straddle ranks."""
     torch.manual_seed(0)
@@ -253,6 +261,10 @@ def _extra_cases(mesh, gathered: list[int]) -> dict:
             "fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(1)),
             "fc2": engine.distributed.RowwiseParallel(output_layouts=Shard(1))}
     out["norm"] = _run_parallel(model, mesh, plan, xs, dys, recipe, True, gathered)
+    # LayerNormMLP under its style, sequence parallel
+    model, xs, dys = mlp_sequence_case()
+    style = engine.distributed.LayerNormMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1))
+    out["mlp_style"] = _run_parallel(model, mesh, style, xs, dys, recipe, True, gathered)
     # block scaling whose columnwise blocks straddle ranks: gathered in high precision, with a warning
     model, xs, dys = fallback_case()
     plan = {"fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(1)),
@@ -393,6 +405,22 @@ def test_torch_sequence_parallel_norm_with_engine_linears(ranks):
     fp32_close(torch.cat([g["dx"] for g in got], dim=1), ref["dx"], "dx")
     for name, p in model.named_parameters():
         if name.startswith("norm"):
+            fp32_close(got[0][name], p.grad, name)
+        else:
+            assert torch.equal(got[0][name], p.grad), name
+    assert got[0]["gathered"].tolist() == [B * 128 * D] * 2 and got[0]["hp_warnings"].item() == 0
+
+
+def test_layernorm_mlp_parallel_sequence_parallel(ranks):
+    """LayerNormMLPParallel with sequence-sharded input and output: fc1's and fc2's weight gradients are slices of
+    the single process's; the output, input and norm gradients are sums of partials."""
+    model, xs, dys = mlp_sequence_case()
+    ref = run_steps(model, xs, dys, Float8CurrentScaling())
+    got = [r["mlp_style"] for r in ranks]
+    fp32_close(torch.cat([g["y"] for g in got], dim=1), ref["y"], "y")
+    fp32_close(torch.cat([g["dx"] for g in got], dim=1), ref["dx"], "dx")
+    for name, p in model.named_parameters():
+        if name.startswith("layer_norm"):
             fp32_close(got[0][name], p.grad, name)
         else:
             assert torch.equal(got[0][name], p.grad), name

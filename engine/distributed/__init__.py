@@ -1,6 +1,6 @@
 """engine on torch.distributed: amax agreement across ranks, tensor and sequence parallel plans.
 
-The parallel styles (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`) import
+The parallel styles (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, `LayerNormMLPParallel`) import
 torch.distributed.tensor (~0.6 s), so they load on first use: `engine.distributed.ColwiseParallel`.
 """
 
@@ -8,9 +8,10 @@ from typing import Any
 
 from engine.distributed.amax import all_reduce_max, group_size
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "all_reduce_max", "group_size"]
+__all__ = ["ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel", "SequenceParallel", "all_reduce_max",
+           "group_size"]
 
-_STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
+_STYLES = ("ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel", "SequenceParallel")
 
 
 def __getattr__(name: str) -> Any:

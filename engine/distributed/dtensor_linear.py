@@ -136,7 +136,8 @@ def _colwise(x: Any, w: Any, b: Any, args: LinearArgs, group: dist.ProcessGroup)
     if b is not None and not b.placements[0].is_shard(0):
         b = b.redistribute(placements=[Shard(0)])
     p = x.placements[0]
-    if p.is_partial() or _last(p, x.ndim):
+    uneven = p.is_shard() and x.shape[p.dim] % x.device_mesh.size() != 0  # the gather sends equal pieces
+    if p.is_partial() or _last(p, x.ndim) or uneven:
         x = x.redistribute(placements=[Replicate()])
         p = x.placements[0]
     w_l, b_l = w.to_local(), None if b is None else b.to_local()
