@@ -123,7 +123,6 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         _count_gathers(gathered)
         results = {}
         for tp, mesh in meshes.items():
-            tp_rank = mesh.get_local_rank()
             for sp in (False, True):
                 for name, recipe in RECIPES.items():
                     model, xs, dys = make_case(name, tp)
@@ -138,13 +137,15 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _run_parallel(model, mesh, plan, xs, dys, recipe, sp: bool, gathered: list[int]) -> dict:
-    """Parallelize `model`, run the steps (sequence parallel: on this rank's sequence shards), collect the results."""
+def _run_parallel(model, mesh, plan, xs, dys, recipe, sp: bool, gathered: list[int], dim: int = 1) -> dict:
+    """Parallelize `model`, run the steps (sequence parallel: on this rank's shards along `dim`), collect the
+    results."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh, plan)
     if sp:  # this rank's sequence shard of the input and of the output gradient
-        xs, dys = ([t.chunk(mesh.size(), dim=1)[mesh.get_local_rank()].contiguous() for t in ts] for ts in (xs, dys))
+        xs, dys = ([t.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()].contiguous() for t in ts]
+                   for ts in (xs, dys))
     start = len(gathered)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -209,6 +210,14 @@ def mlp_sequence_case() -> tuple[engine.LayerNormMLP, list[torch.Tensor], list[t
     return model, [torch.randn(B, 128 * WORLD, D, generator=gen)], [torch.randn(B, 128 * WORLD, D, generator=gen)]
 
 
+def seq_first_case() -> tuple[Block, list[torch.Tensor], list[torch.Tensor]]:
+    """Megatron's [sequence, batch, hidden] layout: each rank's rows are one run of 64 x 2 = 128 rows."""
+    torch.manual_seed(0)
+    model = Block(128 * WORLD, torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    return model, [torch.randn(64 * WORLD, B, D, generator=gen)], [torch.randn(64 * WORLD, B, D, generator=gen)]
+
+
 def fallback_case() -> tuple[Block, list[torch.Tensor], list[torch.Tensor]]:
     """Block scaling with 32 sequence rows per rank: 128x1 columnwise blocks would straddle ranks."""
     torch.manual_seed(0)
@@ -265,6 +274,12 @@ def _extra_cases(mesh, gathered: list[int]) -> dict:
     model, xs, dys = mlp_sequence_case()
     style = engine.distributed.LayerNormMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1))
     out["mlp_style"] = _run_parallel(model, mesh, style, xs, dys, recipe, True, gathered)
+    # sequence first ([S, B, D], sharded along dim 0), block and MX scales gathered
+    for name in ("block", "mxfp8"):
+        model, xs, dys = seq_first_case()
+        plan = {"fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(0)),
+                "fc2": engine.distributed.RowwiseParallel(output_layouts=Shard(0))}
+        out[f"seq_first_{name}"] = _run_parallel(model, mesh, plan, xs, dys, RECIPES[name], True, gathered, dim=0)
     # block scaling whose columnwise blocks straddle ranks: gathered in high precision, with a warning
     model, xs, dys = fallback_case()
     plan = {"fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(1)),
@@ -425,6 +440,21 @@ def test_layernorm_mlp_parallel_sequence_parallel(ranks):
         else:
             assert torch.equal(got[0][name], p.grad), name
     assert got[0]["gathered"].tolist() == [B * 128 * D] * 2 and got[0]["hp_warnings"].item() == 0
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8"])
+def test_sequence_first_layout(ranks, name):
+    """[S, B, D] sharded along S: a rank's rows are one run of S_l x B rows (not B runs of S_l); block and MX
+    scales (128x1 stored transposed, 32x1 not) still gather exactly."""
+    model, xs, dys = seq_first_case()
+    ref = run_steps(model, xs, dys, RECIPES[name])
+    got = [r[f"seq_first_{name}"] for r in ranks]
+    assert torch.equal(torch.cat([g["fc1_out"] for g in got], dim=-1), ref["fc1_out"])
+    fp32_close(torch.cat([g["y"] for g in got], dim=0), ref["y"], "y")
+    fp32_close(torch.cat([g["dx"] for g in got], dim=0), ref["dx"], "dx")
+    for param in ("fc1.weight", "fc1.bias", "fc2.weight"):
+        assert torch.equal(got[0][param], dict(model.named_parameters())[param].grad), param
+    assert got[0]["hp_warnings"].item() == 0 and got[0]["gathered"].tolist() == list(gathered_bytes(name, 128))
 
 
 def test_blocks_straddling_ranks_gather_in_high_precision(ranks):

@@ -32,3 +32,12 @@ def like_input(param: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | No
 
     mesh = x.device_mesh
     return DTensor.from_local(param, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def settled(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for a tensor an asynchronous collective still writes (torch's AsyncCollectiveTensor, what
+    DTensor redistributions return) the plain tensor once it is written: engine's kernels read raw memory."""
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    if module is not None and isinstance(t, module.AsyncCollectiveTensor):
+        return t.trigger_wait()
+    return t

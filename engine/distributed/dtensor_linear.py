@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine import autocast
-from engine.distributed.dtensor import is_dtensor
+from engine.distributed.dtensor import is_dtensor, settled
 from engine.distributed.gathered_linear import GatheredLinear
 from engine.distributed.tp_quantizers import reducing_state
 from engine.modules.linear_function import LinearArgs, LinearFunction
@@ -117,21 +117,20 @@ def _out_meta(x: Any, w: Any) -> dict[str, Any]:
 
 
 def _replicated(x: Any, w: Any, b: Any, args: LinearArgs, group: dist.ProcessGroup) -> Any:
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Partial, Replicate
 
     p = x.placements[0]
     if p.is_partial() or _last(p, x.ndim):
         x = x.redistribute(placements=[Replicate()])
     sharded = x.placements[0].is_shard()
     grad = [Partial()] if sharded else None  # each rank's weight gradient covers its rows of x only
-    y = LinearFunction.apply(x.to_local(), w.to_local(grad_placements=grad),
-                             None if b is None else b.to_local(grad_placements=grad),
+    y = LinearFunction.apply(_local(x), _local(w, grad), _local(b, grad),
                              _tp_args(args, group, INPUT if sharded else NONE, GRAD if sharded else NONE))
-    return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, **_out_meta(x, w))
+    return _Output.apply(y, x.device_mesh, tuple(x.placements), _out_meta(x, w))
 
 
 def _colwise(x: Any, w: Any, b: Any, args: LinearArgs, group: dist.ProcessGroup) -> Any:
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     if b is not None and not b.placements[0].is_shard(0):
         b = b.redistribute(placements=[Shard(0)])
@@ -140,27 +139,26 @@ def _colwise(x: Any, w: Any, b: Any, args: LinearArgs, group: dist.ProcessGroup)
     if p.is_partial() or _last(p, x.ndim) or uneven:
         x = x.redistribute(placements=[Replicate()])
         p = x.placements[0]
-    w_l, b_l = w.to_local(), None if b is None else b.to_local()
+    w_l, b_l = _local(w), _local(b)
     if p.is_replicate():
-        y = LinearFunction.apply(x.to_local(grad_placements=[Partial()]), w_l, b_l,
-                                 _tp_args(args, group, WEIGHT, GRAD))
+        y = LinearFunction.apply(_local(x, [Partial()]), w_l, b_l, _tp_args(args, group, WEIGHT, GRAD))
     else:  # sequence parallel: x sharded along a dim before the features
-        y = GatheredLinear.apply(x.to_local(), w_l, b_l, _tp_args(args, group, INPUT | WEIGHT, GRAD), group,
+        y = GatheredLinear.apply(_local(x), w_l, b_l, _tp_args(args, group, INPUT | WEIGHT, GRAD), group,
                                  p.dim % x.ndim)
-    return DTensor.from_local(y, x.device_mesh, [Shard(x.ndim - 1)], run_check=False, **_out_meta(x, w))
+    return _Output.apply(y, x.device_mesh, (Shard(x.ndim - 1),), _out_meta(x, w))
 
 
 def _rowwise(x: Any, w: Any, b: Any, args: LinearArgs, group: dist.ProcessGroup) -> Any:
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     if not _last(x.placements[0], x.ndim):
         x = x.redistribute(placements=[Shard(x.ndim - 1)])
     if b is not None and not b.placements[0].is_replicate():
         b = b.redistribute(placements=[Replicate()])
-    y = LinearFunction.apply(x.to_local(), w.to_local(), None, _tp_args(args, group, INPUT | WEIGHT, NONE))
+    y = LinearFunction.apply(_local(x), _local(w), None, _tp_args(args, group, INPUT | WEIGHT, NONE))
     if b is not None:
-        y = _AddOnce.apply(y, b.to_local(), x.device_mesh.get_local_rank() == 0)
-    return _PartialOutput.apply(y, x.device_mesh, _out_meta(x, w))
+        y = _AddOnce.apply(y, _local(b), x.device_mesh.get_local_rank() == 0)
+    return _Output.apply(y, x.device_mesh, (Partial(),), _out_meta(x, w))
 
 
 class _AddOnce(torch.autograd.Function):
@@ -176,22 +174,46 @@ class _AddOnce(torch.autograd.Function):
         return grad, grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype), None
 
 
-class _PartialOutput(torch.autograd.Function):
-    """This rank's partial sum as a `Partial` DTensor. Its gradient is the whole output gradient on every rank
-    (a partial gradient arriving is summed first: each rank's partial output needs all of it)."""
+def _local(t: Any, grad_placements: list[Any] | None = None) -> torch.Tensor | None:
+    """This rank's piece of DTensor `t` as a plain tensor (its gradient goes back with `grad_placements`,
+    default `t`'s own)."""
+    return None if t is None else _ToLocal.apply(t, None if grad_placements is None else tuple(grad_placements))
+
+
+class _ToLocal(torch.autograd.Function):
+    """`DTensor.to_local` whose result, and whose gradient, are plain tensors even when a collective of torch's
+    (an asynchronous redistribution) is still writing them."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, mesh: Any, meta: dict[str, Any]) -> Any:
-        from torch.distributed.tensor import DTensor, Partial
-
-        return DTensor.from_local(y, mesh, [Partial()], run_check=False, **meta)
+    def forward(ctx: Any, t: Any, grad_placements: tuple[Any, ...] | None) -> torch.Tensor:
+        ctx.mesh, ctx.shape, ctx.stride = t.device_mesh, t.shape, t.stride()
+        ctx.placements = grad_placements or tuple(t.placements)
+        local = settled(t.to_local())
+        return local.view_as(local)  # a new tensor object: autograd must not mark the DTensor's own piece
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[torch.Tensor, None, None]:
-        from torch.distributed.tensor import Replicate
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+        from torch.distributed.tensor import DTensor
 
+        return DTensor.from_local(settled(grad), ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,
+                                  stride=ctx.stride), None
+
+
+class _Output(torch.autograd.Function):
+    """This rank's result as a DTensor with `placements`. Its gradient comes back with those placements (a
+    `Partial` output's as `Replicate`: each rank's partial output needs the whole gradient), as a plain tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, mesh: Any, placements: tuple[Any, ...], meta: dict[str, Any]) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        ctx.grad_placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        return DTensor.from_local(y, mesh, placements, run_check=False, **meta)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[torch.Tensor, None, None, None]:
         if is_dtensor(grad):
-            if not grad.placements[0].is_replicate():
-                grad = grad.redistribute(placements=[Replicate()])
+            if tuple(grad.placements) != ctx.grad_placements:
+                grad = grad.redistribute(placements=ctx.grad_placements)
             grad = grad.to_local()
-        return grad, None, None
+        return settled(grad), None, None, None
