@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine import autocast, recompute
+from engine.distributed.dtensor import local_of
 from engine.formats import FP8_DTYPES
 from engine.modules.linear_function import LinearArgs, WeightCache
 from engine.modules.saving import EXTRA_STATE_KEY, encode_extra_state, read_extra_state
@@ -123,7 +124,8 @@ class FP8Module(torch.nn.Module):
         """Record the input and weight amaxes of one GEMM while running in high precision."""
         if args.fp8 or args.fwd is None:
             return
-        w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        w = weight.dequantize() if isinstance(weight, QuantizedTensor) else local_of(weight)
+        inp = local_of(inp)  # a DTensor's shard: the amaxes are reduced over fp8_group before the update
         args.fwd.record_amax(args.fwd.slot(Role.INPUT, args.gemm), inp)
         args.fwd.record_amax(args.fwd.slot(Role.WEIGHT, args.gemm), w)
 

@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import torch
 
+from engine.distributed.dtensor import any_dtensor
 from engine.gemm import general_gemm
 from engine.recipes import RecipeState, Role
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
@@ -168,6 +169,10 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
 
 
 def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
+    if any_dtensor(inp, weight, bias):  # tensor parallel: the GEMMs run on this rank's shards
+        from engine.distributed.dtensor_linear import dtensor_linear
+
+        return dtensor_linear(inp, weight, bias, args)
     if torch.compiler.is_compiling():
         from engine.modules.linear_op import compiled_linear
 

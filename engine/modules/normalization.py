@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine.distributed.dtensor import like_input
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
@@ -27,6 +29,7 @@ def normalize(
     zero_centered_gamma: bool,
 ) -> torch.Tensor:
     """LayerNorm or RMSNorm over the last dim; with `zero_centered_gamma` the scale is (1 + weight)."""
+    weight, bias = like_input(weight, x), like_input(bias, x)  # a DTensor x: plain parameters are replicated
     gamma = (1 + weight) if zero_centered_gamma else weight
     gamma = gamma.to(x.dtype)
     if normalization == "LayerNorm":

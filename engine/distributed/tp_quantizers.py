@@ -1,0 +1,52 @@
+"""Per-tensor scales agreed across a tensor-parallel group.
+
+A rank quantizing its shard of a tensor with a per-tensor current scale would use the amax of
+its shard, so ranks (and the single-process run) would quantize alike values differently. The
+view below swaps each per-tensor current-scaling quantizer of the chosen roles for a copy that
+all-reduces (MAX) its amax over the group first (`CurrentRule.amax_reduction_group`), so every
+rank uses the scale of the whole tensor. Delayed scaling needs no view: its amaxes are recorded
+into the module's state and reduced over `fp8_autocast`'s `fp8_group` (the world by default)
+before each update, so all ranks hold the same scales.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.distributed as dist
+
+from engine.distributed.amax import group_size
+from engine.quantizers.rules import CurrentRule
+from engine.recipes import RecipeState, Role
+
+
+def reducing_state(state: RecipeState | None, group: dist.ProcessGroup, roles: frozenset[Role]) -> RecipeState | None:
+    """`state`, or a view of it whose per-tensor current-scaling quantizers of `roles` reduce their amax over
+    `group`. Quantizers shared by two uses stay shared. Views are kept on the state (one per group and roles)."""
+    if state is None or not roles or group_size(group) <= 1:
+        return state
+    views = state.__dict__.setdefault("_tp_views", {})
+    key = (id(group), roles)
+    if key not in views:
+        views[key] = (group, _make_view(state, group, roles))  # the group is held so its id stays unique
+    return views[key][1]
+
+
+def _make_view(state: RecipeState, group: dist.ProcessGroup, roles: frozenset[Role]) -> RecipeState:
+    swapped, mapping = {}, {}
+    for (operand, gemm), quantizer in state._quantizers.items():
+        if (quantizer is not None and operand[1] in roles and type(quantizer.rule) is CurrentRule
+                and quantizer.scheme.rowwise_block.is_tensor and quantizer.rule.amax_reduction_group is None):
+            if id(quantizer) not in swapped:
+                twin = quantizer.copy()
+                twin.rule = copy.copy(quantizer.rule)
+                twin.rule.amax_reduction_group = group
+                swapped[id(quantizer)] = twin
+            quantizer = swapped[id(quantizer)]
+        mapping[operand, gemm] = quantizer
+    if not swapped:
+        return state
+    view = copy.copy(state)
+    view.__dict__.pop("_tp_views", None)
+    view._quantizers = mapping
+    return view
