@@ -24,6 +24,15 @@
 #error "define NVFP4_NAMESPACE before including nvfp4_kernels.h"
 #endif
 
+// No FP-exception semantics to keep (nothing reads the flags): lets the compiler if-convert (and vectorise)
+// the fp32 compares and selects. Values are unchanged: rounding, signed zeros, NaN and inf are as written.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace engine_native {
 namespace NVFP4_NAMESPACE {
 
@@ -33,54 +42,89 @@ constexpr int64_t kB = kNvfp4Block;
 constexpr int64_t kT = kNvfp4TileCols;
 constexpr float kFltMax = 3.4028234663852886e38f;
 
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
+// ------------------------------------------------------------------------------ vectors
+// GCC / clang vector extensions: 16 or 8 fp32 / uint32 lanes; each build lowers them to its instruction set.
+#define NVFP4_INLINE inline __attribute__((always_inline))
+typedef float F16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef uint64_t Q8 __attribute__((vector_size(64)));
+typedef uint8_t B8 __attribute__((vector_size(8)));
+
+template <typename V>
+NVFP4_INLINE V vload(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-inline float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+template <typename V>
+NVFP4_INLINE void vstore(void* p, V v) {
+  std::memcpy(p, &v, sizeof v);
 }
 
-inline uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+// Lane-wise m ? a : b for a mask m of all-ones / all-zeros lanes (the result of a comparison).
+template <typename U, typename M>
+NVFP4_INLINE U sel(M m, U a, U b) {
+  return (a & (U)m) | (b & ~(U)m);
+}
+
+template <typename F, typename U, typename M>
+NVFP4_INLINE F fsel(M m, F a, F b) {
+  return (F)sel((U)m, (U)a, (U)b);
+}
+
+template <typename U>
+NVFP4_INLINE U vmax(U a, U b) {
+  return sel(a > b, a, b);
+}
 
 // ------------------------------------------------------------------------------ element rules
-// The E2M1 code of |a| (a >= 0 or NaN) rounded to nearest even, saturating: the count of grid midpoints
-// below it (a tie goes to the even code: > at a midpoint whose lower neighbour has an even code, >= else).
-inline uint32_t e2m1_magnitude(float a) {
-  return static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) + static_cast<uint32_t>(a > 1.25f) +
-         static_cast<uint32_t>(a >= 1.75f) + static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
-         static_cast<uint32_t>(a > 5.0f);
+// The E2M1 code of |a| (a >= 0, bits mag) rounded to nearest even, saturating at 6. With c = min(mag, 6) and
+// e = max(c's exponent field, 127 = that of 1.0, E2M1's smallest normal), the fp32 sum c + M with
+// M = 2^(e - 105) + ((e - 127) << 1) ulps has E2M1's step at c as its ulp: it rounds c to that step, ties to
+// even (the added ulps are even), and its low mantissa bits are the code (the subnormal 0.5 included).
+template <typename F, typename U>
+NVFP4_INLINE U e2m1_magnitude(U mag) {
+  const U zero = {};
+  const U c = sel(mag < 0x40C00000u, mag, zero + 0x40C00000u);
+  const U field = vmax(c >> 23, zero + 127u);
+  const U magic = ((field + 22u) << 23) + ((field - 127u) << 1);
+  return (U)((F)c + (F)magic) & 0x7FFFFFu;
 }
 
 // mx_elements.encode(y, E2M1): RNE, +-inf -> +-6, NaN -> 0, the sign kept (-0 -> 8).
-inline uint32_t e2m1_rne(float y) {
-  const uint32_t b = bits_of(y);
-  const uint32_t code = e2m1_magnitude(float_of(b & 0x7FFFFFFFu)) | ((b >> 28) & 8u);
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? 0u : code;
+template <typename F, typename U, typename I>
+NVFP4_INLINE U e2m1_rne(F y) {
+  const U b = (U)y, mag = b & 0x7FFFFFFFu;
+  const U code = e2m1_magnitude<F, U>(mag) | ((b >> 28) & 8u);
+  return code & ~(U)(mag > 0x7F800000u);
 }
 
-// nvfp4_sr.encode_e2m1_stochastic for one element with random byte r: a = min(|y|, 6), step the grid step at
-// a, lo = floor(a / step) * step; up one step iff (a - lo) / step * 256 >= 256 - r (every operation exact).
-inline uint32_t e2m1_stochastic(float y, uint32_t r) {
-  const uint32_t b = bits_of(y);
-  const float mag = float_of(b & 0x7FFFFFFFu);
-  const float a = mag < 6.0f ? mag : 6.0f;  // NaN -> 6, zeroed below
-  const float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
-  const float inv = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
-  const float lo = static_cast<float>(static_cast<int32_t>(a * inv)) * step;  // a * inv >= 0: truncation is floor
-  const float frac256 = (a - lo) * (inv * 256.0f);
-  const bool up = (frac256 >= static_cast<float>(256u - r)) & (lo < 6.0f);
-  const float value = up ? lo + step : lo;
-  const uint32_t code = e2m1_magnitude(value) | ((b >> 28) & 8u);
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? 0u : code;
+// nvfp4_sr.encode_e2m1_stochastic with random bytes r: a = min(|y|, 6), step the grid step at a,
+// lo = floor(a / step) * step; up one step iff (a - lo) / step * 256 >= 256 - r (every operation exact).
+template <typename F, typename U, typename I>
+NVFP4_INLINE U e2m1_stochastic(F y, U r) {
+  const U b = (U)y, magu = b & 0x7FFFFFFFu;
+  const F mag = (F)magu, zero = {};  // (NaN lanes are zeroed at the end)
+  const F a = fsel<F, U>(mag < 6.0f, mag, zero + 6.0f);
+  const I lt2 = a < 2.0f, lt4 = a < 4.0f;
+  const F step = fsel<F, U>(lt2, zero + 0.5f, fsel<F, U>(lt4, zero + 1.0f, zero + 2.0f));
+  const F inv = fsel<F, U>(lt2, zero + 2.0f, fsel<F, U>(lt4, zero + 1.0f, zero + 0.5f));
+  const F lo = __builtin_convertvector(__builtin_convertvector(a * inv, I), F) * step;  // a * inv >= 0: floor
+  const F frac256 = (a - lo) * (inv * 256.0f);
+  const F threshold = __builtin_convertvector((I)(256u - r), F);
+  const I up = (frac256 >= threshold) & (lo < 6.0f);
+  const U code = e2m1_magnitude<F, U>((U)fsel<F, U>(up, lo + step, lo)) | ((b >> 28) & 8u);
+  return code & ~(U)(magu > 0x7F800000u);
 }
 
 // ------------------------------------------------------------------------------ the random bits
-inline uint32_t hash32(uint32_t v) {  // "lowbias32"
+template <typename U>
+NVFP4_INLINE U hash32(U v) {  // "lowbias32"
   v ^= v >> 16;
   v *= 0x7FEB352Du;
   v ^= v >> 15;
@@ -92,8 +136,9 @@ inline uint32_t seed_key(uint64_t seed) {
   return hash32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32);
 }
 
-// The random byte of counter index j = (hi << 32) + lo (nvfp4_sr.random_bits).
-inline uint32_t random_byte(uint32_t lo, uint32_t hi, uint32_t key) {
+// The random bytes of counter indices j = (hi << 32) + lo (nvfp4_sr.random_bits).
+template <typename U>
+NVFP4_INLINE U random_byte(U lo, U hi, uint32_t key) {
   return hash32(hash32(lo) ^ key ^ (hi * 0x9E3779B9u)) & 0xFFu;
 }
 
@@ -101,23 +146,24 @@ inline uint32_t random_byte(uint32_t lo, uint32_t hi, uint32_t key) {
 // E4M3 code of v, RNE, saturating at 448, NaN -> 0x7F, the sign kept (reference.cast_to_fp8). With c = min(|v|,
 // 448) and e = max(c's exponent field, 121 = that of 2^-6, E4M3's smallest normal), the fp32 sum c + M with
 // M = 2^(e - 107) + ((e - 121) << 3) ulps has E4M3's step at c as its ulp: it rounds c to that step, ties to
-// even, and its low mantissa bits are the code (subnormals included, no fp32 subnormal arithmetic needed).
-inline uint32_t e4m3_code(float v) {
-  const uint32_t b = bits_of(v);
-  const uint32_t mag = b & 0x7FFFFFFFu;
-  const uint32_t c = mag < 0x43E00000u ? mag : 0x43E00000u;
-  const uint32_t field = (c >> 23) > 121u ? (c >> 23) : 121u;
-  const uint32_t magic = ((field + 20u) << 23) + ((field - 121u) << 3);
-  const uint32_t code = (bits_of(float_of(c) + float_of(magic)) & 0x7FFFFFu) | ((b >> 24) & 0x80u);
-  return mag > 0x7F800000u ? 0x7Fu : code;
+// even, and its low mantissa bits are the code (subnormals included).
+template <typename F, typename U>
+NVFP4_INLINE U e4m3_code(F v) {
+  const U b = (U)v, mag = b & 0x7FFFFFFFu, zero = {};
+  const U c = sel(mag < 0x43E00000u, mag, zero + 0x43E00000u);
+  const U field = vmax(c >> 23, zero + 121u);
+  const U magic = ((field + 20u) << 23) + ((field - 121u) << 3);
+  const U code = ((U)((F)c + (F)magic) & 0x7FFFFFu) | ((b >> 24) & 0x80u);
+  return sel(mag > 0x7F800000u, zero + 0x7Fu, code);
 }
 
-// The fp32 value of an E4M3 code: its bits placed as an fp32 with the exponent 120 too small, times 2^120
-// (exact, subnormal codes included); 0x7F / 0xFF are NaN.
-inline float e4m3_value(uint32_t code) {
-  const float m = float_of((code & 0x7Fu) << 20) * 0x1p120f;
-  const float v = float_of(bits_of(m) | ((code & 0x80u) << 24));
-  return (code & 0x7Fu) == 0x7Fu ? float_of(0x7FC00000u) : v;
+// The fp32 value of E4M3 codes: the bits placed as an fp32 with the exponent 120 too small, times 2^120
+// (exact, subnormal codes included: needs no denormals-are-zero); 0x7F / 0xFF are NaN.
+template <typename F, typename U>
+NVFP4_INLINE F e4m3_value(U code) {
+  const F m = (F)((code & 0x7Fu) << 20) * 0x1p120f;
+  const U v = (U)m | ((code & 0x80u) << 24);
+  return (F)sel((code & 0x7Fu) == 0x7Fu, U{} + 0x7FC00000u, v);
 }
 
 // A usage's per-tensor factors (nvfp4.encode_scale and its reciprocal, and the block multiplier).
@@ -132,55 +178,57 @@ inline TensorScale tensor_scale(float amax) {
   return {1.0f / s, s * static_cast<float>(1.0 / 6.0)};
 }
 
-// The E4M3 scale code of a block from its amax key, and the factor of its elements.
-inline uint32_t block_code(uint32_t key, const TensorScale& ts) { return e4m3_code(float_of(key) * ts.mult); }
+// E4M3 scale codes of blocks from their amax keys (|x| bits), and the factors of their elements
+// (fmin(1 / (float(s_b) * S_dec), FLT_MAX): NaN and inf give FLT_MAX).
+template <typename F, typename U>
+NVFP4_INLINE U block_code(U key, const TensorScale& ts) {
+  return e4m3_code<F, U>((F)key * ts.mult);
+}
 
-inline float block_encode(uint32_t code, const TensorScale& ts) {
-  const float e = 1.0f / (e4m3_value(code) * ts.s_dec);
-  return e < kFltMax ? e : kFltMax;  // fmin(., FLT_MAX): NaN and inf give FLT_MAX
+template <typename F, typename U>
+NVFP4_INLINE F block_encode(U code, const TensorScale& ts) {
+  const F e = 1.0f / (e4m3_value<F, U>(code) * ts.s_dec);
+  const F flt_max = F{} + kFltMax;
+  return fsel<F, U>(e < kFltMax, e, flt_max);
+}
+
+// Codes and factors of n block keys (n a multiple of 16), in place of the keys.
+inline void block_scales(uint32_t* __restrict keys, float* __restrict enc, int64_t n, const TensorScale& ts) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const U16 code = block_code<F16, U16>(vload<U16>(keys + i), ts);
+    vstore(keys + i, code);
+    vstore(enc + i, block_encode<F16, U16>(code, ts));
+  }
 }
 
 // ------------------------------------------------------------------------------ the RHT
 // Sign of H[i][k]: TE's sign vector times Sylvester's H16 (-1 where popcount(i & k) is odd).
 constexpr int kRhtSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
 
-constexpr float h_sign(int i, int k) {
-  return static_cast<float>(kRhtSigns[i] * ((__builtin_popcount(static_cast<unsigned>(i & k)) & 1) ? -1 : 1));
+constexpr bool h_positive(int i, int k) {
+  return (kRhtSigns[i] > 0) == ((__builtin_popcount(static_cast<unsigned>(i & k)) & 1) == 0);
 }
 
-struct SignTable {
-  float s[16][16];
-};
-
-constexpr SignTable make_signs() {
-  SignTable t{};
-  for (int i = 0; i < 16; ++i) {
-    for (int k = 0; k < 16; ++k) t.s[i][k] = h_sign(i, k);
-  }
-  return t;
-}
-
-constexpr SignTable kSigns = make_signs();
-
-inline float bf16_round(float v) {
-  const uint32_t u = bits_of(v);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? float_of(0x7FC00000u) : float_of(r);
+template <typename F, typename U>
+NVFP4_INLINE F bf16_round(F v) {
+  const U u = (U)v;
+  const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (F)sel((u & 0x7FFFFFFFu) > 0x7F800000u, U{} + 0x7FC00000u, r);
 }
 
 // y[k][c] = bf16(sum_i t[i][c] * H[i][k]) for the 16 tokens t[0..15][c] of each column c. x_i * (+-1/4) is
-// +-(x_i * 0.25) exactly, so each term is q_i or -q_i with q_i = x_i * 0.25, added in the order i = 0..15.
+// +-(x_i * 0.25) exactly, so each term adds or subtracts q_i = x_i * 0.25, in the order i = 0..15.
 inline void rht_tile(const float (*__restrict t)[kT], float (*__restrict y)[kT]) {
-  for (int64_t c = 0; c < kT; ++c) {
-    float q[16];
+  for (int64_t c = 0; c < kT; c += 16) {
+    F16 q[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) q[i] = t[i][c] * 0.25f;
+    for (int i = 0; i < 16; ++i) q[i] = vload<F16>(t[i] + c) * 0.25f;
 #pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) {
-      float acc = q[0] * kSigns.s[0][k];
+      F16 acc = h_positive(0, k) ? q[0] : -q[0];
 #pragma GCC unroll 16
-      for (int i = 1; i < 16; ++i) acc = acc + q[i] * kSigns.s[i][k];
-      y[k][c] = bf16_round(acc);
+      for (int i = 1; i < 16; ++i) acc = h_positive(i, k) ? acc + q[i] : acc - q[i];
+      vstore(y[k] + c, bf16_round<F16, U16>(acc));
     }
   }
 }
@@ -188,7 +236,12 @@ inline void rht_tile(const float (*__restrict t)[kT], float (*__restrict y)[kT])
 // ------------------------------------------------------------------------------ tiles
 template <bool BF16>
 inline float load(const void* x, int64_t i) {
-  if (BF16) return float_of(static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16);
+  if (BF16) {
+    const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
   return static_cast<const float*>(x)[i];
 }
 
@@ -216,10 +269,54 @@ inline void load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict 
   }
 }
 
-inline uint32_t tile_key(const float (*__restrict t)[kT]) {
-  uint32_t key = 0;
+// Max |value| bits over 16 rows x `cols` of t (16 at a time).
+inline uint32_t tile_key(const float (*__restrict t)[kT], int64_t c0 = 0, int64_t cols = kT) {
+  U16 m = {};
   for (int64_t i = 0; i < kB; ++i) {
-    for (int64_t c = 0; c < kT; ++c) key = umax(key, bits_of(t[i][c]) & 0x7FFFFFFFu);
+    for (int64_t c = c0; c < c0 + cols; c += 16) m = vmax(m, vload<U16>(t[i] + c) & 0x7FFFFFFFu);
+  }
+  uint32_t key = 0;
+  for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
+  return key;
+}
+
+// Max |x| bits over rows [r0, r1) x cols [c0, c0 + w) of x, read in place (no fp32 tile): |bf16| bits order
+// as |fp32| bits do.
+template <bool BF16>
+inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int64_t w) {
+  uint32_t key = 0;
+  if (BF16) {
+    typedef uint16_t H32 __attribute__((vector_size(64)));
+    const uint16_t* x = static_cast<const uint16_t*>(job.x);
+    H32 m = {};
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = x + r * job.ld + c0;
+      int64_t c = 0;
+      for (; c + 32 <= w; c += 32) {
+        const H32 v = vload<H32>(row + c) & static_cast<uint16_t>(0x7FFFu);
+        m = sel(v > m, v, m);
+      }
+      for (; c < w; ++c) {
+        const uint32_t k = static_cast<uint32_t>(row[c] & 0x7FFFu) << 16;
+        key = key > k ? key : k;
+      }
+    }
+    for (int l = 0; l < 32; ++l) key = key > (static_cast<uint32_t>(m[l]) << 16) ? key : static_cast<uint32_t>(m[l]) << 16;
+  } else {
+    const float* x = static_cast<const float*>(job.x);
+    U16 m = {};
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * job.ld + c0;
+      int64_t c = 0;
+      for (; c + 16 <= w; c += 16) m = vmax(m, vload<U16>(row + c) & 0x7FFFFFFFu);
+      for (; c < w; ++c) {
+        uint32_t k;
+        std::memcpy(&k, row + c, 4);
+        k &= 0x7FFFFFFFu;
+        key = key > k ? key : k;
+      }
+    }
+    for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
   }
   return key;
 }
@@ -231,137 +328,172 @@ void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, ui
   uint32_t xk = 0, yk = 0;
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
-    load_tile<BF16>(job, b, t);
-    if (x_key) xk = umax(xk, tile_key(t));
+    if (x_key) {
+      const uint32_t k = source_key<BF16>(job, b.r0, b.r0 + b.rows, b.c0, b.w);
+      xk = xk > k ? xk : k;
+    }
     if (rht_key) {
+      load_tile<BF16>(job, b, t);
       rht_tile(t, y);
-      yk = umax(yk, tile_key(y));
+      const uint32_t k = tile_key(y);
+      yk = yk > k ? yk : k;
     }
   }
   if (x_key) *x_key = xk;
   if (rht_key) *rht_key = yk;
 }
 
-// Packs 16 codes per 16 values of `row` (kT of them) into bytes, two per byte, element 2i in the low nibble.
-inline void pack_row(const uint8_t* __restrict q, int64_t w, uint8_t* __restrict out) {
-  const int64_t pairs = (w + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p) out[p] = static_cast<uint8_t>(q[2 * p] | (q[2 * p + 1] << 4));
+// 16 codes (one per lane) -> 8 bytes, element 2i in the low nibble of byte i: as 64-bit lanes, code 2i is in the
+// low half and code 2i + 1 in the high half.
+NVFP4_INLINE B8 pack16(U16 codes) {
+  const Q8 pairs = (Q8)codes;
+  return __builtin_convertvector((pairs & 0x0Fu) | ((pairs >> 28) & 0xF0u), B8);
 }
 
-// The rowwise usage of a tile: 1x16 blocks of each row (or the 16x16 tiles' keys `tile_keys` when 2D).
+// Max |value| bits of each of the 16 consecutive blocks of 16 values at v (lane j: block j), by a tree of
+// lane shuffles: each level halves the lanes per block and doubles the blocks per vector.
+NVFP4_INLINE U16 block_maxima(const float* __restrict v) {
+  U16 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = vload<U16>(v + 16 * j) & 0x7FFFFFFFu;
+  for (int j = 0; j < 8; ++j) {  // 8 lanes per block, 2 blocks per vector
+    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                        30, 31));
+  }
+  for (int j = 0; j < 4; ++j) {  // 4 lanes per block
+    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                        31));
+  }
+  for (int j = 0; j < 2; ++j) {  // 2 lanes per block
+    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                        31));
+  }
+  return vmax(__builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+              __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+}
+
+// The rowwise usage of a tile: 1x16 blocks of each row (or the 16x16 tiles' codes when 2D).
 template <bool SR>
 void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict t)[kT],
                   const uint32_t* __restrict tile_keys, uint32_t rkey) {
+  constexpr int64_t kBlocks = kT / kB;
   const TensorScale ts = tensor_scale(job.row_amax);
-  const int64_t nbk = (job.K + kB - 1) / kB, kp = (job.K + 1) / 2, blocks = (b.w + kB - 1) / kB;
-  alignas(64) uint32_t codes[kT / kB];
-  alignas(64) float enc[kT / kB];
-  alignas(64) uint8_t q[kT];
-  if (job.two_d) {
-    for (int64_t j = 0; j < kT / kB; ++j) {
-      codes[j] = block_code(tile_keys[j], ts);
-      enc[j] = block_encode(codes[j], ts);
-    }
+  const int64_t K = job.K, nbk = (K + kB - 1) / kB, kp = (K + 1) / 2, blocks = (b.w + kB - 1) / kB;
+  uint8_t* const row_scales = job.row_scales;
+  uint8_t* const row_data = job.row_data;
+  const uint64_t row_offset = job.row_offset;
+  const bool two_d = job.two_d;
+  alignas(64) uint32_t codes[kB * kBlocks];  // [row][block], or [block] for 2D
+  alignas(64) float enc[kB * kBlocks];
+  alignas(64) uint8_t packed[kT / 2];
+  if (two_d) {
+    for (int64_t j = 0; j < kBlocks; ++j) codes[j] = tile_keys[j];
+    for (int64_t j = kBlocks; j < 16; ++j) codes[j] = 0;
+    block_scales(codes, enc, 16, ts);
+  } else {
+    for (int64_t n = 0; n < kB * kBlocks; n += 16) vstore(codes + n, block_maxima(&t[0][0] + n * kB));
+    block_scales(codes, enc, kB * kBlocks, ts);
   }
+  const U16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t i = 0; i < b.rows; ++i) {
-    const float* __restrict row = t[i];
-    if (!job.two_d) {
-      for (int64_t j = 0; j < kT / kB; ++j) {
-        uint32_t key = 0;
-        for (int64_t c = 0; c < kB; ++c) key = umax(key, bits_of(row[j * kB + c]) & 0x7FFFFFFFu);
-        codes[j] = block_code(key, ts);
-        enc[j] = block_encode(codes[j], ts);
+    const int64_t r = b.r0 + i, at = two_d ? 0 : i * kBlocks;
+    uint8_t* scales = row_scales + r * nbk + b.c0 / kB;
+    for (int64_t j = 0; j < blocks; ++j) scales[j] = static_cast<uint8_t>(codes[at + j]);
+    const uint64_t base = row_offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(K) +
+                          static_cast<uint64_t>(b.c0);
+    for (int64_t j = 0; j < kBlocks; ++j) {
+      const F16 v = vload<F16>(t[i] + j * kB) * enc[at + j];
+      U16 q;
+      if (SR) {
+        const uint64_t first = base + static_cast<uint64_t>(j * kB);
+        const U16 lo0 = U16{} + static_cast<uint32_t>(first);
+        const U16 lo = lo0 + iota;
+        const U16 hi = static_cast<uint32_t>(first >> 32) + ((U16)(lo < lo0) & 1u);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hi, rkey));
+      } else {
+        q = e2m1_rne<F16, U16, I16>(v);
       }
+      vstore(packed + j * 8, pack16(q));
     }
-    const int64_t r = b.r0 + i;
-    uint8_t* scales = job.row_scales + r * nbk + b.c0 / kB;
-    for (int64_t j = 0; j < blocks; ++j) scales[j] = static_cast<uint8_t>(codes[j]);
-    if (SR) {
-      const uint64_t base = job.row_offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(job.K) +
-                            static_cast<uint64_t>(b.c0);
-      const uint32_t blo = static_cast<uint32_t>(base), bhi = static_cast<uint32_t>(base >> 32);
-      for (int64_t j = 0; j < kT / kB; ++j) {
-        for (int64_t c = 0; c < kB; ++c) {
-          const uint32_t lo = blo + static_cast<uint32_t>(j * kB + c);
-          const uint32_t rb = random_byte(lo, bhi + static_cast<uint32_t>(lo < blo), rkey);
-          q[j * kB + c] = static_cast<uint8_t>(e2m1_stochastic(row[j * kB + c] * enc[j], rb));
-        }
-      }
+    if (b.w == kT) {
+      std::memcpy(row_data + r * kp + b.c0 / 2, packed, kT / 2);
     } else {
-      for (int64_t j = 0; j < kT / kB; ++j) {
-        for (int64_t c = 0; c < kB; ++c) q[j * kB + c] = static_cast<uint8_t>(e2m1_rne(row[j * kB + c] * enc[j]));
-      }
+      std::memcpy(row_data + r * kp + b.c0 / 2, packed, static_cast<size_t>((b.w + 1) / 2));
     }
-    pack_row(q, b.w, job.row_data + r * kp + b.c0 / 2);
   }
 }
 
-// The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output).
+// The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output), 8 columns at
+// a time, each column's 16 codes gathered into a 64-bit word (element 2i in the low nibble of byte i).
 template <bool SR>
 void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict src)[kT],
                      const uint32_t* __restrict tile_keys, uint32_t rkey) {
   const TensorScale ts = tensor_scale(job.col_amax);
-  const int64_t nbm = (job.M + kB - 1) / kB, mp = (job.M + 1) / 2;
+  const int64_t M = job.M, nbm = (M + kB - 1) / kB, mp = (M + 1) / 2;
+  uint8_t* const col_scales = job.col_scales;
+  const uint64_t col_offset = job.col_offset;
+  const size_t bytes = static_cast<size_t>((b.rows + 1) / 2);
+  const int64_t block_row = b.r0 / kB;
   alignas(64) uint32_t codes[kT];
   alignas(64) float enc[kT];
-  alignas(64) uint32_t lo_word[kT];
-  alignas(64) uint32_t hi_word[kT];
-  alignas(64) uint32_t base_lo[kT];
-  alignas(64) uint32_t base_hi[kT];
   if (job.two_d) {
-    for (int64_t j = 0; j < kT / kB; ++j) {
-      const uint32_t code = block_code(tile_keys[j], ts);
-      const float e = block_encode(code, ts);
-      for (int64_t c = 0; c < kB; ++c) {
-        codes[j * kB + c] = code;
-        enc[j * kB + c] = e;
-      }
+    alignas(64) uint32_t tc[16] = {};
+    alignas(64) float te[16];
+    for (int64_t j = 0; j < kT / kB; ++j) tc[j] = tile_keys[j];
+    block_scales(tc, te, 16, ts);
+    for (int64_t c = 0; c < kT; ++c) {
+      codes[c] = tc[c / kB];
+      enc[c] = te[c / kB];
     }
   } else {
-    for (int64_t c = 0; c < kT; ++c) codes[c] = 0;
-    for (int64_t k = 0; k < kB; ++k) {
-      for (int64_t c = 0; c < kT; ++c) codes[c] = umax(codes[c], bits_of(src[k][c]) & 0x7FFFFFFFu);
+    for (int64_t c = 0; c < kT; c += 16) {
+      U16 m = {};
+      for (int64_t k = 0; k < kB; ++k) m = vmax(m, vload<U16>(src[k] + c) & 0x7FFFFFFFu);
+      vstore(codes + c, m);
     }
-    for (int64_t c = 0; c < kT; ++c) {
-      codes[c] = block_code(codes[c], ts);
-      enc[c] = block_encode(codes[c], ts);
-    }
+    block_scales(codes, enc, kT, ts);
   }
-  const int64_t block_row = b.r0 / kB;
-  for (int64_t c = 0; c < b.w; ++c) job.col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
-  for (int64_t c = 0; c < kT; ++c) {
-    lo_word[c] = 0;
-    hi_word[c] = 0;
-  }
-  if (SR) {
-    for (int64_t c = 0; c < kT; ++c) {
-      const uint64_t base = job.col_offset + static_cast<uint64_t>(b.c0 + c) * static_cast<uint64_t>(job.M) +
-                            static_cast<uint64_t>(b.r0);
-      base_lo[c] = static_cast<uint32_t>(base);
-      base_hi[c] = static_cast<uint32_t>(base >> 32);
-    }
-  }
-  for (int64_t k = 0; k < kB; ++k) {
-    uint32_t* __restrict word = k < 8 ? lo_word : hi_word;
-    const uint32_t shift = static_cast<uint32_t>(4 * (k & 7));
-    if (SR) {
-      for (int64_t c = 0; c < kT; ++c) {
-        const uint32_t lo = base_lo[c] + static_cast<uint32_t>(k);
-        const uint32_t rb = random_byte(lo, base_hi[c] + static_cast<uint32_t>(lo < base_lo[c]), rkey);
-        word[c] |= e2m1_stochastic(src[k][c] * enc[c], rb) << shift;
-      }
-    } else {
-      for (int64_t c = 0; c < kT; ++c) word[c] |= e2m1_rne(src[k][c] * enc[c]) << shift;
-    }
-  }
-  const int64_t bytes = (b.rows + 1) / 2;
+  for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
-  for (int64_t c = 0; c < b.w; ++c) {
-    const uint64_t word = static_cast<uint64_t>(lo_word[c]) | (static_cast<uint64_t>(hi_word[c]) << 32);
-    if (bytes == 8) {
-      std::memcpy(out + c * mp, &word, 8);  // little endian: element 2i in the low nibble of byte i
+  for (int64_t c = 0; c < b.w; c += 16) {
+    const F16 e = vload<F16>(enc + c);
+    U16 lo0, hi0;
+    if (SR) {
+      for (int l = 0; l < 16; ++l) {
+        const uint64_t first = col_offset + static_cast<uint64_t>(b.c0 + c + l) * static_cast<uint64_t>(M) +
+                               static_cast<uint64_t>(b.r0);
+        lo0[l] = static_cast<uint32_t>(first);
+        hi0[l] = static_cast<uint32_t>(first >> 32);
+      }
+    }
+    U16 words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
+#pragma GCC unroll 16
+    for (int k = 0; k < kB; ++k) {
+      const F16 v = vload<F16>(src[k] + c) * e;
+      U16 q;
+      if (SR) {
+        const U16 lo = lo0 + static_cast<uint32_t>(k);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hi0 + ((U16)(lo < lo0) & 1u), rkey));
+      } else {
+        q = e2m1_rne<F16, U16, I16>(v);
+      }
+      words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
+    }
+    alignas(64) uint64_t column_words[16];
+    vstore(column_words, __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 0, 1, 2, 3, 4, 5, 6, 7), Q8) |
+                             (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 0, 1, 2, 3, 4, 5, 6, 7), Q8)
+                              << 32u));
+    vstore(column_words + 8,
+           __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 8, 9, 10, 11, 12, 13, 14, 15), Q8) |
+               (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 8, 9, 10, 11, 12, 13, 14, 15), Q8)
+                << 32u));
+    const int64_t n = b.w - c < 16 ? b.w - c : 16;
+    if (bytes == 8) {  // little endian: byte i holds elements 2i, 2i + 1
+      for (int64_t l = 0; l < n; ++l) std::memcpy(out + (c + l) * mp, column_words + l, 8);
     } else {
-      for (int64_t p = 0; p < bytes; ++p) out[c * mp + p] = static_cast<uint8_t>(word >> (8 * p));
+      for (int64_t l = 0; l < n; ++l) std::memcpy(out + (c + l) * mp, column_words + l, bytes);
     }
   }
 }
@@ -376,13 +508,7 @@ void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
     const TileBox b = tile_box(job, u);
     load_tile<BF16>(job, b, t);
     if (job.two_d) {
-      for (int64_t j = 0; j < kT / kB; ++j) {
-        uint32_t key = 0;
-        for (int64_t i = 0; i < kB; ++i) {
-          for (int64_t c = 0; c < kB; ++c) key = umax(key, bits_of(t[i][j * kB + c]) & 0x7FFFFFFFu);
-        }
-        tile_keys[j] = key;
-      }
+      for (int64_t j = 0; j < kT / kB; ++j) tile_keys[j] = tile_key(t, j * kB, kB);
     }
     if (job.row_data) rowwise_tile<SR>(job, b, t, tile_keys, rkey);
     if (job.col_data) {
@@ -406,3 +532,8 @@ void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
 
 }  // namespace NVFP4_NAMESPACE
 }  // namespace engine_native
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
