@@ -697,6 +697,7 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
 
 namespace engine_native {
 void register_mx_small(pybind11::module_& m);  // kernels_mx_small.cpp: MXFP4 / MXFP6
+void register_nvfp4(pybind11::module_& m);     // kernels_nvfp4.cpp: NVFP4
 }  // namespace engine_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -726,4 +727,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
         py::arg("bias"), py::arg("out_dtype"));
   register_mx_small(m);
+  register_nvfp4(m);
 }

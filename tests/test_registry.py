@@ -28,7 +28,7 @@ from engine.ops import backend, registry
 from engine.ops import quantize as qops
 from engine.ops.reference import dequantize_blocked
 from engine.formats import MX_ELEMENTS
-from engine.schemes import SCHEMES, Block, ScaleEncoding, Scheme
+from engine.schemes import NVFP4_LAYOUTS, SCHEMES, Block, ScaleEncoding, Scheme
 from engine.tensors.storage import QuantizedTensorBase
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -145,6 +145,38 @@ def compare_exact_gemm(fn) -> list[str]:
     return bad
 
 
+def compare_nvfp4(fn, layout: str, x: torch.Tensor, what: str) -> list[str]:
+    """An NVFP4 kernel against the reference for each option: 2D tiles, stochastic rounding (the same bits and
+    the counter advanced alike), given amaxes, one usage or both. The RHT needs M % 16 == 0: both refuse others."""
+    bad = []
+    scheme = next(s for s in SCHEMES.values() if s.layout == layout)
+    m = x.reshape(-1, x.shape[-1]).shape[0] if x.dim() > 1 else 1
+    if layout == "nvfp4_rht" and m % 16 and m > 16:  # the RHT runs on the whole 16-token groups of x too
+        bad += compare_nvfp4(fn, layout, x.reshape(m, -1)[: m // 16 * 16], f"{what} (first {m // 16 * 16} rows)")
+    for two_d in ((False,) if layout == "nvfp4_rht" else (False, True)):
+        for sr in (False, True):
+            for given in (None, (torch.tensor([3.5]), torch.tensor([1e-30]))):
+                for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+                    counters = [torch.tensor([2**40 + 7, 2**32 - 100]) if sr else None for _ in range(2)]
+                    opts = dict(rowwise=rowwise, columnwise=columnwise, two_d=two_d,
+                                amax=None if given is None else given[0], amax_t=None if given is None else given[1])
+                    label = f"{scheme.name} {what} two_d={two_d} sr={sr} given={given is not None} " \
+                            f"usages={rowwise, columnwise}"
+                    if layout == "nvfp4_rht" and columnwise and m % 16:
+                        for f, c in ((fn, counters[0]), (registry.REFERENCE["quantize"], counters[1])):
+                            with pytest.raises(ValueError, match="multiple of 16"):
+                                f(x, scheme, rng_counter=c, **opts)
+                        continue
+                    got, _ = fn(x, scheme, rng_counter=counters[0], **opts)
+                    want, _ = registry.REFERENCE["quantize"](x, scheme, rng_counter=counters[1], **opts)
+                    for field in (*registry.BUFFER_FIELDS, "amax_rowwise", "amax_columnwise"):
+                        if not same_bits(got[field], want[field]):
+                            bad.append(f"{label} {field}")
+                    if sr and not torch.equal(counters[0], counters[1]):
+                        bad.append(f"{label} counter")
+    return bad
+
+
 def compare_entry(op: str, layout: str, fn) -> list[str]:
     """Mismatches between a registered kernel and the reference, over every scheme of its layout."""
     if op == "delayed_update":
@@ -173,6 +205,9 @@ def compare_entry(op: str, layout: str, fn) -> list[str]:
                     codes = torch.arange(256, dtype=torch.uint8).view(element)
                     if not same_bits(fn(codes), registry.REFERENCE["fp8_to_bf16"](codes)):
                         bad.append(f"fp8_to_bf16 {element}")
+                continue
+            if layout in NVFP4_LAYOUTS:
+                bad += compare_nvfp4(fn, layout, x, f"{dtype} {name}")
                 continue
             for scheme in (s for s in SCHEMES.values() if s.layout == layout):
                 for scale in ([None, torch.tensor([3.0])] if layout == "tensor" else [None]):

@@ -68,7 +68,7 @@ except ImportError:  # not POSIX: no lock (concurrent first builds may then coll
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp", "kernels_mx_small.cpp",
-           "kernels_mx_small_avx512.cpp")
+           "kernels_mx_small_avx512.cpp", "kernels_nvfp4.cpp", "kernels_nvfp4_avx512.cpp")
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -539,3 +539,67 @@ def elements_to_bf16(data: torch.Tensor, element: object, cols: int | None = Non
     if cols is None:
         cols = data.shape[-1] * (2 if kind == 0 else 1)
     return _ext().mx_small_to_bf16(data, kind, int(cols))
+
+
+# ------------------------------------------------------------------------------------------ NVFP4
+NVFP4_BLOCK = 16
+
+
+def _check_flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _given_amax(t: object, name: str) -> torch.Tensor:
+    """A given per-tensor amax as the fp32 1-element tensor the C++ reads (the reference takes `t.float()`)."""
+    check_cpu_tensor(t, name)
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"{name}: expected a 1-element tensor, got shape {tuple(t.shape)}")
+    return t.float()
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True, two_d: bool = False, rht: bool = False,
+    amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """NVFP4 of x for the asked usages, the bits of `engine.ops.nvfp4.quantize` (same options, same dict).
+
+    Rowwise 1x16 blocks (`two_d`: 16x16 tiles), columnwise = x^T in 1x16 blocks (`rht`: of the 16-point
+    RHT of x^T along the token axis). `amax` / `amax_t`: given per-tensor amaxes, else x's own (after the
+    RHT). `counter`: the int64 `[2]` (seed, offset) of stochastic rounding (`nvfp4_sr.random_bits`): the
+    rowwise bits start at offset, the columnwise ones after the rowwise M*K; the counter is read, not
+    advanced (the caller advances it). None rounds to nearest even. Data are 2D: `[M, ceil(K/2)]` and
+    `[K, ceil(M/2)]` uint8, scales `[M, ceil(K/16)]` and `[K, ceil(M/16)]` float8_e4m3fn.
+    """
+    check_cpu_tensor(x, "x")
+    reference.check_input(x)
+    flags = {name: _check_flag(v, name) for name, v in
+             (("rowwise", rowwise), ("columnwise", columnwise), ("two_d", two_d), ("rht", rht))}
+    if two_d and rht:
+        raise ValueError("two_d and rht: TE applies the RHT to inputs and gradients only, never with 16x16 tiles")
+    x2d = reference.as_2d(x)
+    if rht and columnwise and x2d.shape[0] % NVFP4_BLOCK:
+        raise ValueError(f"x: the random Hadamard transform mixes {NVFP4_BLOCK} tokens, so the token count "
+                         f"(M, the product of the leading dims) must be a multiple of {NVFP4_BLOCK}, "
+                         f"got {x2d.shape[0]}")
+    amax = None if amax is None else _given_amax(amax, "amax")
+    amax_t = None if amax_t is None else _given_amax(amax_t, "amax_t")
+    if counter is not None:
+        check_cpu_tensor(counter, "counter")
+        if counter.dtype != torch.int64 or tuple(counter.shape) != (2,):
+            raise TypeError(f"counter: expected an int64 tensor of shape (2,) holding (seed, offset), got "
+                            f"{counter.dtype} {tuple(counter.shape)}")
+    ext = _ext()
+    row, row_scales, row_amax, col, col_scales, col_amax = ext.quantize_nvfp4(
+        x2d, flags["rowwise"], flags["columnwise"], flags["two_d"], flags["rht"], amax, amax_t, counter, ext.isa())
+    e4m3 = torch.float8_e4m3fn
+    return {
+        "rowwise_data": row if rowwise else None, "rowwise_scale_inv": row_scales.view(e4m3) if rowwise else None,
+        "amax_rowwise": row_amax if rowwise else None,
+        "columnwise_data": col if columnwise else None,
+        "columnwise_scale_inv": col_scales.view(e4m3) if columnwise else None,
+        "amax_columnwise": col_amax if columnwise else None,
+    }

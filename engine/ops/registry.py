@@ -12,7 +12,8 @@ Kernel functions take and return plain tensors:
 `quantize(x, scheme, *, rowwise, columnwise, scale, amax_epsilon, scale_mode)` returns the
 four buffers (None for a usage not asked for) and max|x| where the kernel measured it; the
 per-tensor ones also take `record_amax` (a 1-element fp32 tensor that becomes
-max(record_amax, max|x|) in place, delayed scaling's record). `delayed_update(amax_history,
+max(record_amax, max|x|) in place, delayed scaling's record). NVFP4's (`quantize_nvfp4_reference`) take its
+options instead (two_d, rng_counter, given amaxes) and add the usages' amaxes to the buffers. `delayed_update(amax_history,
 scale, fp8_max, margin, algo, held)` is delayed scaling's update of its state, in place.
 """
 
@@ -28,11 +29,11 @@ from typing import Callable
 
 import torch
 
-from engine.ops import backend
+from engine.ops import backend, nvfp4, nvfp4_sr
 from engine.ops import reference as ref
 from engine.ops.exact_gemm import exact_gemm as exact_gemm_reference
 from engine.ops.reference import quantize_blocked
-from engine.schemes import Scheme
+from engine.schemes import NVFP4_LAYOUTS, Scheme
 
 Buffers = dict[str, "torch.Tensor | None"]
 BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
@@ -47,7 +48,9 @@ def record_max(into: torch.Tensor, amax: torch.Tensor) -> None:
 
 def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                        record_amax: torch.Tensor | None = None, **rule) -> Result:
-    """Any scheme, one usage at a time, by the generic reference."""
+    """Any scheme, one usage at a time, by the generic reference (NVFP4: `quantize_nvfp4_reference`)."""
+    if scheme.layout in NVFP4_LAYOUTS:
+        return quantize_nvfp4_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, **rule)
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
@@ -57,6 +60,42 @@ def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, column
     if record_amax is not None:
         record_max(record_amax, amax)
     return out, amax
+
+
+def quantize_nvfp4_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                             two_d: bool = False, rng_counter: torch.Tensor | None = None,
+                             amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None) -> Result:
+    """NVFP4 by `engine.ops.nvfp4.quantize`: the buffers plus `amax_rowwise` / `amax_columnwise`, and x's amax.
+
+    `rng_counter` (int64 (seed, offset)) selects stochastic rounding: the rowwise bits are drawn first,
+    then the columnwise ones, the offset advanced in place past each (`nvfp4_sr.advance`).
+    `amax` / `amax_t`: given per-tensor amaxes (all-reduced), else x's own.
+    """
+    m, k = ref.as_2d(x).shape
+    rbits = rbits_t = None
+    if rng_counter is not None and rowwise:
+        rbits = nvfp4_sr.random_bits((m, k), rng_counter)
+        nvfp4_sr.advance(rng_counter, m * k)
+    if rng_counter is not None and columnwise:
+        rbits_t = nvfp4_sr.random_bits((k, m), rng_counter)
+        nvfp4_sr.advance(rng_counter, k * m)
+    out = nvfp4.quantize(x, rowwise=rowwise, columnwise=columnwise, two_d=two_d, rht=scheme.layout == "nvfp4_rht",
+                         rbits=rbits, rbits_t=rbits_t, amax=amax, amax_t=amax_t)
+    return out, out["amax_rowwise"]
+
+
+def quantize_nvfp4(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
+                   two_d: bool = False, rng_counter: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+                   amax_t: torch.Tensor | None = None) -> Result:
+    """NVFP4 in one kernel call (`quantize_nvfp4_reference`'s arguments and result); the counter advanced as there."""
+    out = kernels.quantize_nvfp4(x, rowwise=rowwise, columnwise=columnwise, two_d=two_d,
+                                 rht=scheme.layout == "nvfp4_rht", amax=amax, amax_t=amax_t, counter=rng_counter)
+    if rng_counter is not None:
+        m, k = ref.as_2d(x).shape
+        for wanted in (rowwise, columnwise):
+            if wanted:
+                nvfp4_sr.advance(rng_counter, m * k)
+    return out, out["amax_rowwise"]
 
 
 def quantize_per_tensor(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
@@ -249,6 +288,8 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
     ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
     # no Triton entry: its 1-row kernel holds a whole tile (here a whole row) in registers
     ("quantize", "axiswise", "cpu"): Kernel("native", quantize_per_row),
+    # NVFP4 (the RHT layout's columnwise usage fused in); no Triton kernel yet: CUDA runs the reference
+    **{("quantize", layout, "cpu"): Kernel("native", quantize_nvfp4) for layout in NVFP4_LAYOUTS},
 }
 REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,

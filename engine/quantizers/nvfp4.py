@@ -1,6 +1,7 @@
 """NVFP4Quantizer (TE's name): NVFP4 with TE's per-tensor options, making `NVFP4Tensor`s.
 
-The numerics are `engine.ops.nvfp4` (the reference; no native kernel yet). Options as TE's
+The numerics are `engine.ops.nvfp4`; the registry's kernel runs them (the C++ kernel on the CPU; elsewhere
+the reference, with a one-time warning). Options as TE's
 quantizer has them: `with_rht` (columnwise data from the 16-point RHT of the transpose: inputs
 and output gradients), `with_2d_quantization` (16x16 tiles: weights), `stochastic_rounding`
 (gradients). Stochastic rounding draws its bits from `rng_counter`, an int64 `[2]` tensor
@@ -14,14 +15,14 @@ from __future__ import annotations
 import functools
 import warnings
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from engine.checks import check_bool
 from engine.distributed import all_reduce_max
-from engine.ops import nvfp4, nvfp4_sr
+from engine.ops import backend, nvfp4, registry
 from engine.ops import reference as ref
 from engine.quantizers.base import Quantizer
 from engine.quantizers.rules import Buffers, ScaleRule
@@ -52,18 +53,10 @@ class NVFP4Rule(ScaleRule):
     def state(self) -> dict[str, torch.Tensor]:
         return {"rng_counter": self.rng_counter}
 
-    def _bits(self, shape: tuple[int, int]) -> torch.Tensor | None:
-        if not self.stochastic_rounding:
-            return None
-        bits = nvfp4_sr.random_bits(shape, self.rng_counter)
-        nvfp4_sr.advance(self.rng_counter, shape[0] * shape[1])
-        return bits
-
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
-        _warn_reference_once(x.device.type)
         rht = scheme.layout == "nvfp4_rht"
         x2d = ref.as_2d(x)
-        m, k = x2d.shape
+        m = x2d.shape[0]
         if rht and columnwise and m % nvfp4.NVFP4_BLOCK:
             raise ValueError(f"x: the RHT of the columnwise usage mixes {nvfp4.NVFP4_BLOCK} tokens, so the token "
                              f"count (the product of the leading dims) must be a multiple of {nvfp4.NVFP4_BLOCK}, "
@@ -73,13 +66,22 @@ class NVFP4Rule(ScaleRule):
             amaxes = [ref.amax(x2d) if rowwise else torch.zeros(1),
                       ref.amax(nvfp4.columnwise_input(x2d, rht)) if columnwise else torch.zeros(1)]
             all_reduce_max(amaxes, self.amax_reduction_group)
-        out = nvfp4.quantize(
-            x, rowwise=rowwise, columnwise=columnwise, two_d=self.two_d, rht=rht,
-            rbits=self._bits((m, k)) if rowwise else None, rbits_t=self._bits((k, m)) if columnwise else None,
+        out, _ = _kernel(scheme.layout, x.device.type)(
+            x, scheme, rowwise=rowwise, columnwise=columnwise, two_d=self.two_d,
+            rng_counter=self.rng_counter if self.stochastic_rounding else None,
             amax=None if amaxes is None else amaxes[0], amax_t=None if amaxes is None else amaxes[1])
         if rowwise:
             out["rowwise_data"] = out["rowwise_data"].reshape(scheme.data_shape(x.shape, False))
         return out
+
+
+def _kernel(layout: str, device_type: str) -> Callable[..., registry.Result]:
+    """The registry's NVFP4 quantize for the device; the reference (warned once) where there is none (CUDA, or
+    ENGINE_BACKEND=triton: no Triton NVFP4 kernel yet)."""
+    if ("quantize", layout, device_type) not in registry.KERNELS or backend.forced_backend() == "triton":
+        _warn_reference_once(device_type)
+        return registry.REFERENCE["quantize"]
+    return registry.kernel("quantize", layout, device_type)
 
 
 class NVFP4Quantizer(Quantizer):
@@ -122,6 +124,6 @@ class NVFP4Quantizer(Quantizer):
 
 @functools.lru_cache(maxsize=None)
 def _warn_reference_once(device_type: str) -> None:
-    """NVFP4 has no kernel yet: its quantization is the plain-PyTorch reference (about 4x slower steps)."""
-    warnings.warn(f"engine: NVFP4 quantization on {device_type} runs the plain-PyTorch reference (no kernel yet; "
-                  "slow)", RuntimeWarning, stacklevel=6)
+    """No NVFP4 kernel on this device (yet): its quantization is the plain-PyTorch reference (about 4x slower steps)."""
+    warnings.warn(f"engine: NVFP4 quantization on {device_type} runs the plain-PyTorch reference (no kernel for "
+                  "this device yet; slow)", RuntimeWarning, stacklevel=7)

@@ -1,0 +1,207 @@
+// NVFP4 on the CPU, torch glue: argument checks, outputs, the per-tensor amaxes, the split over OpenMP threads
+// and the choice of the portable or AVX-512 build of the kernels (nvfp4_kernels.h, where the rules are). Two
+// passes over x: the amaxes (skipped for given ones), then both usages from 16-row tiles converted to fp32
+// once. Threads run with round-to-nearest and without flush-to-zero / denormals-are-zero (MXCSR set per
+// thread): the E4M3 scale decode and the element products meet fp32 subnormals.
+#include <torch/extension.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define ENGINE_NVFP4_X86 1
+#endif
+
+#include "nvfp4.h"
+
+#define NVFP4_NAMESPACE nvfp4_portable
+#include "nvfp4_kernels.h"
+
+namespace engine_native {
+namespace nvfp4_glue {
+namespace {
+
+using at::Tensor;
+using c10::optional;
+
+bool cpu_has_avx512() {
+#if defined(ENGINE_NVFP4_X86) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+struct DefaultFpEnv {
+#ifdef ENGINE_NVFP4_X86
+  unsigned saved;
+  DefaultFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8000u | 0x6000u | 0x0040u)); }
+  ~DefaultFpEnv() { _mm_setcsr(saved); }
+#endif
+};
+
+struct NoPythonDispatch {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::python_ks};
+};
+
+void check_plain(const Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), name, ": expected a tensor, got an undefined tensor");
+  TORCH_CHECK_TYPE(!t.unsafeGetTensorImpl()->is_python_dispatch(), name,
+                   ": expected a plain tensor, got a tensor subclass, whose data the native kernels cannot read");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided && !t.is_nested() && t.has_storage(), name,
+                   ": expected a dense (strided) tensor with storage");
+  TORCH_CHECK_TYPE(t.device().is_cpu(), name, ": the native kernels take CPU tensors, got a tensor on ", t.device());
+}
+
+// A given per-tensor amax: a 1-element fp32 tensor, read here.
+float given_amax(const Tensor& t, const char* name) {
+  check_plain(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, ": expected a float32 tensor, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == 1, name, ": expected a 1-element tensor, got shape ", t.sizes());
+  return *t.data_ptr<float>();
+}
+
+Tensor amax_tensor(uint32_t key) {
+  Tensor out = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  const uint32_t bits = key > 0x7F800000u ? 0x7FC00000u : key;  // the canonical NaN, as reference.amax
+  std::memcpy(out.data_ptr<float>(), &bits, 4);
+  return out;
+}
+
+Tensor bytes(int64_t rows, int64_t cols) {
+  return at::empty({rows, cols}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
+
+// Calls f(u0, u1) on one contiguous chunk of the tiles per thread (small jobs stay on the calling thread).
+template <typename F>
+void parallel_tiles(int64_t elements, int64_t units, const F& f) {
+  const int64_t want = std::max<int64_t>(1, elements / (1 << 15));
+  const int threads = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), want, units}));
+  if (threads <= 1 || omp_in_parallel()) {
+    DefaultFpEnv env;
+    f(int64_t{0}, units, 0);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    DefaultFpEnv env;
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    if (u0 < u1) f(u0, u1, static_cast<int>(t));
+  }
+}
+
+// (row data, row E4M3 scales, row amax, col data, col scales, col amax); an unrequested usage gives empty
+// tensors and an undefined amax. `amax` / `amax_t`: given fp32 amaxes (returned as given), else x's own
+// (of the RHT output for an RHT'd columnwise usage). `counter`: the int64 (seed, offset) of stochastic
+// rounding, read here (the caller advances it), or none for round-to-nearest-even. `isa`: "avx512" or
+// "portable" (engine.ops.native.isa()).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
+    const Tensor& x_in, bool rowwise, bool columnwise, bool two_d, bool rht, const optional<Tensor>& amax,
+    const optional<Tensor>& amax_t, const optional<Tensor>& counter, const std::string& isa) {
+  NoPythonDispatch no_python;
+  check_plain(x_in, "x");
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected the 2D view, got ", x_in.dim(), " dims");
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+                   "x: expected dtype float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK_VALUE(isa == "avx512" || isa == "portable", "isa: expected 'avx512' or 'portable', got '", isa, "'");
+  TORCH_CHECK_VALUE(!(two_d && rht), "two_d and rht: the RHT is for inputs and gradients, never with 16x16 tiles");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK_VALUE(!(rht && columnwise) || M % kNvfp4Block == 0, "x: the random Hadamard transform mixes ",
+                    kNvfp4Block, " tokens, so the token count (M, the product of the leading dims) must be a "
+                    "multiple of ", kNvfp4Block, ", got ", M);
+  uint64_t seed = 0, offset = 0;
+  if (counter.has_value()) {
+    check_plain(*counter, "counter");
+    TORCH_CHECK_TYPE(counter->scalar_type() == at::kLong && counter->dim() == 1 && counter->size(0) == 2, "counter: "
+                     "expected an int64 tensor of shape (2,) holding (seed, offset), got ", counter->scalar_type(),
+                     " ", counter->sizes());
+    const Tensor c = counter->contiguous();
+    seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
+    offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
+  }
+  const bool avx512 = isa == "avx512" && nvfp4_avx512::compiled() && cpu_has_avx512();
+  Tensor row_data = bytes(rowwise ? M : 0, rowwise ? (K + 1) / 2 : 0);
+  Tensor row_scales = bytes(rowwise ? M : 0, rowwise ? (K + kNvfp4Block - 1) / kNvfp4Block : 0);
+  Tensor col_data = bytes(columnwise ? K : 0, columnwise ? (M + 1) / 2 : 0);
+  Tensor col_scales = bytes(columnwise ? K : 0, columnwise ? (M + kNvfp4Block - 1) / kNvfp4Block : 0);
+  Tensor row_amax, col_amax;
+  float row_a = 0.0f, col_a = 0.0f;
+  if (rowwise && amax.has_value()) {
+    row_a = given_amax(*amax, "amax");
+    row_amax = amax->reshape({1});
+  }
+  if (columnwise && amax_t.has_value()) {
+    col_a = given_amax(*amax_t, "amax_t");
+    col_amax = amax_t->reshape({1});
+  }
+  const bool want_x = (rowwise && !row_amax.defined()) || (columnwise && !rht && !col_amax.defined());
+  const bool want_rht = columnwise && rht && !col_amax.defined();
+  Tensor x = dt == at::kHalf ? x_in.to(at::kFloat) : x_in;  // fp16 -> fp32 is exact (the reference does it too)
+  if (M * K > 0 && !(x.stride(1) == 1 && x.stride(0) >= K)) x = x.contiguous();
+  Nvfp4Job job{x.data_ptr(), x.scalar_type() == at::kBFloat16, M * K > 0 ? x.stride(0) : K, M, K, two_d, rht,
+               rowwise ? row_data.data_ptr<uint8_t>() : nullptr, rowwise ? row_scales.data_ptr<uint8_t>() : nullptr,
+               columnwise ? col_data.data_ptr<uint8_t>() : nullptr,
+               columnwise ? col_scales.data_ptr<uint8_t>() : nullptr, 0.0f, 0.0f, counter.has_value(), seed,
+               offset, offset + (rowwise ? static_cast<uint64_t>(M) * static_cast<uint64_t>(K) : 0u)};
+  const int64_t units = ((M + kNvfp4Block - 1) / kNvfp4Block) * ((K + kNvfp4TileCols - 1) / kNvfp4TileCols);
+  uint32_t x_key = 0, rht_key = 0;
+  if ((want_x || want_rht) && M * K > 0) {
+    std::vector<uint32_t> keys(2 * (static_cast<size_t>(omp_get_max_threads()) + 1), 0u);
+    parallel_tiles(M * K, units, [&](int64_t u0, int64_t u1, int t) {
+      uint32_t* xk = want_x ? &keys[2 * t] : nullptr;
+      uint32_t* yk = want_rht ? &keys[2 * t + 1] : nullptr;
+      if (avx512) {
+        nvfp4_avx512::nvfp4_amax_tiles(job, u0, u1, xk, yk);
+      } else {
+        nvfp4_portable::nvfp4_amax_tiles(job, u0, u1, xk, yk);
+      }
+    });
+    for (size_t i = 0; i < keys.size(); i += 2) {
+      x_key = std::max(x_key, keys[i]);
+      rht_key = std::max(rht_key, keys[i + 1]);
+    }
+  }
+  if (rowwise && !row_amax.defined()) {
+    row_amax = amax_tensor(x_key);
+    row_a = *row_amax.data_ptr<float>();
+  }
+  if (columnwise && !col_amax.defined()) {
+    col_amax = amax_tensor(rht ? rht_key : x_key);
+    col_a = *col_amax.data_ptr<float>();
+  }
+  job.row_amax = row_a;
+  job.col_amax = col_a;
+  if (M * K > 0 && (rowwise || columnwise)) {
+    parallel_tiles(M * K, units, [&](int64_t u0, int64_t u1, int) {
+      if (avx512) {
+        nvfp4_avx512::nvfp4_quantize_tiles(job, u0, u1);
+      } else {
+        nvfp4_portable::nvfp4_quantize_tiles(job, u0, u1);
+      }
+    });
+  }
+  return {row_data, row_scales, row_amax, col_data, col_scales, col_amax};
+}
+
+}  // namespace
+}  // namespace nvfp4_glue
+
+void register_nvfp4(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("quantize_nvfp4", &nvfp4_glue::quantize, py::arg("x2d"), py::arg("rowwise"), py::arg("columnwise"),
+        py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"), py::arg("isa"),
+        "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax)");
+}
+
+}  // namespace engine_native

@@ -1,0 +1,42 @@
+// NVFP4 quantize kernels (nvfp4_kernels.h): the job the torch glue (kernels_nvfp4.cpp) hands them, and
+// their two builds, portable and AVX-512 (kernels_nvfp4_avx512.cpp, chosen at run time). The numerics are
+// those of engine/ops/nvfp4.py and engine/ops/nvfp4_sr.py. No torch here: the kernel files include only this.
+#pragma once
+
+#include <cstdint>
+
+namespace engine_native {
+
+// A row-major 2D input x [M, K] and the outputs of the usages asked for (null: not asked for).
+struct Nvfp4Job {
+  const void* x;
+  bool bf16;  // else fp32 (the glue widens fp16 to fp32, exactly)
+  int64_t ld, M, K;
+  bool two_d;  // 16x16 tiles (one amax per tile, shared by both usages)
+  bool rht;    // columnwise data from the 16-point random Hadamard transform of x^T along M (M % 16 == 0)
+  uint8_t* row_data;    // [M, ceil(K/2)] packed E2M1
+  uint8_t* row_scales;  // [M, ceil(K/16)] E4M3
+  uint8_t* col_data;    // [K, ceil(M/2)]
+  uint8_t* col_scales;  // [K, ceil(M/16)]
+  float row_amax, col_amax;  // the per-tensor amaxes the scales derive from (quantize pass)
+  bool sr;                   // stochastic rounding with the counter-based bits of nvfp4_sr.random_bits
+  uint64_t seed, row_offset, col_offset;  // the counter's seed; the offsets of the row / col bits
+};
+
+constexpr int64_t kNvfp4Block = 16;
+constexpr int64_t kNvfp4TileCols = 128;  // a multiple of 16; a tile is 16 rows x kNvfp4TileCols columns of x
+
+// Maxima over tiles [u0, u1) of the row-major grid ceil(M/16) x ceil(K/kNvfp4TileCols), as |value| bits (a
+// NaN above every number): of x (`x_key`, when set) and of the RHT output of x^T (`rht_key`, when set).
+// Quantizes the same tiles with the amaxes in the job.
+namespace nvfp4_portable {
+void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key);
+void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1);
+}  // namespace nvfp4_portable
+namespace nvfp4_avx512 {
+bool compiled();  // false where the compiler or architecture has no AVX-512 build
+void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key);
+void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1);
+}  // namespace nvfp4_avx512
+
+}  // namespace engine_native

@@ -1,0 +1,539 @@
+// NVFP4 kernels without torch: the per-element rules and the tile loops, included by kernels_nvfp4.cpp
+// (portable build) and kernels_nvfp4_avx512.cpp (after its AVX-512 target pragma). Everything is in an
+// anonymous namespace, so each file gets its own copy compiled for its own instruction set. Each includer
+// defines NVFP4_NAMESPACE, the namespace of its entry points.
+//
+// Bit for bit engine/ops/nvfp4.py (TE's order of fp32 operations) and engine/ops/nvfp4_sr.py:
+//   S_enc = fmin(2688 / amax, FLT_MAX), 1 if amax is 0 or that is 0; S_dec = 1 / S_enc
+//   s_b   = e4m3_rne_satfinite(block_amax * (S_enc * fp32(1/6))), NaN -> 0x7F
+//   enc_b = fmin(1 / (float(s_b) * S_dec), FLT_MAX);  q = e2m1(x * enc_b), RNE or stochastic
+//   RHT   y[k] = bf16(sum_{i=0..15} x_i * H[i][k]) in fp32 in that order, H = diag(signs) H16 / 4
+// A tile is 16 rows x kNvfp4TileCols columns of x, converted to fp32 once: its rows hold the rowwise 1x16
+// blocks, its columns the columnwise 16x1 blocks (of x, or of the RHT of the 16 tokens), its 16x16 squares
+// the 2D tiles. The rules are branch-free fp32 / integer operations in loops over short arrays, which the
+// compiler vectorises (SSE2 in the portable build, AVX-512 in the other). The threads run with
+// round-to-nearest and without flush-to-zero or denormals-are-zero (the glue sets MXCSR).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "nvfp4.h"
+
+#ifndef NVFP4_NAMESPACE
+#error "define NVFP4_NAMESPACE before including nvfp4_kernels.h"
+#endif
+
+// No FP-exception semantics to keep (nothing reads the flags): lets the compiler if-convert (and vectorise)
+// the fp32 compares and selects. Values are unchanged: rounding, signed zeros, NaN and inf are as written.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+namespace engine_native {
+namespace NVFP4_NAMESPACE {
+
+namespace {
+
+constexpr int64_t kB = kNvfp4Block;
+constexpr int64_t kT = kNvfp4TileCols;
+constexpr float kFltMax = 3.4028234663852886e38f;
+
+// ------------------------------------------------------------------------------ vectors
+// GCC / clang vector extensions: 16 or 8 fp32 / uint32 lanes; each build lowers them to its instruction set.
+#define NVFP4_INLINE inline __attribute__((always_inline))
+typedef float F16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef uint64_t Q8 __attribute__((vector_size(64)));
+typedef uint8_t B8 __attribute__((vector_size(8)));
+
+template <typename V>
+NVFP4_INLINE V vload(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+NVFP4_INLINE void vstore(void* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// Lane-wise m ? a : b for a mask m of all-ones / all-zeros lanes (the result of a comparison).
+template <typename U, typename M>
+NVFP4_INLINE U sel(M m, U a, U b) {
+  return (a & (U)m) | (b & ~(U)m);
+}
+
+template <typename F, typename U, typename M>
+NVFP4_INLINE F fsel(M m, F a, F b) {
+  return (F)sel((U)m, (U)a, (U)b);
+}
+
+template <typename U>
+NVFP4_INLINE U vmax(U a, U b) {
+  return sel(a > b, a, b);
+}
+
+// ------------------------------------------------------------------------------ element rules
+// The E2M1 code of |a| (a >= 0, bits mag) rounded to nearest even, saturating at 6. With c = min(mag, 6) and
+// e = max(c's exponent field, 127 = that of 1.0, E2M1's smallest normal), the fp32 sum c + M with
+// M = 2^(e - 105) + ((e - 127) << 1) ulps has E2M1's step at c as its ulp: it rounds c to that step, ties to
+// even (the added ulps are even), and its low mantissa bits are the code (the subnormal 0.5 included).
+template <typename F, typename U>
+NVFP4_INLINE U e2m1_magnitude(U mag) {
+  const U zero = {};
+  const U c = sel(mag < 0x40C00000u, mag, zero + 0x40C00000u);
+  const U field = vmax(c >> 23, zero + 127u);
+  const U magic = ((field + 22u) << 23) + ((field - 127u) << 1);
+  return (U)((F)c + (F)magic) & 0x7FFFFFu;
+}
+
+// mx_elements.encode(y, E2M1): RNE, +-inf -> +-6, NaN -> 0, the sign kept (-0 -> 8).
+template <typename F, typename U, typename I>
+NVFP4_INLINE U e2m1_rne(F y) {
+  const U b = (U)y, mag = b & 0x7FFFFFFFu;
+  const U code = e2m1_magnitude<F, U>(mag) | ((b >> 28) & 8u);
+  return code & ~(U)(mag > 0x7F800000u);
+}
+
+// nvfp4_sr.encode_e2m1_stochastic with random bytes r: a = min(|y|, 6), step the grid step at a,
+// lo = floor(a / step) * step; up one step iff (a - lo) / step * 256 >= 256 - r (every operation exact).
+template <typename F, typename U, typename I>
+NVFP4_INLINE U e2m1_stochastic(F y, U r) {
+  const U b = (U)y, magu = b & 0x7FFFFFFFu;
+  const F mag = (F)magu, zero = {};  // (NaN lanes are zeroed at the end)
+  const F a = fsel<F, U>(mag < 6.0f, mag, zero + 6.0f);
+  const I lt2 = a < 2.0f, lt4 = a < 4.0f;
+  const F step = fsel<F, U>(lt2, zero + 0.5f, fsel<F, U>(lt4, zero + 1.0f, zero + 2.0f));
+  const F inv = fsel<F, U>(lt2, zero + 2.0f, fsel<F, U>(lt4, zero + 1.0f, zero + 0.5f));
+  const F lo = __builtin_convertvector(__builtin_convertvector(a * inv, I), F) * step;  // a * inv >= 0: floor
+  const F frac256 = (a - lo) * (inv * 256.0f);
+  const F threshold = __builtin_convertvector((I)(256u - r), F);
+  const I up = (frac256 >= threshold) & (lo < 6.0f);
+  const U code = e2m1_magnitude<F, U>((U)fsel<F, U>(up, lo + step, lo)) | ((b >> 28) & 8u);
+  return code & ~(U)(magu > 0x7F800000u);
+}
+
+// ------------------------------------------------------------------------------ the random bits
+template <typename U>
+NVFP4_INLINE U hash32(U v) {  // "lowbias32"
+  v ^= v >> 16;
+  v *= 0x7FEB352Du;
+  v ^= v >> 15;
+  v *= 0x846CA68Bu;
+  return v ^ (v >> 16);
+}
+
+inline uint32_t seed_key(uint64_t seed) {
+  return hash32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32);
+}
+
+// The random bytes of counter indices j = (hi << 32) + lo (nvfp4_sr.random_bits).
+template <typename U>
+NVFP4_INLINE U random_byte(U lo, U hi, uint32_t key) {
+  return hash32(hash32(lo) ^ key ^ (hi * 0x9E3779B9u)) & 0xFFu;
+}
+
+// ------------------------------------------------------------------------------ scales
+// E4M3 code of v, RNE, saturating at 448, NaN -> 0x7F, the sign kept (reference.cast_to_fp8). With c = min(|v|,
+// 448) and e = max(c's exponent field, 121 = that of 2^-6, E4M3's smallest normal), the fp32 sum c + M with
+// M = 2^(e - 107) + ((e - 121) << 3) ulps has E4M3's step at c as its ulp: it rounds c to that step, ties to
+// even, and its low mantissa bits are the code (subnormals included).
+template <typename F, typename U>
+NVFP4_INLINE U e4m3_code(F v) {
+  const U b = (U)v, mag = b & 0x7FFFFFFFu, zero = {};
+  const U c = sel(mag < 0x43E00000u, mag, zero + 0x43E00000u);
+  const U field = vmax(c >> 23, zero + 121u);
+  const U magic = ((field + 20u) << 23) + ((field - 121u) << 3);
+  const U code = ((U)((F)c + (F)magic) & 0x7FFFFFu) | ((b >> 24) & 0x80u);
+  return sel(mag > 0x7F800000u, zero + 0x7Fu, code);
+}
+
+// The fp32 value of E4M3 codes: the bits placed as an fp32 with the exponent 120 too small, times 2^120
+// (exact, subnormal codes included: needs no denormals-are-zero); 0x7F / 0xFF are NaN.
+template <typename F, typename U>
+NVFP4_INLINE F e4m3_value(U code) {
+  const F m = (F)((code & 0x7Fu) << 20) * 0x1p120f;
+  const U v = (U)m | ((code & 0x80u) << 24);
+  return (F)sel((code & 0x7Fu) == 0x7Fu, U{} + 0x7FC00000u, v);
+}
+
+// A usage's per-tensor factors (nvfp4.encode_scale and its reciprocal, and the block multiplier).
+struct TensorScale {
+  float s_dec, mult;
+};
+
+inline TensorScale tensor_scale(float amax) {
+  float s = 2688.0f / amax;
+  s = s < kFltMax ? s : kFltMax;  // fmin: a NaN quotient gives FLT_MAX
+  if (amax == 0.0f || s == 0.0f) s = 1.0f;
+  return {1.0f / s, s * static_cast<float>(1.0 / 6.0)};
+}
+
+// E4M3 scale codes of blocks from their amax keys (|x| bits), and the factors of their elements
+// (fmin(1 / (float(s_b) * S_dec), FLT_MAX): NaN and inf give FLT_MAX).
+template <typename F, typename U>
+NVFP4_INLINE U block_code(U key, const TensorScale& ts) {
+  return e4m3_code<F, U>((F)key * ts.mult);
+}
+
+template <typename F, typename U>
+NVFP4_INLINE F block_encode(U code, const TensorScale& ts) {
+  const F e = 1.0f / (e4m3_value<F, U>(code) * ts.s_dec);
+  const F flt_max = F{} + kFltMax;
+  return fsel<F, U>(e < kFltMax, e, flt_max);
+}
+
+// Codes and factors of n block keys (n a multiple of 16), in place of the keys.
+inline void block_scales(uint32_t* __restrict keys, float* __restrict enc, int64_t n, const TensorScale& ts) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const U16 code = block_code<F16, U16>(vload<U16>(keys + i), ts);
+    vstore(keys + i, code);
+    vstore(enc + i, block_encode<F16, U16>(code, ts));
+  }
+}
+
+// ------------------------------------------------------------------------------ the RHT
+// Sign of H[i][k]: TE's sign vector times Sylvester's H16 (-1 where popcount(i & k) is odd).
+constexpr int kRhtSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
+
+constexpr bool h_positive(int i, int k) {
+  return (kRhtSigns[i] > 0) == ((__builtin_popcount(static_cast<unsigned>(i & k)) & 1) == 0);
+}
+
+template <typename F, typename U>
+NVFP4_INLINE F bf16_round(F v) {
+  const U u = (U)v;
+  const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (F)sel((u & 0x7FFFFFFFu) > 0x7F800000u, U{} + 0x7FC00000u, r);
+}
+
+// y[k][c] = bf16(sum_i t[i][c] * H[i][k]) for the 16 tokens t[0..15][c] of each column c. x_i * (+-1/4) is
+// +-(x_i * 0.25) exactly, so each term adds or subtracts q_i = x_i * 0.25, in the order i = 0..15.
+inline void rht_tile(const float (*__restrict t)[kT], float (*__restrict y)[kT]) {
+  for (int64_t c = 0; c < kT; c += 16) {
+    F16 q[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) q[i] = vload<F16>(t[i] + c) * 0.25f;
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) {
+      F16 acc = h_positive(0, k) ? q[0] : -q[0];
+#pragma GCC unroll 16
+      for (int i = 1; i < 16; ++i) acc = h_positive(i, k) ? acc + q[i] : acc - q[i];
+      vstore(y[k] + c, bf16_round<F16, U16>(acc));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ tiles
+template <bool BF16>
+inline float load(const void* x, int64_t i) {
+  if (BF16) {
+    const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  return static_cast<const float*>(x)[i];
+}
+
+struct TileBox {
+  int64_t r0, rows, c0, w;
+};
+
+inline TileBox tile_box(const Nvfp4Job& job, int64_t u) {
+  const int64_t col_tiles = (job.K + kT - 1) / kT;
+  const int64_t r0 = (u / col_tiles) * kB, c0 = (u % col_tiles) * kT;
+  return {r0, (r0 + kB < job.M ? r0 + kB : job.M) - r0, c0, (c0 + kT < job.K ? c0 + kT : job.K) - c0};
+}
+
+// x[r0 + i, c0 + c] as fp32 into t[i][c], zero-padded to 16 x kT (zeros change no amax and get code 0).
+template <bool BF16>
+inline void load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT]) {
+  for (int64_t i = 0; i < kB; ++i) {
+    if (i < b.rows) {
+      const int64_t base = (b.r0 + i) * job.ld + b.c0;
+      for (int64_t c = 0; c < b.w; ++c) t[i][c] = load<BF16>(job.x, base + c);
+      for (int64_t c = b.w; c < kT; ++c) t[i][c] = 0.0f;
+    } else {
+      for (int64_t c = 0; c < kT; ++c) t[i][c] = 0.0f;
+    }
+  }
+}
+
+// Max |value| bits over 16 rows x `cols` of t (16 at a time).
+inline uint32_t tile_key(const float (*__restrict t)[kT], int64_t c0 = 0, int64_t cols = kT) {
+  U16 m = {};
+  for (int64_t i = 0; i < kB; ++i) {
+    for (int64_t c = c0; c < c0 + cols; c += 16) m = vmax(m, vload<U16>(t[i] + c) & 0x7FFFFFFFu);
+  }
+  uint32_t key = 0;
+  for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
+  return key;
+}
+
+// Max |x| bits over rows [r0, r1) x cols [c0, c0 + w) of x, read in place (no fp32 tile): |bf16| bits order
+// as |fp32| bits do.
+template <bool BF16>
+inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int64_t w) {
+  uint32_t key = 0;
+  if (BF16) {
+    typedef uint16_t H32 __attribute__((vector_size(64)));
+    const uint16_t* x = static_cast<const uint16_t*>(job.x);
+    H32 m = {};
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = x + r * job.ld + c0;
+      int64_t c = 0;
+      for (; c + 32 <= w; c += 32) {
+        const H32 v = vload<H32>(row + c) & static_cast<uint16_t>(0x7FFFu);
+        m = sel(v > m, v, m);
+      }
+      for (; c < w; ++c) {
+        const uint32_t k = static_cast<uint32_t>(row[c] & 0x7FFFu) << 16;
+        key = key > k ? key : k;
+      }
+    }
+    for (int l = 0; l < 32; ++l) key = key > (static_cast<uint32_t>(m[l]) << 16) ? key : static_cast<uint32_t>(m[l]) << 16;
+  } else {
+    const float* x = static_cast<const float*>(job.x);
+    U16 m = {};
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * job.ld + c0;
+      int64_t c = 0;
+      for (; c + 16 <= w; c += 16) m = vmax(m, vload<U16>(row + c) & 0x7FFFFFFFu);
+      for (; c < w; ++c) {
+        uint32_t k;
+        std::memcpy(&k, row + c, 4);
+        k &= 0x7FFFFFFFu;
+        key = key > k ? key : k;
+      }
+    }
+    for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
+  }
+  return key;
+}
+
+template <bool BF16>
+void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
+  alignas(64) float t[kB][kT];
+  alignas(64) float y[kB][kT];
+  uint32_t xk = 0, yk = 0;
+  for (int64_t u = u0; u < u1; ++u) {
+    const TileBox b = tile_box(job, u);
+    if (x_key) {
+      const uint32_t k = source_key<BF16>(job, b.r0, b.r0 + b.rows, b.c0, b.w);
+      xk = xk > k ? xk : k;
+    }
+    if (rht_key) {
+      load_tile<BF16>(job, b, t);
+      rht_tile(t, y);
+      const uint32_t k = tile_key(y);
+      yk = yk > k ? yk : k;
+    }
+  }
+  if (x_key) *x_key = xk;
+  if (rht_key) *rht_key = yk;
+}
+
+// 16 codes (one per lane) -> 8 bytes, element 2i in the low nibble of byte i: as 64-bit lanes, code 2i is in the
+// low half and code 2i + 1 in the high half.
+NVFP4_INLINE B8 pack16(U16 codes) {
+  const Q8 pairs = (Q8)codes;
+  return __builtin_convertvector((pairs & 0x0Fu) | ((pairs >> 28) & 0xF0u), B8);
+}
+
+// Max |value| bits of each of the 16 consecutive blocks of 16 values at v (lane j: block j), by a tree of
+// lane shuffles: each level halves the lanes per block and doubles the blocks per vector.
+NVFP4_INLINE U16 block_maxima(const float* __restrict v) {
+  U16 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = vload<U16>(v + 16 * j) & 0x7FFFFFFFu;
+  for (int j = 0; j < 8; ++j) {  // 8 lanes per block, 2 blocks per vector
+    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                        30, 31));
+  }
+  for (int j = 0; j < 4; ++j) {  // 4 lanes per block
+    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                        31));
+  }
+  for (int j = 0; j < 2; ++j) {  // 2 lanes per block
+    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                        31));
+  }
+  return vmax(__builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+              __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+}
+
+// The rowwise usage of a tile: 1x16 blocks of each row (or the 16x16 tiles' codes when 2D).
+template <bool SR>
+void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict t)[kT],
+                  const uint32_t* __restrict tile_keys, uint32_t rkey) {
+  constexpr int64_t kBlocks = kT / kB;
+  const TensorScale ts = tensor_scale(job.row_amax);
+  const int64_t K = job.K, nbk = (K + kB - 1) / kB, kp = (K + 1) / 2, blocks = (b.w + kB - 1) / kB;
+  uint8_t* const row_scales = job.row_scales;
+  uint8_t* const row_data = job.row_data;
+  const uint64_t row_offset = job.row_offset;
+  const bool two_d = job.two_d;
+  alignas(64) uint32_t codes[kB * kBlocks];  // [row][block], or [block] for 2D
+  alignas(64) float enc[kB * kBlocks];
+  alignas(64) uint8_t packed[kT / 2];
+  if (two_d) {
+    for (int64_t j = 0; j < kBlocks; ++j) codes[j] = tile_keys[j];
+    for (int64_t j = kBlocks; j < 16; ++j) codes[j] = 0;
+    block_scales(codes, enc, 16, ts);
+  } else {
+    for (int64_t n = 0; n < kB * kBlocks; n += 16) vstore(codes + n, block_maxima(&t[0][0] + n * kB));
+    block_scales(codes, enc, kB * kBlocks, ts);
+  }
+  const U16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t i = 0; i < b.rows; ++i) {
+    const int64_t r = b.r0 + i, at = two_d ? 0 : i * kBlocks;
+    uint8_t* scales = row_scales + r * nbk + b.c0 / kB;
+    for (int64_t j = 0; j < blocks; ++j) scales[j] = static_cast<uint8_t>(codes[at + j]);
+    const uint64_t base = row_offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(K) +
+                          static_cast<uint64_t>(b.c0);
+    for (int64_t j = 0; j < kBlocks; ++j) {
+      const F16 v = vload<F16>(t[i] + j * kB) * enc[at + j];
+      U16 q;
+      if (SR) {
+        const uint64_t first = base + static_cast<uint64_t>(j * kB);
+        const U16 lo0 = U16{} + static_cast<uint32_t>(first);
+        const U16 lo = lo0 + iota;
+        const U16 hi = static_cast<uint32_t>(first >> 32) + ((U16)(lo < lo0) & 1u);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hi, rkey));
+      } else {
+        q = e2m1_rne<F16, U16, I16>(v);
+      }
+      vstore(packed + j * 8, pack16(q));
+    }
+    if (b.w == kT) {
+      std::memcpy(row_data + r * kp + b.c0 / 2, packed, kT / 2);
+    } else {
+      std::memcpy(row_data + r * kp + b.c0 / 2, packed, static_cast<size_t>((b.w + 1) / 2));
+    }
+  }
+}
+
+// The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output), 8 columns at
+// a time, each column's 16 codes gathered into a 64-bit word (element 2i in the low nibble of byte i).
+template <bool SR>
+void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict src)[kT],
+                     const uint32_t* __restrict tile_keys, uint32_t rkey) {
+  const TensorScale ts = tensor_scale(job.col_amax);
+  const int64_t M = job.M, nbm = (M + kB - 1) / kB, mp = (M + 1) / 2;
+  uint8_t* const col_scales = job.col_scales;
+  const uint64_t col_offset = job.col_offset;
+  const size_t bytes = static_cast<size_t>((b.rows + 1) / 2);
+  const int64_t block_row = b.r0 / kB;
+  alignas(64) uint32_t codes[kT];
+  alignas(64) float enc[kT];
+  if (job.two_d) {
+    alignas(64) uint32_t tc[16] = {};
+    alignas(64) float te[16];
+    for (int64_t j = 0; j < kT / kB; ++j) tc[j] = tile_keys[j];
+    block_scales(tc, te, 16, ts);
+    for (int64_t c = 0; c < kT; ++c) {
+      codes[c] = tc[c / kB];
+      enc[c] = te[c / kB];
+    }
+  } else {
+    for (int64_t c = 0; c < kT; c += 16) {
+      U16 m = {};
+      for (int64_t k = 0; k < kB; ++k) m = vmax(m, vload<U16>(src[k] + c) & 0x7FFFFFFFu);
+      vstore(codes + c, m);
+    }
+    block_scales(codes, enc, kT, ts);
+  }
+  for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
+  uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
+  for (int64_t c = 0; c < b.w; c += 16) {
+    const F16 e = vload<F16>(enc + c);
+    U16 lo0, hi0;
+    if (SR) {
+      for (int l = 0; l < 16; ++l) {
+        const uint64_t first = col_offset + static_cast<uint64_t>(b.c0 + c + l) * static_cast<uint64_t>(M) +
+                               static_cast<uint64_t>(b.r0);
+        lo0[l] = static_cast<uint32_t>(first);
+        hi0[l] = static_cast<uint32_t>(first >> 32);
+      }
+    }
+    U16 words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
+#pragma GCC unroll 16
+    for (int k = 0; k < kB; ++k) {
+      const F16 v = vload<F16>(src[k] + c) * e;
+      U16 q;
+      if (SR) {
+        const U16 lo = lo0 + static_cast<uint32_t>(k);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hi0 + ((U16)(lo < lo0) & 1u), rkey));
+      } else {
+        q = e2m1_rne<F16, U16, I16>(v);
+      }
+      words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
+    }
+    alignas(64) uint64_t column_words[16];
+    vstore(column_words, __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 0, 1, 2, 3, 4, 5, 6, 7), Q8) |
+                             (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 0, 1, 2, 3, 4, 5, 6, 7), Q8)
+                              << 32u));
+    vstore(column_words + 8,
+           __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 8, 9, 10, 11, 12, 13, 14, 15), Q8) |
+               (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 8, 9, 10, 11, 12, 13, 14, 15), Q8)
+                << 32u));
+    const int64_t n = b.w - c < 16 ? b.w - c : 16;
+    if (bytes == 8) {  // little endian: byte i holds elements 2i, 2i + 1
+      for (int64_t l = 0; l < n; ++l) std::memcpy(out + (c + l) * mp, column_words + l, 8);
+    } else {
+      for (int64_t l = 0; l < n; ++l) std::memcpy(out + (c + l) * mp, column_words + l, bytes);
+    }
+  }
+}
+
+template <bool BF16, bool SR>
+void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  alignas(64) float t[kB][kT];
+  alignas(64) float y[kB][kT];
+  alignas(64) uint32_t tile_keys[kT / kB];
+  const uint32_t rkey = seed_key(job.seed);
+  for (int64_t u = u0; u < u1; ++u) {
+    const TileBox b = tile_box(job, u);
+    load_tile<BF16>(job, b, t);
+    if (job.two_d) {
+      for (int64_t j = 0; j < kT / kB; ++j) tile_keys[j] = tile_key(t, j * kB, kB);
+    }
+    if (job.row_data) rowwise_tile<SR>(job, b, t, tile_keys, rkey);
+    if (job.col_data) {
+      if (job.rht) rht_tile(t, y);
+      columnwise_tile<SR>(job, b, job.rht ? y : t, tile_keys, rkey);
+    }
+  }
+}
+
+}  // namespace
+
+void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
+  if (job.bf16) return amax_tiles<true>(job, u0, u1, x_key, rht_key);
+  return amax_tiles<false>(job, u0, u1, x_key, rht_key);
+}
+
+void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
+  return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
+}
+
+}  // namespace NVFP4_NAMESPACE
+}  // namespace engine_native
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,297 @@
+"""The C++ NVFP4 kernel (engine.ops.native.quantize_nvfp4, the registry's CPU entry) against the reference.
+
+Bit for bit with `engine.ops.nvfp4.quantize` (data, E4M3 scales, amaxes; NaN included) for every
+combination of usages x 2D tiles x RHT x stochastic rounding x given amaxes, on random data with
+outliers and the edge cases (zeros, all-zero blocks, subnormal and zero block scales, +-max, inf, NaN,
+odd and empty shapes, 3D input, exact ties of E2M1, E4M3 and the RHT's bf16 rounding), on both kernel
+sets (portable and AVX-512). Stochastic rounding: the same bits as `nvfp4_sr.random_bits` for the same
+counter, and the counter advanced alike. Bad arguments get errors naming them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+
+from engine.ops import native, nvfp4, registry
+from engine.quantizers import NVFP4Quantizer
+from engine.schemes import SCHEMES
+from tests.test_native import ISAS
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax_rowwise", "columnwise_data", "columnwise_scale_inv",
+          "amax_columnwise")
+RHT_SCHEME, PLAIN_SCHEME = SCHEMES["nvfp4_rht_e2m1"], SCHEMES["nvfp4_e2m1"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    assert native.available(), native.why_unavailable()
+    with native.use_isa(request.param):
+        yield request.param
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def mismatches(got: dict, want: dict) -> list[str]:
+    bad = []
+    for field in FIELDS:
+        g, w = got[field], want[field]
+        if g is None or w is None:
+            if (g is None) != (w is None):
+                bad.append(f"{field}: {g is None} vs {w is None}")
+        elif g.shape != w.shape or g.dtype != w.dtype:
+            bad.append(f"{field}: {g.dtype} {tuple(g.shape)} vs {w.dtype} {tuple(w.shape)}")
+        elif not torch.equal(raw(g), raw(w)):
+            bad.append(f"{field}: {int((raw(g) != raw(w)).sum())} of {g.numel()} differ")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _finite_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Inputs in `dtype`: random with outliers, and the edge cases."""
+    g = torch.Generator().manual_seed(1)
+    big = _finite_max(dtype)
+    out = {}
+    x = torch.randn(64, 130, generator=g) * torch.exp2(torch.randint(-6, 7, (64, 130), generator=g).float())
+    x.view(-1, 10)[:, 3] *= 300  # outliers
+    out["random+outliers"] = x.to(dtype)
+    one = torch.rand(32, 48, generator=g) * 0.01
+    one.view(32, 3, 16)[:, :, 5] = torch.randn(32, 3, generator=g) * 50  # one outlier per block
+    out["one-outlier-per-block"] = one.to(dtype)
+    out["zeros"] = torch.zeros(32, 48, dtype=dtype)
+    z = torch.randn(48, 64, generator=g)
+    z[:, 16:32] = 0  # all-zero rowwise blocks
+    z[16:32] = 0  # all-zero columnwise blocks and 2D tiles
+    z[40, 3] = -0.0
+    out["zero-blocks"] = z.to(dtype)
+    # tiny blocks next to a huge tensor amax: subnormal and zero E4M3 block scales
+    span = -torch.arange(32, dtype=torch.float32)[:, None].expand(32, 32) * (2.0 if dtype != torch.float16 else 0.6)
+    tiny = torch.rand(32, 32, generator=g) * torch.exp2(span) * (big / 4)
+    tiny[0, 0] = big / 2
+    out["tiny-next-to-huge"] = tiny.to(dtype)
+    pm = torch.randn(32, 32, generator=g)
+    pm[::3, ::5] = big
+    pm[1::4, 2::7] = -big
+    out["+-max"] = pm.to(dtype)
+    inf = torch.randn(32, 40, generator=g)
+    inf[3, 7], inf[20, 33] = float("inf"), float("-inf")
+    out["inf"] = inf.to(dtype)
+    nan = torch.randn(32, 40, generator=g)
+    nan[5, 9] = float("nan")
+    nan_bits = nan.to(dtype)
+    nan_bits.view(-1)[100] = torch.tensor(float("-nan")).to(dtype)
+    out["nan"] = nan_bits
+    # bf16 rounding ties of the RHT: integers whose +-1/4 sums need more than 8 significant bits
+    out["rht-ties"] = torch.randint(-256, 257, (32, 48), generator=g).float().to(dtype)
+    for shape in ((17, 33), (1, 1), (16, 7), (33, 17), (0, 64), (32, 0), (0, 0)):
+        out[f"shape {shape}"] = (torch.randn(*shape, generator=g) * 10).to(dtype)
+    out["3d"] = (torch.randn(2, 24, 35, generator=g) * 3).to(dtype)
+    out["1d"] = (torch.randn(40, generator=g)).to(dtype)
+    return out
+
+
+def ties(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact ties, with the tensor amax each needs (given): E2M1 midpoints (amax 2688: S_enc = 1 and blocks of
+    amax 6 have scale 1, so x * enc = x) and E4M3 midpoints of the block scales (amax 448: S_enc * (1/6) = 1)."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    e2m1 = torch.zeros(16, 16)
+    e2m1[:, 0] = 6.0
+    e2m1[:7, 1:8] = mids  # row i: the midpoints, their negatives below
+    e2m1[7:14, 1:8] = -mids
+    e2m1[14, 1:8], e2m1[15, 1:8] = torch.nextafter(mids, torch.zeros(7)), torch.nextafter(mids, torch.full((7,), 9.0))
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3_mids = torch.cat([(codes[:-1] + codes[1:]) / 2, torch.tensor([464.0, 470.0])])  # 464: 448 / 480 tie
+    e4m3 = torch.zeros(e4m3_mids.numel(), 16)
+    e4m3[:, 3] = e4m3_mids
+    return e2m1.to(dtype), e4m3.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def reference(x: torch.Tensor, scheme, counter: torch.Tensor | None, **opts) -> dict:
+    out, _ = registry.quantize_nvfp4_reference(x, scheme, rng_counter=counter, **opts)
+    return out
+
+
+def kernel(x: torch.Tensor, scheme, counter: torch.Tensor | None, **opts) -> dict:
+    out, _ = registry.quantize_nvfp4(native, x, scheme, rng_counter=counter, **opts)
+    return out
+
+
+OPTIONS = [
+    dict(rowwise=rw, columnwise=cw, two_d=two_d, rht=rht, sr=sr, given=given)
+    for (rw, cw), two_d, rht, sr, given in itertools.product(
+        ((True, True), (True, False), (False, True)), (False, True), (False, True), (False, True), (False, True))
+    if not (two_d and rht)
+]
+
+
+def compare(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool, rht: bool, sr: bool, given: bool,
+            amaxes: tuple[float, float] = (5.0, 1e-3)) -> list[str]:
+    scheme = RHT_SCHEME if rht else PLAIN_SCHEME
+    m = math.prod(x.shape[:-1]) if x.dim() else 1  # the rows of x's 2D view
+    opts = dict(rowwise=rowwise, columnwise=columnwise, two_d=two_d)
+    if given:
+        opts.update(amax=torch.tensor([amaxes[0]]), amax_t=torch.tensor([amaxes[1]]))
+    counters = [torch.tensor([-(2**40) - 3, 2**32 - 77]) if sr else None for _ in range(2)]
+    if rht and columnwise and m % 16:
+        for fn, c in ((kernel, counters[0]), (reference, counters[1])):
+            with pytest.raises(ValueError, match="multiple of 16"):
+                fn(x, scheme, c, **opts)
+        return []
+    bad = mismatches(kernel(x, scheme, counters[0], **opts), reference(x, scheme, counters[1], **opts))
+    if sr and not torch.equal(counters[0], counters[1]):
+        bad.append(f"counter {counters[0].tolist()} vs {counters[1].tolist()}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_option_matches_the_reference_bitwise(isa, dtype):
+    bad = []
+    for name, x in cases(dtype).items():
+        for opt in OPTIONS:
+            bad += [f"{name} {opt}: {b}" for b in compare(x, **opt)]
+    assert not bad, bad[:10]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ties_of_elements_and_scales_round_as_the_reference(isa, dtype):
+    e2m1, e4m3 = ties(dtype)
+    bad = []
+    for x, amax in ((e2m1, 2688.0), (e4m3, 448.0)):
+        for opt in OPTIONS:
+            if opt["given"]:
+                bad += [f"{tuple(x.shape)} {opt}: {b}" for b in compare(x, **opt, amaxes=(amax, amax))]
+    assert not bad, bad[:10]
+    # the ties are where the reference says they are: E2M1 midpoints to the even code, E4M3 ones too
+    out = reference(e2m1, PLAIN_SCHEME, None, rowwise=True, columnwise=False, amax=torch.tensor([2688.0]))
+    # 6, 0.25 | 0.75, 1.25 | 1.75, 2.5 | 3.5, 5 -> codes 7, 0 | 2, 2 | 4, 4 | 6, 6 (ties to the even code)
+    low = out["rowwise_data"][0, :4] & 0xF
+    assert low.tolist() == [7, 2, 4, 6] and (out["rowwise_data"][0, :4] >> 4).tolist() == [0, 2, 4, 6]
+
+
+def test_large_tensor_spans_threads_and_tiles(isa):
+    """More tiles than threads, rows and columns not multiples of the tile: every split gives the same bits."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(272, 1000, generator=g) * torch.exp2(torch.randint(-10, 10, (272, 1000), generator=g))).bfloat16()
+    bad = []
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for opt in (dict(two_d=False, rht=True), dict(two_d=True, rht=False)):
+                bad += compare(x, rowwise=True, columnwise=True, sr=True, given=False, **opt)
+        finally:
+            torch.set_num_threads(previous)
+    assert not bad, bad
+
+
+def test_stochastic_rounding_bits_and_counter():
+    """The in-kernel bits are nvfp4_sr.random_bits of the counter (rowwise first, then columnwise), across the
+    offset's 32-bit carry and for negative seeds, and the counter advances by both usages' elements."""
+    x = torch.randn(16, 300) * 3
+    for seed, offset in ((0, 0), (-5, 2**32 - 1000), (2**62 + 12345, -(2**40))):
+        got_counter, want_counter = torch.tensor([seed, offset]), torch.tensor([seed, offset])
+        got = kernel(x, PLAIN_SCHEME, got_counter, rowwise=True, columnwise=True)
+        want = reference(x, PLAIN_SCHEME, want_counter, rowwise=True, columnwise=True)
+        assert not mismatches(got, want), (seed, offset)
+        assert got_counter.tolist() == want_counter.tolist() == [seed, offset + 2 * x.numel()]
+    # another counter gives other bits (the kernel reads it)
+    a = kernel(x, PLAIN_SCHEME, torch.tensor([1, 0]), rowwise=True, columnwise=False)["rowwise_data"]
+    b = kernel(x, PLAIN_SCHEME, torch.tensor([2, 0]), rowwise=True, columnwise=False)["rowwise_data"]
+    assert not torch.equal(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _big_nvfp4_input() -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(64, 512, generator=g) * 4).bfloat16()
+
+
+def test_the_quantizer_runs_the_kernel_without_a_warning_and_the_reference_when_forced(monkeypatch):
+    x = _big_nvfp4_input()
+    monkeypatch.delenv("ENGINE_BACKEND", raising=False)
+    registry._resolve.cache_clear()
+    calls = []
+    real = native.quantize_nvfp4
+    monkeypatch.setattr(native, "quantize_nvfp4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    quantizers = [NVFP4Quantizer(with_rht=True, stochastic_rounding=True, rng_counter=torch.tensor([7, 0]))
+                  for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = quantizers[0](x).qstorage.buffers()
+    assert calls == [1]
+    monkeypatch.setenv("ENGINE_BACKEND", "reference")
+    try:
+        want = quantizers[1](x).qstorage.buffers()
+    finally:
+        registry._resolve.cache_clear()
+    assert calls == [1]  # the forced reference did not call the kernel
+    assert torch.equal(quantizers[0].rule.rng_counter, quantizers[1].rule.rng_counter)
+    for field in FIELDS:
+        assert torch.equal(raw(got[field]), raw(want[field])), field
+
+
+def test_forced_triton_runs_the_reference_with_one_warning(monkeypatch):
+    from engine.quantizers import nvfp4 as nvfp4_quantizer
+
+    monkeypatch.setenv("ENGINE_BACKEND", "triton")
+    nvfp4_quantizer._warn_reference_once.cache_clear()
+    x = _big_nvfp4_input()
+    with pytest.warns(RuntimeWarning, match="plain-PyTorch reference"):
+        got = NVFP4Quantizer()(x).qstorage.buffers()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NVFP4Quantizer()(x)
+    nvfp4_quantizer._warn_reference_once.cache_clear()
+    want = nvfp4.quantize(x)
+    assert torch.equal(got["columnwise_data"], want["columnwise_data"])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x: native.quantize_nvfp4([1.0]), TypeError, "x: expected a torch.Tensor"),
+    (lambda x: native.quantize_nvfp4(x.int()), TypeError, "x: expected dtype"),
+    (lambda x: native.quantize_nvfp4(x.to("meta")), TypeError, "x"),
+    (lambda x: native.quantize_nvfp4(x, rowwise=1), TypeError, "rowwise: expected a bool"),
+    (lambda x: native.quantize_nvfp4(x, rht="yes"), TypeError, "rht: expected a bool"),
+    (lambda x: native.quantize_nvfp4(x, two_d=True, rht=True), ValueError, "two_d and rht"),
+    (lambda x: native.quantize_nvfp4(x[:17], rht=True), ValueError, "multiple of 16"),
+    (lambda x: native.quantize_nvfp4(x, amax=torch.tensor([3])), TypeError, "amax: expected a floating-point"),
+    (lambda x: native.quantize_nvfp4(x, amax_t=torch.ones(2)), ValueError, "amax_t: expected a 1-element"),
+    (lambda x: native.quantize_nvfp4(x, amax=3.0), TypeError, "amax"),
+    (lambda x: native.quantize_nvfp4(x, counter=torch.zeros(2, dtype=torch.int32)), TypeError, "counter: expected"),
+    (lambda x: native.quantize_nvfp4(x, counter=torch.zeros(3, dtype=torch.int64)), TypeError, "counter: expected"),
+    (lambda x: native.quantize_nvfp4(x, counter=torch.zeros(2, dtype=torch.int64, device="meta")), TypeError,
+     "counter"),
+])
+def test_bad_arguments_are_refused_with_their_name(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.randn(32, 32))
+
+
+def test_the_extension_checks_its_arguments_too():
+    ext = native._ext()
+    x = torch.randn(32, 32)
+    with pytest.raises(TypeError, match="counter"):
+        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.zeros(2, dtype=torch.int32), "portable")
+    with pytest.raises(TypeError, match="amax: expected a float32"):
+        ext.quantize_nvfp4(x, True, True, False, False, torch.ones(1, dtype=torch.float64), None, None, "portable")
+    with pytest.raises(ValueError, match="x: expected the 2D view"):
+        ext.quantize_nvfp4(x[None], True, True, False, False, None, None, None, "portable")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ext.quantize_nvfp4(x[:5], True, True, False, True, None, None, None, "portable")
+    with pytest.raises(ValueError, match="isa"):
+        ext.quantize_nvfp4(x, True, True, False, False, None, None, None, "sse9")
