@@ -387,7 +387,7 @@ def test_native_functions_check_their_arguments():
 
 
 def test_a_backend_without_the_coded_kernel_warns_once_and_runs_the_reference():
-    """Triton has MXFP8 kernels but none for E2M1/E2M3/E3M2 yet: the reference runs, with one warning."""
+    """A backend module with MX kernels but no `quantize_mx_coded`: the reference runs, with one warning."""
     import types
     import warnings
 
