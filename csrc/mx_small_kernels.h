@@ -12,7 +12,9 @@
 //   storage     E2M1: two codes per byte along the last dim, element 0 in the low nibble (an odd last dim
 //               ends in a byte whose high nibble is 0); E2M3 / E3M2: one code per byte
 // The per-element rules are branch-free integer and fp32 operations (selects written as bit masks), in
-// loops over short arrays that the compiler vectorises (SSE2 in the portable build, AVX-512 in the other).
+// loops over short arrays that the compiler vectorises (SSE2 in the portable build). The AVX-512 build
+// (kernels_mx_small_avx512.cpp) defines MX_SMALL_OWN_ENTRY and its own entry point: its intrinsics path for
+// most tiles, `tile` below for the rare tiles that hold a NaN scale code.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +57,8 @@ struct Format {
   static constexpr int kBias = BIAS;
   static constexpr int kDrop = 23 - MB;  // fp32 mantissa bits the cast drops
   static constexpr int kEmax = (1 << EB) - 1 - BIAS;  // no inf/NaN: the top exponent holds normals
+  static constexpr uint32_t kMinField = static_cast<uint32_t>(1 - BIAS + 127);  // fp32 exponent field of emin
+  static constexpr uint32_t kMaxField = static_cast<uint32_t>(kEmax + 127);     // ... of the top binade
   static constexpr uint32_t kMaxBits = (static_cast<uint32_t>(kEmax + 127) << 23) | (((1u << MB) - 1u) << kDrop);
   static constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(1 - BIAS + 127) << 23;
   static constexpr uint32_t kOffset = static_cast<uint32_t>(127 - BIAS) << MB;
@@ -72,12 +76,11 @@ using E3M2 = Format<3, 2, 3>;
 // j + round(c / step): the code of |y|, subnormals included, with no fp32 subnormal arithmetic.
 template <typename F>
 inline uint8_t encode(float y) {
-  constexpr uint32_t kMinField = F::kMinNormalBits >> 23;
   const uint32_t b = bits_of(y);
   const uint32_t mag = b & 0x7FFFFFFFu;
   const uint32_t c = mag < F::kMaxBits ? mag : F::kMaxBits;  // +-inf saturate (NaN too, zeroed below)
-  const uint32_t field = (c >> 23) > kMinField ? (c >> 23) : kMinField;
-  const uint32_t magic = ((field + 23u - F::kMant) << 23) + ((field - kMinField) << F::kMant);
+  const uint32_t field = (c >> 23) > F::kMinField ? (c >> 23) : F::kMinField;
+  const uint32_t magic = ((field + 23u - F::kMant) << 23) + ((field - F::kMinField) << F::kMant);
   const uint32_t code = (bits_of(float_of(c) + float_of(magic)) & 0x7FFFFFu) | ((b >> (32 - F::kBits)) & (1u << (F::kBits - 1)));
   return static_cast<uint8_t>(mag > 0x7F800000u ? 0u : code);
 }
@@ -201,13 +204,23 @@ void tile(const MxSmallJob& job, int64_t r0, int64_t r1, int64_t c0, int64_t c1)
   }
 }
 
+// Tile u of the job's grid of ceil(M/32) x ceil(K/256) tiles: rows [r0, r1), columns [c0, c1).
+struct TileBounds {
+  int64_t r0, r1, c0, c1;
+};
+
+inline TileBounds tile_bounds(const MxSmallJob& job, int64_t u) {
+  const int64_t col_tiles = (job.K + kTileCols - 1) / kTileCols;
+  const int64_t r0 = (u / col_tiles) * kBlock, c0 = (u % col_tiles) * kTileCols;
+  return {r0, r0 + kBlock < job.M ? r0 + kBlock : job.M, c0, c0 + kTileCols < job.K ? c0 + kTileCols : job.K};
+}
+
+#ifndef MX_SMALL_OWN_ENTRY
 template <typename F, bool BF16, bool RCEIL>
 void tiles(const MxSmallJob& job, int64_t u0, int64_t u1) {
-  const int64_t col_tiles = (job.K + kTileCols - 1) / kTileCols;
   for (int64_t u = u0; u < u1; ++u) {
-    const int64_t r0 = (u / col_tiles) * kBlock, c0 = (u % col_tiles) * kTileCols;
-    const int64_t r1 = r0 + kBlock < job.M ? r0 + kBlock : job.M, c1 = c0 + kTileCols < job.K ? c0 + kTileCols : job.K;
-    tile<F, BF16, RCEIL>(job, r0, r1, c0, c1);
+    const TileBounds t = tile_bounds(job, u);
+    tile<F, BF16, RCEIL>(job, t.r0, t.r1, t.c0, t.c1);
   }
 }
 
@@ -218,9 +231,11 @@ void tiles_for(const MxSmallJob& job, int64_t u0, int64_t u1) {
   }
   return job.rceil ? tiles<F, false, true>(job, u0, u1) : tiles<F, false, false>(job, u0, u1);
 }
+#endif
 
 }  // namespace
 
+#ifndef MX_SMALL_OWN_ENTRY
 void mx_small_tiles(const MxSmallJob& job, int64_t u0, int64_t u1) {
   switch (job.kind) {
     case 0: return tiles_for<E2M1>(job, u0, u1);
@@ -228,6 +243,7 @@ void mx_small_tiles(const MxSmallJob& job, int64_t u0, int64_t u1) {
     default: return tiles_for<E3M2>(job, u0, u1);
   }
 }
+#endif
 
 }  // namespace MX_SMALL_NAMESPACE
 }  // namespace engine_native

@@ -298,6 +298,58 @@ def test_native_quantize_is_bitwise_the_reference(isa, dtype):
     assert not bad, bad[:10]
 
 
+def fast_path_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Finite inputs (no NaN or inf scale code: the AVX-512 kernel's vector path, not its scalar fallback) over
+    whole 32-row strips wider than one 4096-column segment, partial segments and odd widths: every element
+    format's rounding midpoints and neighbours in blocks of known scale, both signs and -0, subnormal inputs,
+    all-zero blocks, values near the dtype's max, and E3M2's tiny-amax blocks (which fall back)."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(33, 4160, generator=g) * torch.exp2(torch.randint(-24, 24, (33, 4160), generator=g).float())
+    wide[:, 64:128] = 0.0
+    wide[7, 300:332] = -0.0
+    wide[:, 1000:1100] *= 2.0 ** -130  # subnormal fp32 inputs (zeros in bf16), in blocks of tiny amax
+    points = []
+    for fmt in (E2M1, E2M3, E3M2):  # every code's value and the midpoints between neighbours, just above/below
+        grid = fmt.decode(torch.arange(1 << (fmt.bits - 1))).double()
+        mids = (grid[1:] + grid[:-1]) / 2
+        for v in torch.cat([grid, mids]).tolist():
+            points += [v, float(np.nextafter(np.float32(v), np.float32(0))), float(np.nextafter(np.float32(v), np.float32(99)))]
+    pts = torch.tensor(points)
+    reps = -(-64 * 544 // pts.numel())
+    mid = pts.repeat(reps)[: 64 * 544].reshape(64, 544) * (torch.randint(0, 2, (64, 544), generator=g) * 2 - 1)
+    mid[:, ::31] = 6.0  # each rowwise block holds 6 (E2M1's max); columns too (rows 0, 31, 62, ...)
+    mid[::31, :] = 28.0
+    scaled = mid * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float())
+    big = torch.finfo(dtype).max
+    near_max = (torch.rand(40, 333, generator=g) * 2 - 1) * big
+    tiny = torch.randn(64, 96, generator=g) * 2.0 ** -126  # amax below 2^-120: E3M2 falls back
+    return {"wide": wide.to(dtype), "midpoints": mid.to(dtype), "scaled-midpoints": scaled.to(dtype),
+            "near-max": near_max.to(dtype), "odd": wide[:, :777].to(dtype), "tiny": tiny.to(dtype)}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["portable", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_quantize_of_finite_inputs_is_bitwise_the_reference(isa, dtype):
+    if isa not in native.available_isas():
+        pytest.skip(f"no {isa} on this CPU")
+    bad = []
+    with native.use_isa(isa):
+        for case, x in fast_path_cases(dtype).items():
+            for name in NAMES:
+                scheme = SCHEMES[f"mx_{name}"]
+                for mode in ("rceil", "floor"):
+                    got = native.quantize_mx_coded(x, scheme.element, scale_mode=mode)
+                    for i, usage in enumerate(("rowwise", "columnwise")):
+                        data, scales = ref.quantize_blocked(x, scheme, columnwise=usage == "columnwise", scale_mode=mode)
+                        if not torch.equal(got[2 * i + 1], scales):
+                            bad.append(f"{case} {name} {mode} {usage} scales")
+                        if not torch.equal(got[2 * i], data):
+                            where = (got[2 * i] != data).nonzero()[:3].tolist()
+                            bad.append(f"{case} {name} {mode} {usage} data at {where}")
+    assert not bad, bad[:10]
+
+
 @needs_native
 def test_native_quantize_ignores_flush_denormal():
     x = torch.full((32, 32), 1e-39) * torch.linspace(0.5, 2, 32)  # fp32 subnormals, scaled into range
@@ -335,7 +387,7 @@ def test_native_functions_check_their_arguments():
 
 
 def test_a_backend_without_the_coded_kernel_warns_once_and_runs_the_reference():
-    """Triton has MXFP8 kernels but none for E2M1/E2M3/E3M2 yet: the reference runs, with one warning."""
+    """A backend module with MX kernels but no `quantize_mx_coded`: the reference runs, with one warning."""
     import types
     import warnings
 

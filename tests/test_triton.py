@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.formats import format_of
+from engine.formats import MX_ELEMENTS, format_of
 from engine.ops import reference as ref
+from engine.schemes import mx_scheme
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -113,6 +114,20 @@ def dense_fp32(fmt: torch.dtype) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
+def mx_ties_values() -> torch.Tensor:
+    """Grid values of E2M1, E2M3 and E3M2, their midpoints (exact ties) and the fp32 neighbours of
+    those, times 1 and 2^-3 (other binades and subnormals of each grid), both signs."""
+    vals = []
+    for fmt in MX_ELEMENTS.values():
+        grid = fmt.decode(torch.arange(1 << (fmt.bits - 1))).float()
+        mids = (grid[1:] + grid[:-1]) / 2
+        vals += [grid, mids, torch.nextafter(mids, torch.full_like(mids, math.inf)),
+                 torch.nextafter(mids, torch.zeros_like(mids))]
+    v = torch.cat(vals)
+    v = torch.cat([v, v * 0.125])
+    return torch.cat([v, -v])
+
+
 @dataclass(frozen=True)
 class Inp:
     """A deterministic input: `kind` of values, 2D `shape` (or any shape), dtype, seed,
@@ -151,6 +166,11 @@ def make_input(inp: Inp) -> torch.Tensor:
         t = ties_values(inp.fmt)
         x = t[torch.randint(0, len(t), (n,), generator=g)].reshape(shape).clone()
         x[..., ::32] = ref.fp8_max(inp.fmt)
+    elif inp.kind == "mx_ties":  # every MX element grid value, midpoint and fp32 neighbour; 6 or 28 per block
+        x = mx_ties_values()[torch.randint(0, len(mx_ties_values()), (n,), generator=g)].reshape(shape).clone()
+        x[..., ::32] = 6.0
+        x[..., 1::32] = -28.0
+        x[::32] = 7.5
     elif inp.kind == "zeros":
         x = torch.zeros(shape)
         x.reshape(-1)[::3] = -0.0
@@ -197,7 +217,7 @@ def make_input(inp: Inp) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class Case:
-    op: str  # cast | amax | cast_transpose | block | mx | bf16
+    op: str  # cast | amax | cast_transpose | block | mx | mx_coded | bf16
     inp: Inp
     fmt: torch.dtype | None = E4
     kw: tuple = ()  # keyword arguments as sorted (name, value) pairs
@@ -320,6 +340,23 @@ def build_cases() -> list[Case]:
         c.append(Case("mx", Inp("rand", (96, 64), BF16, transposed=True), E4, _kw(columnwise=cw)))
     c.append(Case("mx", Inp("ties", (64, 64), fmt=E4), E4, _kw(scale_mode="floor")))
     c.append(Case("mx", Inp("specials", (1024, 1024)), E4, _kw(columnwise=True)))
+    # -- MXFP4 / MXFP6 (both usages per launch unless asked otherwise)
+    for element in MX_ELEMENTS:
+        for mode in ("rceil", "floor"):
+            for kind in ("specials", "mx_ties", "zeros", "subnormal", "huge", "outlier", "nan_inf"):
+                shape = (64, 96) if kind in ("specials", "mx_ties") else (64, 64)
+                c.append(Case("mx_coded", Inp(kind, shape), None, _kw(element=element, scale_mode=mode)))
+        for dt in HP_DTYPES:
+            c.append(Case("mx_coded", Inp("nan_payloads", (64, 64), dt), None, _kw(element=element)))
+            c.append(Case("mx_coded", Inp("specials", (33, 70), dt, seed=1), None,
+                          _kw(element=element, scale_mode="floor")))
+        for shape in [(1, 1), (7, 45), (33, 71), (2, 32, 65), (0, 64), (64, 0)]:
+            c.append(Case("mx_coded", Inp("rand", shape, seed=10), None, _kw(element=element)))
+        c.append(Case("mx_coded", Inp("rand", (96, 65), BF16, transposed=True), None, _kw(element=element)))
+        for rw, cw in ((True, False), (False, True)):
+            c.append(Case("mx_coded", Inp("specials", (40, 70), BF16), None,
+                          _kw(element=element, rowwise=rw, columnwise=cw)))
+    c.append(Case("mx_coded", Inp("rand", (256, 512), seed=11), None, _kw(element="e2m1")))
     # -- FP8 -> bf16
     for fmt in (E4, E5):
         c.append(Case("bf16", Inp("codes", (256,), fmt=fmt), fmt))
@@ -335,6 +372,8 @@ def build_cases() -> list[Case]:
     c.append(Case("block", Inp("rand", (4, 32)), torch.int8, _kw(tile_rows=1), name="error"))
     c.append(Case("mx", Inp("rand", (4, 32)), F16, name="error"))
     c.append(Case("mx", Inp("rand", (4, 32)), E4, _kw(scale_mode="nearest"), name="error"))
+    c.append(Case("mx_coded", Inp("int", (4, 32)), None, _kw(element="e2m1"), name="error"))
+    c.append(Case("mx_coded", Inp("rand", (4, 32)), None, _kw(element="e3m2", scale_mode="nearest"), name="error"))
     ids = [x.id for x in c]
     assert len(ids) == len(set(ids)), "duplicate case ids"
     return c
@@ -363,9 +402,25 @@ def run_case(mod, case: Case):
         return mod.quantize_block(x, case.fmt, **kw)
     if case.op == "mx":
         return mod.quantize_mxfp8(x, case.fmt, **kw)
+    if case.op == "mx_coded":
+        kw["element"] = MX_ELEMENTS[kw["element"]]
+        return mod.quantize_mx_coded(x, **kw) if mod is not ref else reference_mx_coded(x, **kw)
     if case.op == "bf16":
         return (mod.fp8_to_bf16(x),)
     raise ValueError(case.op)
+
+
+def reference_mx_coded(x: torch.Tensor, element, scale_mode: str = "rceil", rowwise: bool = True,
+                       columnwise: bool = True) -> tuple:
+    """The reference's two usages in the order of `quantize_mx_coded`: (data, codes, data_t, codes_t)."""
+    ref.check_input(x)
+    scheme = mx_scheme(element)
+    out = [None] * 4
+    for i, (usage, wanted) in enumerate((("rowwise", rowwise), ("columnwise", columnwise))):
+        if wanted:
+            out[2 * i], out[2 * i + 1] = ref.quantize_blocked(x, scheme, columnwise=usage == "columnwise",
+                                                              scale_mode=scale_mode)
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------- the workers
@@ -443,6 +498,14 @@ def _compile_jobs() -> list[tuple[str, str, dict, dict]]:
                      dict(x_ptr=_PTR[dt], out_ptr="*u8", code_ptr="*u8", M="i32", K="i32", stride_xm="i32",
                           stride_xk="i32", rcp_bits="i32"),
                      dict(_E4M3_C, EMAX=8, FLOOR=floor, COLUMNWISE=cw, BLOCK_M=64, BLOCK_K=128)))
+    for dt, (man, bias, bits, emax), floor, (rw, cw) in (("bf16", (1, 1, 4, 2), False, (True, True)),
+                                                         ("fp32", (3, 1, 6, 2), True, (True, False)),
+                                                         ("fp16", (2, 3, 6, 4), False, (False, True))):
+        jobs.append(("mx_small", "_mx_small_kernel",
+                     dict(x_ptr=_PTR[dt], row_ptr="*u8", row_code_ptr="*u8", col_ptr="*u8", col_code_ptr="*u8",
+                          M="i32", K="i32", stride_xm="i32", stride_xk="i32", rcp_bits="i32"),
+                     dict(MAN_BITS=man, BIAS=bias, CODE_BITS=bits, EMAX=emax, FLOOR=floor, ROWWISE=rw,
+                          COLUMNWISE=cw, BLOCK_M=64, BLOCK_K=128)))
     for fmt in ((3, 4, 7, False), (2, 5, 15, True)):
         jobs.append(("convert", "_fp8_to_bf16_kernel", dict(in_ptr="*u8", out_ptr="*i16", n="i32"),
                      dict(zip(("MAN_BITS", "EXP_BITS", "BIAS", "IEEE_LIKE"), fmt), BLOCK=4096)))
@@ -608,6 +671,12 @@ def test_quantize_mxfp8(case_id, triton_results):
     check_case(BY_ID[case_id], triton_results)
 
 
+@pytest.mark.parametrize("case_id", _ids("mx_coded"))
+def test_quantize_mx_coded(case_id, triton_results):
+    """MXFP4 / MXFP6 (E2M1, E2M3, E3M2), both usages from one launch, against the reference."""
+    check_case(BY_ID[case_id], triton_results)
+
+
 @pytest.mark.parametrize("case_id", _ids("bf16"))
 def test_fp8_to_bf16(case_id, triton_results):
     check_case(BY_ID[case_id], triton_results)
@@ -616,7 +685,14 @@ def test_fp8_to_bf16(case_id, triton_results):
 def test_cases_cover_the_brief():
     """The case list has what the kernels must be checked on (guards against it shrinking)."""
     ops = {c.op for c in CASES}
-    assert ops == {"cast", "amax", "cast_transpose", "block", "mx", "bf16"}
+    assert ops == {"cast", "amax", "cast_transpose", "block", "mx", "mx_coded", "bf16"}
+    coded = [c for c in CASES if c.op == "mx_coded" and c.name != "error"]
+    assert {dict(c.kw)["element"] for c in coded} == set(MX_ELEMENTS)
+    assert {(dict(c.kw)["element"], dict(c.kw).get("scale_mode", "rceil")) for c in coded} == {
+        (e, m) for e in MX_ELEMENTS for m in ("rceil", "floor")}
+    assert {c.inp.dtype for c in coded} == set(HP_DTYPES) and any(c.inp.transposed for c in coded)
+    assert {c.inp.kind for c in coded} >= {"specials", "mx_ties", "zeros", "subnormal", "huge", "nan_inf",
+                                           "nan_payloads", "rand"}
     for op in ("cast_transpose", "block", "mx"):
         sel = [c for c in CASES if c.op == op and c.name != "error"]
         assert {c.inp.dtype for c in sel} == set(HP_DTYPES), op

@@ -187,8 +187,8 @@ def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise
     """MX: each usage quantized from x (1x32 and 32x1 blocks, both in x's shape).
 
     Elements without a torch dtype (E2M1, E2M3, E3M2: `scheme.coded`) go to the backend's
-    `quantize_mx_coded` (both usages in one pass over x); a backend without one (Triton, for now)
-    runs the reference's torch ops on x's device.
+    `quantize_mx_coded` (both usages in one pass over x: the C++ and the Triton kernels); a backend
+    without one runs the reference's torch ops on x's device, with a one-time warning.
     """
     if scheme.coded:
         fn = getattr(kernels, "quantize_mx_coded", None)

@@ -6,6 +6,7 @@ Same functions, signatures and bits as `engine.ops.reference`:
 * `cast_transpose(x2d, scale, fp8_dtype, *, rowwise, columnwise)`   (cast_transpose.py)
 * `quantize_block(x2d, fp8_dtype, *, tile_rows, tile_cols, ...)`    (block.py)
 * `quantize_mxfp8(x, fp8_dtype, *, scale_mode, columnwise)`         (mxfp8.py)
+* `quantize_mx_coded(x, element, *, scale_mode, rowwise, columnwise)` (mx_small.py: MXFP4 / MXFP6)
 * `fp8_to_bf16(data)`                                               (convert.py)
 
 FP8 codes are produced with integer arithmetic (`fp8_bits.py`), not with Triton's float
@@ -18,6 +19,7 @@ tests check them against the reference without a GPU.
 from engine.ops.triton.block import quantize_block
 from engine.ops.triton.cast_transpose import amax, cast_transpose
 from engine.ops.triton.convert import fp8_to_bf16
+from engine.ops.triton.mx_small import quantize_mx_coded
 from engine.ops.triton.mxfp8 import quantize_mxfp8
 
-__all__ = ["amax", "cast_transpose", "quantize_block", "quantize_mxfp8", "fp8_to_bf16"]
+__all__ = ["amax", "cast_transpose", "quantize_block", "quantize_mxfp8", "quantize_mx_coded", "fp8_to_bf16"]
