@@ -1,5 +1,9 @@
-"""engine on torch.distributed: amax agreement across ranks, tensor and sequence parallel plans.
+"""engine on torch.distributed: amax agreement across ranks, FSDP2 / DCP over FP8 primary weights, and
+tensor and sequence parallel plans.
 
+FSDP2 needs no engine call: `torch.distributed.fsdp.fully_shard` shards engine quantized weights as
+quantized tensors and all-gathers their FP8 bytes (`engine.distributed.fsdp`), and their state-dict
+components are DTensors that `torch.distributed.checkpoint` reshards (`engine.distributed.state_dict`).
 The parallel styles (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, `LayerNormMLPParallel`) import
 torch.distributed.tensor (~0.6 s), so they load on first use: `engine.distributed.ColwiseParallel`.
 """
@@ -7,9 +11,10 @@ torch.distributed.tensor (~0.6 s), so they load on first use: `engine.distribute
 from typing import Any
 
 from engine.distributed.amax import all_reduce_max, group_size
+from engine.distributed.state_dict import is_sharded_quantized
 
 __all__ = ["ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel", "SequenceParallel", "all_reduce_max",
-           "group_size"]
+           "group_size", "is_sharded_quantized"]
 
 _STYLES = ("ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel", "SequenceParallel")
 

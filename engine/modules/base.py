@@ -19,13 +19,14 @@ import torch
 from engine import autocast, recompute
 from engine.distributed.dtensor import local_of
 from engine.formats import FP8_DTYPES
+from engine.distributed.state_dict import is_sharded_quantized, load_sharded_components, sharded_components
 from engine.modules.linear_function import LinearArgs, WeightCache
 from engine.modules.saving import EXTRA_STATE_KEY, encode_extra_state, read_extra_state
 from engine.parameters import make_parameter
 from engine.recipes import Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain
 from engine.recipes.base import SLOTS_PER_GEMM
 from engine.tensors import QuantizedTensor
-from engine.tensors.serialization import META_SUFFIX, has_components, pop_components, to_components
+from engine.tensors.serialization import COMPONENT_SUFFIXES, META_SUFFIX, has_components, pop_components, to_components
 
 
 class FP8Module(torch.nn.Module):
@@ -130,6 +131,20 @@ class FP8Module(torch.nn.Module):
         args.fwd.record_amax(args.fwd.slot(Role.WEIGHT, args.gemm), w)
 
     # ------------------------------------------------------------------ checkpoints
+    def __getattr__(self, name: str) -> Any:
+        """Parameters and submodules as torch finds them; also an FP8 weight's state-dict component keys
+        (`weight_scale_inv`, `weight_quantization`, ...), which torch.distributed.checkpoint looks up."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            for suffix in (*[s for s in COMPONENT_SUFFIXES.values() if s], META_SUFFIX):
+                param = self._parameters.get(name[: -len(suffix)]) if name.endswith(suffix) else None
+                if isinstance(param, QuantizedTensor):
+                    return to_components(name[: -len(suffix)], param)[name]
+                if param is not None and is_sharded_quantized(param):
+                    return sharded_components(name[: -len(suffix)], param)[name]
+            raise
+
     def get_extra_state(self) -> torch.Tensor:
         """The recipe and, for delayed scaling, scales and amax histories, as a uint8 record (see modules/saving.py).
 
@@ -178,8 +193,9 @@ class FP8Module(torch.nn.Module):
         if keep_vars:  # the live Parameters were asked for
             return
         for name, param in self._parameters.items():
-            if isinstance(param, QuantizedTensor):
-                components = to_components(prefix + name, param)
+            if isinstance(param, QuantizedTensor) or is_sharded_quantized(param):
+                components = (to_components(prefix + name, param) if isinstance(param, QuantizedTensor)
+                              else sharded_components(prefix + name, param))
                 clash = sorted(k for k in components if k in destination and k != prefix + name)
                 if clash:
                     raise ValueError(f"{clash[0]}: the FP8 weight {prefix}{name} is saved under this key, "
@@ -193,7 +209,10 @@ class FP8Module(torch.nn.Module):
         # hands each module its own copy of the state dict, so the keys are replaced in place)
         for name, param in self._parameters.items():
             key = prefix + name
-            if has_components(state_dict, key):
+            if has_components(state_dict, key) and is_sharded_quantized(param):  # FSDP2's shard: copied in place
+                load_sharded_components(state_dict, key, param)
+                state_dict[key] = param
+            elif has_components(state_dict, key):
                 storage, saved_quantizer = pop_components(state_dict, key)
                 state_dict[key] = QuantizedTensor.wrap(storage)
                 mine = param.quantizer if isinstance(param, QuantizedTensor) else None

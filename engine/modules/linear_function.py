@@ -153,6 +153,18 @@ def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None
     return dx, dw
 
 
+def unviewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The contiguous `out` [M, N] seen with `shape`, as a tensor of its own (not a view: no copy, shared storage).
+
+    A module's output that is a view makes FSDP2 warn (an in-place op on it would skip FSDP2's
+    pre-backward hook), and `out.view(...)` of the GEMM's [M, N] result is one.
+    """
+    if tuple(out.shape) == tuple(shape) and not out._is_view():
+        return out
+    fresh = out.new_empty(0)
+    return fresh.set_(out.untyped_storage(), out.storage_offset(), shape, torch.empty(shape, device="meta").stride())
+
+
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
     """LinearFunction on `inp`; under torch.autocast, in the autocast dtype (as torch.nn.Linear computes).
 
@@ -180,11 +192,6 @@ def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return LinearFunction.apply(inp, weight, bias, args)
 
 
-def _nd(out2d: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """The [M, N] GEMM output in inp's leading dims (a 2D input's output is returned as it is)."""
-    return out2d if inp.dim() == 2 else out2d.view(*inp.shape[:-1], out2d.shape[-1])
-
-
 class LinearFunction(torch.autograd.Function):
     """y = x W^T + b over the last dim of x, on quantized operands (args.fp8) or in x's dtype."""
 
@@ -201,12 +208,12 @@ class LinearFunction(torch.autograd.Function):
             w = w.to(inp.dtype)
             out = torch.nn.functional.linear(inp2d, w, None if bias is None else bias.to(inp.dtype))
             ctx.save_for_backward(inp2d if need_wgrad else None, w if need_dgrad else None)
-            return _nd(out, inp)
+            return unviewed(out, (*inp.shape[:-1], out.shape[-1]))
         out, x_wgrad, w_dgrad = fprop(inp2d, weight, bias, args, need_dgrad, need_wgrad)
         saved_x, ctx.restore_x = save_for_backward(x_wgrad)
         saved_w, ctx.restore_w = save_for_backward(w_dgrad)
         ctx.save_for_backward(*saved_x, *saved_w)
-        return _nd(out, inp)
+        return unviewed(out, (*inp.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

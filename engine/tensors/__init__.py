@@ -3,6 +3,7 @@
 from engine.tensors.quantized import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, QuantizedFallbackWarning, QuantizedTensor,
 )
+from engine.tensors import sharding  # noqa: F401  (registers the row-slice ops FSDP2 shards with)
 from engine.tensors.nvfp4 import NVFP4Tensor, NVFP4TensorStorage
 from engine.tensors.rowwise import Float8RowwiseTensor, Float8RowwiseTensorStorage
 from engine.tensors.serialization import rebuild_quantized_tensor, rebuild_storage

@@ -104,6 +104,29 @@ class QuantizedTensor(torch.Tensor):
         quantizer.update_quantized(src, self, noop_flag=noop_flag)
         return self
 
+    # ------------------------------------------------------------------ FSDP2's all-gather extension
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """The storage of the data (rowwise, else columnwise): where this value's bytes are (FSDP2 compares it)."""
+        st = self._qstorage
+        data = st.rowwise_data if st.rowwise_data is not None else st.columnwise_data
+        if data is None:
+            raise ValueError(f"{type(self).__name__} holds no data (emptied by prepare_for_saving)")
+        return data.untyped_storage()
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
+                            mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """FSDP2 all-gathers the FP8 bytes and scales of this shard (engine.distributed.fsdp)."""
+        from engine.distributed.fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
+        """The unsharded quantized weight from the gathered bytes (engine.distributed.fsdp)."""
+        from engine.distributed.fsdp import post_all_gather
+
+        return post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         st = self._qstorage
         usages = [u for u, on in (("rowwise", st.has_rowwise), ("columnwise", st.has_columnwise)) if on]
