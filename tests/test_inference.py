@@ -320,3 +320,19 @@ def test_small_gpt_keeps_its_loss() -> None:
         with torch.no_grad():
             loss = q.loss(tokens).item()
         assert abs(loss - base) < 0.05 * base, (config, loss, base)
+
+
+@pytest.mark.parametrize("config", [engine.Float8WeightOnly(), *[engine.MXWeightOnly(e) for e in
+                                    ("e4m3", "e2m3", "e3m2", "e2m1")], engine.MXWeightOnly("e2m1", "floor")], ids=ids)
+@pytest.mark.parametrize("k", [64, 80])
+def test_fast_decode_equals_the_storage_dequantize(config: object, k: int) -> None:
+    """The weight-only GEMMs decode FP8 / MX weights in two vector ops: the values of engine's storage dequantize
+    (a partial last block when K is not a multiple of 32), NaN blocks included."""
+    torch.manual_seed(3)
+    w = torch.randn(24, k, dtype=torch.bfloat16) * torch.logspace(-3, 3, 24, dtype=torch.bfloat16)[:, None]
+    w[5, 7] = float("nan")
+    q = QuantizedWeight.from_float(w, config)
+    st = q.fmt.storage(q.parts, (24, k), torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(q.dequantize(dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           st.dequantize(dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from engine.gemm import general_gemm
+from engine.ops import quantize as qops
+from engine.ops import reference as ref
 from engine.inference.configs import Float8DynamicActivationFloat8Weight, MXWeightOnly
 from engine.inference.int_formats import PartSpecs
 from engine.quantizers import Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXQuantizer, NVFP4Quantizer
@@ -23,6 +25,7 @@ from engine.quantizers.base import Quantizer
 from engine.tensors.storage import QuantizedTensorBase, buffer_specs
 
 E4M3 = torch.float8_e4m3fn
+MX_BLOCK = 32
 
 
 class EngineWeightFormat:
@@ -72,7 +75,27 @@ class EngineWeightFormat:
             raise ValueError(f"{where}: {err}") from None
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        layout = self.scheme.layout
+        if dtype == torch.bfloat16 and layout in ("axiswise", "mx"):  # (fp32: the storage's NaN bits differ)
+            return self.decode_bf16(parts, shape)
         return self.storage(parts, shape, dtype).dequantize(dtype)
+
+    def decode_bf16(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        """Per-row FP8 or MX weights as bf16, exactly (an element times a power of two), in two vector ops: the
+        same values as the storage's `dequantize` (checked in the tests), without its fp32 detour."""
+        n, k = shape
+        data = parts["data"]
+        if self.scheme.data_dtype == E4M3:
+            values = qops.fp8_to_bf16(data.view(E4M3))  # engine's kernel: ~7x torch's cast here
+        else:
+            values = qops.elements_to_bf16(data, self.scheme, cols=k)
+        scale = parts["scale_inv"]
+        if self.scheme.layout == "axiswise":
+            return values * scale.to(torch.bfloat16)
+        scale = ref.e8m0_to_float(scale).to(torch.bfloat16)  # 2^(code - 127), exact in bf16; NaN for 255
+        if k % MX_BLOCK == 0:
+            return (values.view(n, k // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(2)).view(n, k)
+        return values * scale.repeat_interleave(MX_BLOCK, dim=1)[:, :k]
 
     def compute_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
         return x_dtype if x_dtype == torch.float32 or (x_dtype == torch.bfloat16 and self.exact_bf16) else torch.float32
