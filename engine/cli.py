@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.train.cli import add_parser as add_train_parser
 
     add_train_parser(commands)
+    from engine.inference.eval import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
     return parser
 
 
