@@ -84,3 +84,17 @@ def test_bad_checkpoints_are_named() -> None:
             dict(mx, **{"0.weight_scale_inv": nan_scale}))
     with pytest.raises(RuntimeError, match="Unexpected key"):  # a plain model refuses quantized entries
         model(torch.nn.Linear, seed=0).load_state_dict(state)
+
+
+def test_assign_load_deepcopy_and_dtype_moves() -> None:
+    import copy
+
+    source = quantized(torch.nn.Linear, engine.Int4WeightOnly(group_size=32), seed=0)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    expected = source(x)
+    target = quantized(torch.nn.Linear, engine.Int4WeightOnly(group_size=32), seed=1)
+    target.load_state_dict(torch_round_trip(source.state_dict()), assign=True)
+    assert isinstance(target[0].weight, QuantizedWeight) and torch.equal(target(x), expected)
+    assert torch.equal(copy.deepcopy(source)(x), expected)
+    source.float()  # the nominal dtype moves; the parts and the bf16 output of bf16 inputs stay
+    assert source[0].weight.dtype == torch.float32 and torch.equal(source(x), expected)
