@@ -7,6 +7,10 @@ from engine.modules import LayerNormLinear, LayerNormMLP, Linear
 from engine.modules.saving import plain_state_dict
 from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from engine.recompute import checkpoint
+from engine.inference import (
+    Float8DynamicActivationFloat8Weight, Float8WeightOnly, Int4WeightOnly, Int8DynamicActivationInt8Weight,
+    Int8WeightOnly, MXWeightOnly, NVFP4WeightOnly, QuantizedWeight, quantize_,
+)
 from engine.quantizers import (
     Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, MXQuantizer, NVFP4Quantizer,
     Quantizer,
@@ -28,4 +32,6 @@ __all__ = [
     "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init", "recipes", "unconvert",
     "checkpoint",
     "plain_state_dict",
+    "Float8DynamicActivationFloat8Weight", "Float8WeightOnly", "Int4WeightOnly", "Int8DynamicActivationInt8Weight",
+    "Int8WeightOnly", "MXWeightOnly", "NVFP4WeightOnly", "QuantizedWeight", "quantize_",
 ]

@@ -21,7 +21,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = {"quantize": "bench_quantize", "gemm": "bench_gemm", "linear": "bench_linear",
-              "compile": "bench_compile", "mx": "bench_mx_small", "nvfp4": "bench_nvfp4"}
+              "compile": "bench_compile", "mx": "bench_mx_small", "nvfp4": "bench_nvfp4", "inference": "bench_inference"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -55,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print the GPU / NVML status and which FP8 recipes can run")
     info.set_defaults(run=_info)
     bench = commands.add_parser("bench", help="print benchmark tables (quantize GB/s, GEMM GFLOP/s, Linear step)")
-    # compile takes minutes; mx, nvfp4: by name
-    quick = [name for name in BENCHMARKS if name not in ("compile", "mx", "nvfp4")]
+    quick = [name for name in BENCHMARKS if name not in ("compile", "mx", "nvfp4", "inference")]  # minutes; by name
     bench.add_argument("which", nargs="?", type=_bench_list, default=quick,
                        help=f"benchmarks to run, comma separated, of {','.join(BENCHMARKS)} (default: {','.join(quick)})")
     bench.add_argument("extra", nargs=argparse.REMAINDER,
@@ -65,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.train.cli import add_parser as add_train_parser
 
     add_train_parser(commands)
+    from engine.inference.eval import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
     return parser
 
 

@@ -1,0 +1,202 @@
+"""QuantizedWeight: a Linear's weight Parameter held quantized, whose F.linear / matmul runs the quantized GEMM.
+
+A wrapper tensor subclass (torchao's habit): to the module it is a [N, K] tensor of the weight's
+dtype; inside it holds named plain tensors (the config's parts). `F.linear(x, w, b)` (what
+torch.nn.Linear and engine.Linear outside fp8_autocast call), `x @ w.t()` and `torch.matmul`
+run the format's GEMM on x's last dim, for any leading dims. `.to(dtype)` changes only the
+nominal dtype (the output follows x's dtype anyway). Other ops are refused with a clear error:
+call `.dequantize()` for a plain tensor. Inference only: the weight takes no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.inference.configs import InferenceConfig
+from engine.inference.formats import format_of
+
+aten = torch.ops.aten
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class QuantizedWeight(torch.Tensor):
+    """A quantized [N, K] Linear weight (`transposed`: its [K, N] view, from `.t()`)."""
+
+    parts: dict[str, torch.Tensor]
+    config: InferenceConfig
+
+    @staticmethod
+    def __new__(cls, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],
+                dtype: torch.dtype, transposed: bool = False, fmt: Any = None) -> QuantizedWeight:
+        size = (shape[1], shape[0]) if transposed else tuple(shape)
+        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=parts["data"].device,
+                                                   requires_grad=False)
+
+    def __init__(self, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],
+                 dtype: torch.dtype, transposed: bool = False, fmt: Any = None) -> None:
+        self.parts = parts
+        self.config = config
+        self.weight_shape = (int(shape[0]), int(shape[1]))
+        self.transposed = transposed
+        self.fmt = format_of(config) if fmt is None else fmt
+
+    # ------------------------------------------------------------------ making and reading
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, config: InferenceConfig, name: str = "weight") -> QuantizedWeight:
+        """`weight` [N, K] (float32, bfloat16 or float16) quantized under `config`."""
+        check_weight(weight, name)
+        fmt = format_of(config)
+        if hasattr(fmt, "check_shape"):
+            fmt.check_shape(tuple(weight.shape), name)
+        with torch.no_grad():
+            parts = fmt.quantize(weight.detach())
+        return cls(parts, config, tuple(weight.shape), weight.dtype, fmt=fmt)
+
+    def _with(self, **changes: Any) -> QuantizedWeight:
+        kw = {"parts": self.parts, "config": self.config, "shape": self.weight_shape, "dtype": self.dtype,
+              "transposed": self.transposed, "fmt": self.fmt, **changes}
+        return QuantizedWeight(**kw)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision value the GEMMs compute with (in the nominal dtype unless `dtype`)."""
+        w = self.fmt.dequantize(self.parts, self.weight_shape, self.dtype if dtype is None else dtype)
+        return w.t() if self.transposed else w
+
+    def nbytes_quantized(self) -> int:
+        """Bytes of the parts (what the weight costs in memory)."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
+        t = ", transposed" if self.transposed else ""
+        return (f"QuantizedWeight({self.config!r}, shape={list(self.shape)}, dtype={self.dtype}{t}, "
+                f"parts={{{', '.join(f'{k}: {v.dtype} {list(v.shape)}' for k, v in self.parts.items())}}})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return [f"part_{k}" for k in self.parts], (self.config, self.weight_shape, self.dtype, self.transposed)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple, outer_size: Any,
+                             outer_stride: Any) -> QuantizedWeight:
+        config, shape, dtype, transposed = meta
+        return QuantizedWeight({k.removeprefix("part_"): v for k, v in inner.items()}, config, shape, dtype,
+                               transposed)
+
+    def __getattr__(self, name: str) -> Any:  # __tensor_flatten__'s inner names
+        if name.startswith("part_") and "parts" in self.__dict__ and name[5:] in self.__dict__["parts"]:
+            return self.__dict__["parts"][name[5:]]
+        raise AttributeError(name)
+
+    # ------------------------------------------------------------------ the GEMM
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[..., K] @ W^T (+ bias) by the config's quantized GEMM, in x's dtype."""
+        if self.transposed:
+            raise ValueError("linear: expected the [N, K] weight, got its transposed view; call .t() first")
+        n, k = self.weight_shape
+        if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedWeight):
+            raise TypeError(f"input: expected a plain torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in HIGH_PRECISION:
+            raise TypeError(f"input: expected float32, bfloat16 or float16, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"input: expected a last dim of {k} (the weight is [{n}, {k}]), got {tuple(x.shape)}")
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        x2d = x.reshape(-1, k)
+        out = self.fmt.linear(x2d, self.parts, self.weight_shape, bias)
+        return out.reshape(*x.shape[:-1], n)
+
+    # ------------------------------------------------------------------ torch dispatch
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(w, QuantizedWeight) and not isinstance(x, QuantizedWeight):
+                return w.linear(x, bias)
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm):
+            a, b = args[0], args[1]
+            if isinstance(b, QuantizedWeight) and b.transposed and not isinstance(a, QuantizedWeight) \
+                    and (func not in (torch.mm, torch.Tensor.mm) or a.dim() == 2):
+                return b._with(transposed=False).linear(a)
+        if func is torch.Tensor.to:
+            return _to(args[0], *args[1:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._with()
+        if func in (aten.t.default,) or (func is aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]):
+            return args[0]._with(transposed=not args[0].transposed)
+        if func is aten.clone.default:
+            w = args[0]
+            return w._with(parts={k: v.clone() for k, v in w.parts.items()})
+        if func is aten._to_copy.default:
+            return _to(args[0], dtype=kwargs.get("dtype"), device=kwargs.get("device"), copy=True)
+        if func is aten.copy_.default:
+            return _copy_into(args[0], args[1])
+        if func is aten.is_same_size.default:
+            return args[0].shape == args[1].shape
+        names = ", ".join(type(a).__name__ for a in args)
+        raise NotImplementedError(f"QuantizedWeight ({args[0].config if isinstance(args[0], QuantizedWeight) else ''}"
+                                  f") does not support {func} (arguments: {names}); the weight runs F.linear, "
+                                  "x @ w.t() and torch.matmul; call .dequantize() for a plain tensor")
+
+
+def check_weight(weight: Any, name: str) -> None:
+    """A 2D float32/bfloat16/float16 tensor with data; TypeError/ValueError naming `name` otherwise."""
+    if not isinstance(weight, torch.Tensor) or isinstance(weight, QuantizedWeight):
+        raise TypeError(f"{name}: expected a plain torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in HIGH_PRECISION:
+        raise TypeError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: expected a 2D weight [out_features, in_features], got shape {tuple(weight.shape)}")
+    if weight.is_meta or weight.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU weight with data (the quantized GEMMs here are torch's CPU ops), "
+                         f"got one on {weight.device}")
+
+
+def _to(w: QuantizedWeight, *args: Any, **kwargs: Any) -> QuantizedWeight:
+    """Only the nominal dtype changes (a float dtype); the parts stay as they are, on the CPU."""
+    copy = kwargs.pop("copy", False)
+    if args or kwargs.get("dtype") is not None or kwargs.get("device") is not None:
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+    else:
+        device, dtype = None, None
+    if device is not None and torch.device(device).type != "cpu":
+        raise NotImplementedError(f"QuantizedWeight.to: the quantized weights here run on the CPU only, got {device}")
+    if dtype is not None and dtype not in HIGH_PRECISION:
+        raise TypeError(f"dtype: a QuantizedWeight's nominal dtype must be float32, bfloat16 or float16, got {dtype}")
+    if dtype is None or dtype == w.dtype:
+        return w._with(parts={k: v.clone() for k, v in w.parts.items()}) if copy else w
+    return w._with(dtype=dtype)
+
+
+def _copy_into(dst: QuantizedWeight, src: torch.Tensor) -> QuantizedWeight:
+    """dst's parts take src's (a QuantizedWeight of the same config and shape), or src quantized (a plain tensor)."""
+    if not isinstance(dst, QuantizedWeight):
+        raise TypeError(f"copy_: cannot copy a QuantizedWeight into a {type(dst).__name__}; call .dequantize()")
+    if isinstance(src, QuantizedWeight):
+        if src.config != dst.config or src.weight_shape != dst.weight_shape or src.transposed != dst.transposed:
+            raise ValueError(f"src: expected a QuantizedWeight of {dst.config!r} and shape {list(dst.shape)}, got "
+                             f"{src.config!r} and shape {list(src.shape)}")
+        parts = src.parts
+    else:
+        plain = src.t() if dst.transposed else src
+        parts = QuantizedWeight.from_float(plain.to(dst.dtype), dst.config, "src").parts
+    for name, t in parts.items():
+        mine = dst.parts.get(name)
+        if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
+            raise ValueError(f"src: part {name!r} is {t.dtype} {list(t.shape)}, expected "
+                             f"{None if mine is None else (mine.dtype, list(mine.shape))}")
+    for name, t in parts.items():
+        dst.parts[name].copy_(t)
+    return dst
+
+
+__all__ = ["QuantizedWeight", "check_weight"]
