@@ -304,7 +304,7 @@ def test_generic_record_amax_matches_torch_maximum_on_every_path(monkeypatch):
                                            amax_epsilon=0.0, scale_mode="rceil", record_amax=got)
         assert_same(got, want, "reference")
         got = start.clone()
-        monkeypatch.setattr(qops, "_traced", lambda x: True)  # the custom-op path torch.compile takes
+        monkeypatch.setattr(qops, "traced", lambda x: True)  # the custom-op path torch.compile takes
         qops.quantize(x, scheme, rowwise=True, columnwise=False, scale=torch.tensor([2.0]), record_amax=got)
         monkeypatch.undo()
         assert_same(got, want, "traced")
