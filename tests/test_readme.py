@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import torch
+from engine.inference import QuantizedWeight
 
 from engine.modules import FP8Module
 from engine.tensors import QuantizedTensor
@@ -18,7 +19,8 @@ def readme_examples() -> list[str]:
 def made_fp8_things(value) -> bool:
     if isinstance(value, QuantizedTensor):
         return True
-    return isinstance(value, torch.nn.Module) and any(isinstance(m, FP8Module) for m in value.modules())
+    return isinstance(value, torch.nn.Module) and (any(isinstance(m, FP8Module) for m in value.modules())
+                                                   or any(isinstance(p, QuantizedWeight) for p in value.parameters()))
 
 
 def test_every_readme_example_runs_and_makes_quantized_tensors_or_fp8_modules():
