@@ -4,8 +4,8 @@ import re
 from pathlib import Path
 
 import torch
-from engine.inference import QuantizedWeight
 
+from engine.inference import QuantizedWeight
 from engine.modules import FP8Module
 from engine.tensors import QuantizedTensor
 
