@@ -42,9 +42,11 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, width // self.n_heads).permute(2, 0, 3, 1, 4)
+        # heads-major [head, q|k|v, head_dim]: a column-parallel shard of qkv holds whole heads
+        qkv = self.qkv(x)
+        q, k, v = qkv.view(batch, seq, -1, 3, width // self.n_heads).permute(3, 0, 2, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(torch.nn.Module):
