@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import time
+
+import torch.distributed as dist
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
+from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
 from engine.train.report import format_table, write_outputs
 from engine.train.run import DEFAULT_RUNS, RUN_NAMES, RunConfig, make_recipe, train, train_to_file
 
@@ -63,6 +67,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile(fullgraph=True) the loss (the first steps compile; tokens/s skips them)")
+    p.add_argument("--nproc", type=_positive, default=1,
+                   help="train each run on N local processes (gloo on the CPU, NCCL on GPUs) with FSDP2 and --tp; "
+                        "under torchrun leave it out: the ranks come from torchrun")
+    p.add_argument("--tp", type=_positive, default=1,
+                   help="tensor-parallel degree inside each data-parallel group (divides the processes; default 1)")
     p.set_defaults(run=run)
 
 
@@ -70,7 +79,18 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     model = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
     common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
               "eval_every": args.eval_every, "seed": args.seed, "out_dir": str(out_dir),
-              "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile}
+              "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile,
+              "tp": args.tp}
+    nproc = _processes(args)
+    if nproc > 1:
+        check_layout(nproc, args.tp, model)
+        if args.batch_size % (nproc // args.tp):
+            raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({nproc // args.tp}), "
+                             f"got {args.batch_size}")
+        if args.compile:
+            raise ValueError("--compile: not with several processes (torch.compile of DTensor modules is refused)")
+    elif args.tp > 1:
+        raise ValueError(f"--tp {args.tp}: needs several processes (--nproc, or torchrun)")
     if args.resume is not None:
         if args.recipe is None:
             raise ValueError("--resume needs --recipe: the recipe (or bf16) to continue under")
@@ -82,6 +102,36 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     return [RunConfig(recipe=name, **common) for name in args.recipes]
 
 
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def _processes(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        if args.nproc > 1:
+            raise ValueError("--nproc: under torchrun the processes are torchrun's (--nproc-per-node); leave it out")
+        return int(os.environ.get("WORLD_SIZE", 1))
+    return args.nproc
+
+
+def _run_one(cfg: RunConfig, corpus, out_dir: Path, args: argparse.Namespace) -> dict:
+    """One run: here (--in-process, or a rank under torchrun), on --nproc ranks, or in a fresh process."""
+    if args.in_process or _under_torchrun():
+        return train(cfg, corpus)
+    result_path = out_dir / f"{cfg.recipe}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.nproc > 1:
+        spawn_ranks(args.nproc, train_to_file, (cfg.model_dump_json(), corpus, str(result_path)))
+    else:
+        process = multiprocessing.get_context("spawn").Process(
+            target=train_to_file, args=(cfg.model_dump_json(), corpus, str(result_path)))
+        process.start()
+        process.join()
+        if process.exitcode != 0:
+            raise SystemExit(f"engine train: the {cfg.recipe} run failed (exit code {process.exitcode})")
+    return json.loads(result_path.read_text())
+
+
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -89,23 +139,21 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_corpus(args.data)
     except (ValueError, ValidationError) as err:
         raise SystemExit(f"engine train: {err}") from None
-    print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} validation bytes")
-    print(f"model: {configs[0].model.model_dump()}, {configs[0].steps} steps of "
-          f"{configs[0].batch_size}x{configs[0].model.seq_len} tokens; output: {out_dir}")
-    results = []
-    for cfg in configs:
-        if args.in_process:
-            results.append(train(cfg, corpus))
-            continue
-        result_path = out_dir / f"{cfg.recipe}.json"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        process = multiprocessing.get_context("spawn").Process(
-            target=train_to_file, args=(cfg.model_dump_json(), corpus, str(result_path)))
-        process.start()
-        process.join()
-        if process.exitcode != 0:
-            raise SystemExit(f"engine train: the {cfg.recipe} run failed (exit code {process.exitcode})")
-        results.append(json.loads(result_path.read_text()))
+    if _under_torchrun():
+        init_from_environment()
+    leader = world()[0] == 0
+    nproc = _processes(args)
+    if leader:
+        print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} validation bytes")
+        print(f"model: {configs[0].model.model_dump()}, {configs[0].steps} steps of "
+              f"{configs[0].batch_size}x{configs[0].model.seq_len} tokens; output: {out_dir}")
+        if nproc > 1:
+            print(f"processes: {nproc} ({nproc // args.tp} data-parallel (FSDP2) x {args.tp} tensor-parallel)")
+    results = [_run_one(cfg, corpus, out_dir, args) for cfg in configs]
+    if _under_torchrun():
+        dist.destroy_process_group()
+    if not leader:
+        return 0
     print()
     print(format_table(results))
     paths = write_outputs(results, out_dir)

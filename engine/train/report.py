@@ -11,6 +11,15 @@ from engine.train.run import BASELINE
 
 COLUMNS = ["recipe", "train loss", "val loss", "val gap vs bf16 %", "tokens/s", "speed vs bf16",
            "peak RSS MiB", "saved act. MiB", "saved act. vs bf16"]
+#: with several processes: tokens/s is of all ranks together; this column, of one rank (RSS and saved
+#: activations are rank 0's)
+PER_RANK = "tokens/s/rank"
+
+
+def columns(results: list[dict[str, Any]]) -> list[str]:
+    if max(r.get("ranks", 1) for r in results) == 1:
+        return COLUMNS
+    return [*COLUMNS[:5], PER_RANK, *COLUMNS[5:]]
 
 
 def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
@@ -20,15 +29,16 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
         gap = "" if base is None else f"{100 * (r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2f}"
         speed = "" if base is None else f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}"
         act = "" if base is None else f"{r['saved_activation_bytes'] / base['saved_activation_bytes']:.2f}"
+        per_rank = [f"{r['tokens_per_second'] / r.get('ranks', 1):.0f}"] if PER_RANK in columns(results) else []
         rows.append([r["recipe"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}", gap,
-                     f"{r['tokens_per_second']:.0f}", speed, f"{r['peak_rss_bytes'] / 2**20:.0f}",
+                     f"{r['tokens_per_second']:.0f}", *per_rank, speed, f"{r['peak_rss_bytes'] / 2**20:.0f}",
                      f"{r['saved_activation_bytes'] / 2**20:.1f}", act])
     return rows
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    rows = [COLUMNS, *table_rows(results)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    rows = [columns(results), *table_rows(results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -67,7 +77,7 @@ def write_outputs(results: list[dict[str, Any]], out_dir: Path) -> dict[str, Pat
     paths["json"].write_text(json.dumps(results, indent=1))
     with paths["csv"].open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(COLUMNS)
+        writer.writerow(columns(results))
         writer.writerows(table_rows(results))
     plot_losses(results, paths["png"])
     return paths

@@ -15,12 +15,16 @@ from typing import Any, Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+)
 from tqdm import tqdm
 
 import engine
 from engine.recipes import RECIPES, Recipe
 from engine.train.data import Corpus, batch_at
 from engine.train.model import GPT, GPTConfig
+from engine.train.parallel import clip_grad_norm_, mean_over_ranks, parallelize, world
 
 BASELINE = "bf16"
 RUN_NAMES = (BASELINE, *RECIPES)
@@ -44,6 +48,7 @@ class RunConfig(BaseModel):
     resume: str | None = None
     progress: bool = True
     compile: bool = False  # torch.compile(model.loss, fullgraph=True)
+    tp: int = Field(1, ge=1)  # tensor-parallel degree when several processes train (engine.train.parallel)
 
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
@@ -116,38 +121,48 @@ def peak_rss_bytes() -> int:
 
 
 def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
-    """Train, evaluate, checkpoint; returns the run's numbers as plain data."""
+    """Train, evaluate, checkpoint; returns the run's numbers as plain data.
+
+    In a process group (`engine.train.parallel`) every rank calls this; the model is sharded over the
+    ranks, each takes its slice of the global batch, and the numbers are the global batch's.
+    """
     recipe = make_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
+    rank, ranks = world()
     model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    start = 0
+    start, checkpoint = 0, None
     if cfg.resume is not None:
         checkpoint = torch.load(cfg.resume, weights_only=True)
         if GPTConfig(**checkpoint["model_config"]) != cfg.model:
             raise ValueError(f"--resume: {cfg.resume} holds a model {checkpoint['model_config']}, "
                              f"not {cfg.model.model_dump()}")
         model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
         start = int(checkpoint["step"])
+    dp_rank, dp_size = parallelize(model, cfg.tp)
+    if cfg.batch_size % dp_size:
+        raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({dp_size}), got {cfg.batch_size}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if checkpoint is not None:
+        set_optimizer_state_dict(model, optimizer, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
     end = start + cfg.steps
     loss_fn = torch.compile(model.loss, fullgraph=True) if cfg.compile else model.loss
     tokens_per_step = cfg.batch_size * cfg.model.seq_len
     train_losses, val_losses, step_times = [], [], []
-    bar = tqdm(range(start, end), desc=f"{cfg.recipe:>7}", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(range(start, end), desc=f"{cfg.recipe:>7}", disable=not cfg.progress or rank > 0, dynamic_ncols=True)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step, end)
         tokens = batch_at(corpus.train, step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
+        tokens = tokens.chunk(dp_size)[dp_rank]
         began = time.perf_counter()
         with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
             loss = loss_fn(tokens)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm_(list(model.parameters()), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - began)
-        train_losses.append(loss.item())
+        train_losses.append(mean_over_ranks(loss).item())
         if (step + 1) % cfg.eval_every == 0 or step + 1 == end:
             val_losses.append((step + 1, evaluate(loss_fn, corpus, cfg, recipe)))
         timed = step_times[min(3, len(step_times) - 1):]
@@ -155,11 +170,16 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     bar.close()
     timed = step_times[min(3, len(step_times) - 1):]  # the first steps build states and warm caches
     probe = batch_at(corpus.train, 0, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
+    probe = probe.chunk(dp_size)[dp_rank]
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / f"{cfg.recipe.replace(':', '-')}.pt"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": end,
-                "model_config": cfg.model.model_dump(), "recipe": cfg.recipe, "seed": cfg.seed}, checkpoint_path)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # unsharded, as one process holds it
+    state = {"model": get_model_state_dict(model, options=full),
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=full)}
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({**state, "step": end, "model_config": cfg.model.model_dump(), "recipe": cfg.recipe,
+                    "seed": cfg.seed}, checkpoint_path)
     last = train_losses[-min(10, len(train_losses)):]
     return {
         "recipe": cfg.recipe,
@@ -169,7 +189,9 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         "val_losses": val_losses,
         "final_train_loss": sum(last) / len(last),
         "final_val_loss": val_losses[-1][1],
-        "tokens_per_second": tokens_per_step * len(timed) / sum(timed),
+        "tokens_per_second": tokens_per_step * len(timed) / sum(timed),  # of all ranks together
+        "ranks": ranks,
+        "tensor_parallel": cfg.tp if ranks > 1 else 1,
         "peak_rss_bytes": peak_rss_bytes(),
         "saved_activation_bytes": saved_activation_bytes(model, probe, recipe),
         "checkpoint": str(checkpoint_path),
@@ -177,7 +199,8 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
 
 
 def train_to_file(cfg_json: str, corpus: Corpus, result_path: str) -> None:
-    """Entry point of a run in its own process (its peak RSS is its own)."""
-    torch.set_num_threads(torch.get_num_threads())
+    """Entry point of a run in its own process (its peak RSS is its own), or of each rank of a group (rank 0
+    writes the result)."""
     result = train(RunConfig.model_validate_json(cfg_json), corpus)
-    Path(result_path).write_text(json.dumps(result))
+    if world()[0] == 0:
+        Path(result_path).write_text(json.dumps(result))
