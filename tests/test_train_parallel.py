@@ -22,7 +22,7 @@ def results(folder) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    assert main(["train", "--recipes", "bf16,delayed,mxfp8", "--out", str(out), "--in-process", *TINY]) == 0
+    assert main(["train", "--recipes", "bf16,delayed", "--out", str(out), "--in-process", *TINY]) == 0
     return out
 
 
@@ -74,18 +74,26 @@ def test_the_checkpoint_is_unsharded_and_resumes_in_one_process(one_process, fou
     assert resumed["steps"] == [7, 8] and resumed["train_losses"][0] < results(four_ranks)["delayed"]["train_losses"][0]
 
 
-def test_torchrun_launches_the_same_training(one_process, tmp_path):
-    """The README's command line: torchrun starts the ranks, engine train joins them (2 FSDP2 ranks here)."""
-    out = tmp_path / "torchrun"
+def test_torchrun_launches_fsdp2_over_fp8_weights(tmp_path):
+    """The README's command line: torchrun starts the ranks, engine train joins them; here 2 FSDP2 ranks over FP8
+    primary weights (all-gathered as FP8 bytes), against the same run in one process."""
+    args = ["--recipes", "delayed", "--fp8-weights", *TINY]
+    assert main(["train", "--out", str(tmp_path / "one"), "--in-process", *args]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "engine", "train",
-                           "--recipes", "mxfp8", "--out", str(out), *TINY],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "engine", "train", "--out", str(tmp_path / "two"), *args],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("tokens/s/rank") == 1  # one table, from rank 0
-    got = results(out)["mxfp8"]
+    got, want = results(tmp_path / "two")["delayed"], results(tmp_path / "one")["delayed"]
     assert got["ranks"] == 2 and got["tensor_parallel"] == 1
-    _close(got["train_losses"], results(one_process)["mxfp8"]["train_losses"], 5e-3)
+    _close(got["train_losses"], want["train_losses"], 5e-3)
+    sharded_run = torch.load(tmp_path / "two" / "delayed.pt", weights_only=True)["model"]
+    single_run = torch.load(tmp_path / "one" / "delayed.pt", weights_only=True)["model"]
+    assert sharded_run.keys() == single_run.keys()
+    fp8 = [k for k, v in single_run.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8 and all(sharded_run[k].dtype == torch.float8_e4m3fn and sharded_run[k].shape == single_run[k].shape
+                       for k in fp8)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -94,6 +102,7 @@ def test_torchrun_launches_the_same_training(one_process, tmp_path):
     (["--nproc", "4", "--tp", "4"], "--tp: must divide --heads (2)"),
     (["--nproc", "3", "--batch-size", "4"], "--batch-size: must be a multiple of the data-parallel ranks (3)"),
     (["--nproc", "2", "--compile"], "--compile: not with several processes"),
+    (["--nproc", "2", "--tp", "2", "--fp8-weights"], "--fp8-weights: not with --tp"),
 ])
 def test_bad_layouts_are_refused(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as raised:

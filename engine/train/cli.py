@@ -72,6 +72,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "under torchrun leave it out: the ranks come from torchrun")
     p.add_argument("--tp", type=_positive, default=1,
                    help="tensor-parallel degree inside each data-parallel group (divides the processes; default 1)")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="FP8 primary weights (fp8_model_init) in the recipe runs: FSDP2 all-gathers their FP8 bytes")
     p.set_defaults(run=run)
 
 
@@ -80,13 +82,15 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
               "eval_every": args.eval_every, "seed": args.seed, "out_dir": str(out_dir),
               "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile,
-              "tp": args.tp}
+              "tp": args.tp, "fp8_weights": args.fp8_weights}
     nproc = _processes(args)
     if nproc > 1:
         check_layout(nproc, args.tp, model)
         if args.batch_size % (nproc // args.tp):
             raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({nproc // args.tp}), "
                              f"got {args.batch_size}")
+        if args.fp8_weights and args.tp > 1:
+            raise ValueError("--fp8-weights: not with --tp (tensor parallel shards high-precision weights only)")
         if args.compile:
             raise ValueError("--compile: not with several processes (torch.compile of DTensor modules is refused)")
     elif args.tp > 1:

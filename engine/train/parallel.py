@@ -92,6 +92,24 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> to
     return total
 
 
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every DTensor gathered whole, on the CPU: what one process would save. FP8
+    components are gathered as their bytes (gloo has no float8 collectives)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            local, dtype = value.to_local(), value.dtype
+            if local.element_size() == 1:
+                local = local.view(torch.uint8)
+            whole = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                       shape=value.shape, stride=value.stride())
+            value = whole.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local().view(dtype)
+        out[key] = value.detach().cpu()
+    return out
+
+
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The mean of a scalar over all ranks (the logged loss of the global batch)."""
     if world()[1] > 1:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+    StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
 )
 from tqdm import tqdm
 
@@ -24,7 +24,7 @@ import engine
 from engine.recipes import RECIPES, Recipe
 from engine.train.data import Corpus, batch_at
 from engine.train.model import GPT, GPTConfig
-from engine.train.parallel import clip_grad_norm_, mean_over_ranks, parallelize, world
+from engine.train.parallel import clip_grad_norm_, full_state_dict, mean_over_ranks, parallelize, world
 
 BASELINE = "bf16"
 RUN_NAMES = (BASELINE, *RECIPES)
@@ -49,6 +49,7 @@ class RunConfig(BaseModel):
     progress: bool = True
     compile: bool = False  # torch.compile(model.loss, fullgraph=True)
     tp: int = Field(1, ge=1)  # tensor-parallel degree when several processes train (engine.train.parallel)
+    fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) for the recipe runs
 
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
@@ -129,7 +130,8 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     recipe = make_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
     rank, ranks = world()
-    model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
+    with engine.fp8_model_init(enabled=cfg.fp8_weights and recipe is not None, recipe=recipe):
+        model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
     start, checkpoint = 0, None
     if cfg.resume is not None:
         checkpoint = torch.load(cfg.resume, weights_only=True)
@@ -174,7 +176,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
     checkpoint_path = out_dir / f"{cfg.recipe.replace(':', '-')}.pt"
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # unsharded, as one process holds it
-    state = {"model": get_model_state_dict(model, options=full),
+    state = {"model": full_state_dict(model),
              "optimizer": get_optimizer_state_dict(model, optimizer, options=full)}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
