@@ -226,6 +226,11 @@ def fallback_case() -> tuple[Block, list[torch.Tensor], list[torch.Tensor]]:
     return model, [torch.randn(B, 32 * WORLD, D, generator=gen)], [torch.randn(B, 32 * WORLD, D, generator=gen)]
 
 
+def return_bias_case() -> tuple[engine.Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(5)
+    return engine.Linear(D, D, return_bias=True), torch.randn(B, D), torch.randn(B, D)
+
+
 def _raised(fn) -> str:
     try:
         fn()
@@ -285,6 +290,15 @@ def _extra_cases(mesh, gathered: list[int]) -> dict:
     plan = {"fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(1)),
             "fc2": engine.distributed.RowwiseParallel(output_layouts=Shard(1))}
     out["fallback"] = _run_parallel(model, mesh, plan, xs, dys, Float8BlockScaling(), True, gathered)
+    # row parallel with return_bias=True: the output reduced, the bias handed back (Megatron's skip_bias_add)
+    model, x, dy = return_bias_case()
+    parallelize_module(model, mesh, engine.distributed.RowwiseParallel())
+    xd = x.chunk(WORLD, dim=-1)[dist.get_rank()].clone().requires_grad_(True)
+    with engine.fp8_autocast(recipe=recipe):
+        y, bias = model(xd)
+    (y + bias).backward(dy)
+    out["return_bias"] = {"y": y.detach().clone(), "bias": bias.detach().clone(), "dx": xd.grad,
+                          "weight": model.weight.grad.to_local(), "bias_grad": model.bias.grad.to_local()}
     # what is refused, and how
     mesh2d = init_device_mesh("cpu", (2, 2))
     two_d = engine.Linear(D, D)
@@ -468,6 +482,21 @@ def test_blocks_straddling_ranks_gather_in_high_precision(ranks):
     assert torch.equal(torch.cat([g["fc1_out"] for g in got], dim=-1), ref["fc1_out"])
     fp32_close(torch.cat([g["y"] for g in got], dim=1), ref["y"], "y")
     fp32_close(torch.cat([g["dx"] for g in got], dim=1), ref["dx"], "dx")
+
+
+def test_row_parallel_with_return_bias(ranks):
+    """return_bias=True: each rank gets the reduced output without the bias and the whole bias, to add once."""
+    model, x, dy = return_bias_case()
+    xr = x.clone().requires_grad_(True)
+    with engine.fp8_autocast(recipe=Float8CurrentScaling()):
+        y, bias = model(xr)
+    (y + bias).backward(dy)
+    for rank, r in enumerate(ranks):
+        got = r["return_bias"]
+        fp32_close(got["y"], y.detach(), "y")
+        assert torch.equal(got["bias"], bias.detach()) and torch.equal(got["bias_grad"], model.bias.grad)
+        assert torch.equal(got["dx"], xr.grad.chunk(WORLD, dim=-1)[rank])
+        assert torch.equal(got["weight"], model.weight.grad.chunk(WORLD, dim=-1)[rank])
 
 
 def test_what_is_refused(ranks):

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import style as torch_style
 from torch.distributed.tensor.parallel.style import SequenceParallel
 
@@ -97,8 +97,19 @@ class RowwiseParallel(torch_style.RowwiseParallel):
             module, device_mesh,
             lambda name, mod, mesh: _distribute(mod, mesh, {"weight": Shard(1)}, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            partial(self._prepare_outputs, self.output_layouts, self.use_local_output),
         )
+
+    @classmethod
+    def _prepare_outputs(cls, output_layouts: Any, use_local_output: bool, mod: torch.nn.Module, outputs: Any,
+                         device_mesh: DeviceMesh) -> Any:
+        """torch's output handling; with `return_bias=True` the output is reduced and the bias (replicated, not
+        added: the caller adds it once, after the reduction, as Megatron's skip_bias_add) passed along."""
+        if not isinstance(outputs, tuple):
+            return cls._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        out, bias = outputs
+        out = cls._prepare_output_fn(output_layouts, use_local_output, mod, out, device_mesh)
+        return out, (bias.to_local() if use_local_output and isinstance(bias, DTensor) else bias)
 
 
 class LayerNormMLPParallel(torch_style.ParallelStyle):
