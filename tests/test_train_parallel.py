@@ -96,6 +96,22 @@ def test_torchrun_launches_fsdp2_over_fp8_weights(tmp_path):
                        for k in fp8)
 
 
+def test_the_readme_multi_node_command_line(tmp_path):
+    """Two torchrun agents (two "nodes" of one process each) meeting at a c10d rendezvous endpoint."""
+    from engine.train.parallel import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID")}
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "readme", "-m",
+                                "engine", "train", "--recipes", "current", "--out", str(tmp_path), *TINY],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert sum(out.count("tokens/s/rank") for out, _ in outputs) == 1
+    assert results(tmp_path)["current"]["ranks"] == 2
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "2"], "--tp 2: needs several processes"),
     (["--nproc", "2", "--tp", "3"], "--tp: must divide the number of processes (2), got 3"),
