@@ -105,22 +105,30 @@ class DelayedRule(ScaleRule):
 
 
 class CurrentRule(ScaleRule):
-    """fp8_max / max(amax, amax_epsilon) from this tensor (or each tile); amax all-reduced over a group if given."""
+    """fp8_max / max(amax, amax_epsilon) from this tensor (or each tile); amax all-reduced over a group if given.
+
+    `agreed_amax`: a per-tensor amax already reduced over the group (with other tensors' amaxes in one
+    collective, `agree_on_amaxes`); used as it is.
+    """
 
     layouts = ("tensor", "block1d", "block2d", "axiswise")
 
-    def __init__(self, amax_epsilon: float = 0.0, amax_reduction_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, amax_epsilon: float = 0.0, amax_reduction_group: dist.ProcessGroup | None = None, *,
+                 agreed_amax: torch.Tensor | None = None) -> None:
         self.amax_epsilon = check_epsilon(amax_epsilon)
         self.amax_reduction_group = amax_reduction_group
+        self.agreed_amax = agreed_amax
 
     def config(self) -> dict[str, Any]:
         return {"amax_epsilon": self.amax_epsilon}
 
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
         scale = None
-        if self.amax_reduction_group is not None and scheme.rowwise_block.is_tensor:
-            amax = qops.amax(x)
-            all_reduce_max([amax], self.amax_reduction_group)
+        if (self.amax_reduction_group is not None or self.agreed_amax is not None) and scheme.rowwise_block.is_tensor:
+            amax = self.agreed_amax
+            if amax is None:
+                amax = qops.amax(x)
+                all_reduce_max([amax], self.amax_reduction_group)
             scale = ref.compute_scale(amax, scheme.element, force_pow_2_scales=scheme.scale.is_pow2,
                                       amax_epsilon=self.amax_epsilon)
         buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale,
@@ -128,7 +136,7 @@ class CurrentRule(ScaleRule):
         return buffers
 
     def kernel_args(self) -> dict[str, Any] | None:
-        if self.amax_reduction_group is not None:
+        if self.amax_reduction_group is not None or self.agreed_amax is not None:
             return None
         return {"scale": None, "amax_epsilon": self.amax_epsilon, "scale_mode": "rceil"}
 

@@ -355,12 +355,45 @@ def _fallback(func: Any, args: tuple, kwargs: dict) -> Any:
         )
     plain_args, plain_kwargs = tree_map_only(QuantizedTensor, lambda t: t._qstorage.dequantize(), (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
+    results = []
     for key, index, tensor in mutated:
         plain = plain_args[key] if isinstance(key, int) else plain_kwargs[key]
-        tensor.quantize_(plain if index is None else plain[index])
+        results.append((tensor, plain if index is None else plain[index]))
+    _requantize(results)
     if len(mutated) == 1 and mutated[0][1] is None:
         return mutated[0][2]
     return out
+
+
+def _requantize(results: list[tuple[QuantizedTensor, torch.Tensor]]) -> None:
+    """Quantize each result back into its tensor. Per-tensor current-scaling weights whose amax is all-reduced
+    over a group (FSDP2 shards) agree on all their amaxes in one collective per group, not one per weight (a
+    multi-tensor optimizer update)."""
+    from engine.distributed import all_reduce_max
+    from engine.ops import quantize as qops
+    from engine.quantizers.rules import CurrentRule
+
+    groups: dict[Any, list[int]] = {}
+    for i, (tensor, _) in enumerate(results):
+        q = tensor._qstorage.quantizer
+        if isinstance(q.rule, CurrentRule) and q.rule.amax_reduction_group is not None and \
+                tensor._qstorage.scheme.rowwise_block.is_tensor:
+            groups.setdefault(q.rule.amax_reduction_group, []).append(i)
+    agreed = {}
+    for group, members in groups.items():
+        if len(members) > 1:
+            amaxes = [qops.amax(results[i][1]) for i in members]
+            all_reduce_max(amaxes, group)
+            agreed.update(zip(members, amaxes))
+    for i, (tensor, plain) in enumerate(results):
+        if i not in agreed:
+            tensor.quantize_(plain)
+            continue
+        own = tensor._qstorage.quantizer
+        once = own.copy()
+        once.rule = CurrentRule(own.rule.amax_epsilon, agreed_amax=agreed[i])
+        once.update_quantized(plain, tensor)
+        tensor._qstorage.quantizer = own  # keeps quantizing with its group afterwards
 
 
 # ---------------------------------------------------------------------- the layout names users know
