@@ -13,8 +13,10 @@ collective `fsdp_post_all_gather`, which builds the unsharded quantized weight f
   (e.g. 30 rows on 4 ranks): the short shard is padded to FSDP2's chunk size.
   Current scaling needs the amax of the whole weight when the optimizer requantizes a shard:
   the shard's quantizer gets the shard group as `amax_reduction_group` here (at the first
-  all-gather), so each requantization all-reduces its amax (one 4-byte all-reduce per weight
-  and optimizer step), and every shard is quantized with the scale the whole weight would get.
+  all-gather), so each requantization all-reduces its amax, and every shard is quantized with
+  the scale the whole weight would get. A multi-tensor update (`foreach=True` optimizers) agrees
+  on all its weights' amaxes in one all-reduce (`engine.tensors.quantized`); a for-loop
+  optimizer makes one 4-byte all-reduce per weight update.
   Delayed scaling quantizes with the shared delayed scale; the amax each shard records is
   all-reduced with the other amaxes at the autocast's update, as without FSDP.
 * block scales (128x128 tiles, MX): the bytes and the scales of the rows a rank holds are
