@@ -35,11 +35,16 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import engine
+from engine.recipes import RECIPES as RECIPES_BY_NAME
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 D, B = 64, 2  # FFN and sequence: 128 per rank (whole 128-blocks on every rank, as the exact checks need)
 RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
            "block": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling()}
+#: the newer recipes, plain tensor parallel on 4 ranks (NVFP4 without stochastic rounding: its random bits
+#: follow each element's position in the tensor, which a shard does not share with the whole)
+MORE_RECIPES = {"rowwise": RECIPES_BY_NAME["rowwise"](), "mxfp4": RECIPES_BY_NAME["mxfp4"](),
+                "nvfp4": RECIPES_BY_NAME["nvfp4"](disable_stochastic_rounding=True)}
 EXACT = ("fc1_out", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 BOUNDED = ("y", "dx", "fc1.layer_norm_weight", "fc1.layer_norm_bias")
 
@@ -290,6 +295,10 @@ def _extra_cases(mesh, gathered: list[int]) -> dict:
     plan = {"fc1": engine.distributed.ColwiseParallel(input_layouts=Shard(1)),
             "fc2": engine.distributed.RowwiseParallel(output_layouts=Shard(1))}
     out["fallback"] = _run_parallel(model, mesh, plan, xs, dys, Float8BlockScaling(), True, gathered)
+    for name, more in MORE_RECIPES.items():
+        model, xs, dys = make_case(name, WORLD)
+        plan = {"fc1": engine.distributed.ColwiseParallel(), "fc2": engine.distributed.RowwiseParallel()}
+        out[f"more_{name}"] = _run_parallel(model, mesh, plan, xs, dys, more, False, gathered)
     # row parallel with return_bias=True: the output reduced, the bias handed back (Megatron's skip_bias_add)
     model, x, dy = return_bias_case()
     parallelize_module(model, mesh, engine.distributed.RowwiseParallel())
@@ -380,6 +389,19 @@ def test_tensor_and_sequence_parallel_match_one_process(world_size, ranks):
     for variant, name, diffs, bounds in table:
         for key, diff in diffs.items():
             assert diff <= bounds[key], (variant, name, key, diff, bounds[key])
+
+
+@pytest.mark.parametrize("name", list(MORE_RECIPES))
+def test_newer_recipes_under_tensor_parallel(ranks, name):
+    """FP8 rowwise, MXFP4 and NVFP4 (its per-tensor S_enc agreed over the group like current scaling's scale)."""
+    model, xs, dys = make_case(name, WORLD)
+    ref = run_steps(model, xs, dys, MORE_RECIPES[name])
+    ref.update({n: p.grad for n, p in model.named_parameters()})
+    got = dict(ranks[0][f"more_{name}"], fc1_out=torch.cat([r[f"more_{name}"]["fc1_out"] for r in ranks], dim=-1))
+    for key in EXACT:
+        assert torch.equal(got[key], ref[key]), (name, key)
+    for key in BOUNDED:
+        fp32_close(got[key], ref[key], f"{name} {key}")
 
 
 def fp32_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

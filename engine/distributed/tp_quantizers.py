@@ -1,10 +1,10 @@
 """Per-tensor scales agreed across a tensor-parallel group.
 
-A rank quantizing its shard of a tensor with a per-tensor current scale would use the amax of
-its shard, so ranks (and the single-process run) would quantize alike values differently. The
-view below swaps each per-tensor current-scaling quantizer of the chosen roles for a copy that
-all-reduces (MAX) its amax over the group first (`CurrentRule.amax_reduction_group`), so every
-rank uses the scale of the whole tensor. Delayed scaling needs no view: its amaxes are recorded
+A rank quantizing its shard of a tensor with a per-tensor current scale (or NVFP4's per-tensor
+S_enc) would use the amax of its shard, so ranks (and the single-process run) would quantize
+alike values differently. The view below swaps each such quantizer of the chosen roles for a
+copy that all-reduces (MAX) its amax over the group first (the rule's `amax_reduction_group`),
+so every rank uses the scale of the whole tensor. Delayed scaling needs no view: its amaxes are recorded
 into the module's state and reduced over `fp8_autocast`'s `fp8_group` (the world by default)
 before each update, so all ranks hold the same scales.
 """
@@ -16,6 +16,8 @@ import copy
 import torch.distributed as dist
 
 from engine.distributed.amax import group_size
+from engine.quantizers.base import Quantizer
+from engine.quantizers.nvfp4 import NVFP4Rule
 from engine.quantizers.rules import CurrentRule
 from engine.recipes import RecipeState, Role
 
@@ -32,11 +34,17 @@ def reducing_state(state: RecipeState | None, group: dist.ProcessGroup, roles: f
     return views[key][1]
 
 
+def _per_tensor_current(quantizer: Quantizer) -> bool:
+    """Scales made from the amax of the whole tensor: current scaling's per-tensor scale, NVFP4's S_enc."""
+    return (type(quantizer.rule) is CurrentRule and quantizer.scheme.rowwise_block.is_tensor) or \
+        isinstance(quantizer.rule, NVFP4Rule)
+
+
 def _make_view(state: RecipeState, group: dist.ProcessGroup, roles: frozenset[Role]) -> RecipeState:
     swapped, mapping = {}, {}
     for (operand, gemm), quantizer in state._quantizers.items():
-        if (quantizer is not None and operand[1] in roles and type(quantizer.rule) is CurrentRule
-                and quantizer.scheme.rowwise_block.is_tensor and quantizer.rule.amax_reduction_group is None):
+        if quantizer is not None and operand[1] in roles and _per_tensor_current(quantizer) and \
+                quantizer.rule.amax_reduction_group is None:
             if id(quantizer) not in swapped:
                 twin = quantizer.copy()
                 twin.rule = copy.copy(quantizer.rule)
