@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -83,3 +84,26 @@ def test_a_multi_tensor_update_agrees_on_all_amaxes_in_one_collective(tmp_path):
     for name, scale in ranks[0]["foreach=True"][1].items():  # one scale for the whole weight: the same on both ranks
         if name.endswith("scale_inv"):
             assert torch.equal(scale, ranks[1]["foreach=True"][1][name]), name
+
+
+def test_fsdp2_refuses_fp8_weights_it_cannot_shard(tmp_path):
+    """NVFP4 and FP8-rowwise primary weights have no row slices: fully_shard fails naming the rule (it used to
+    train on fp32 copies with only a QuantizedFallbackWarning)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from engine.recipes import RECIPES
+
+    for name in ("nvfp4", "rowwise"):
+        with engine.fp8_model_init(recipe=RECIPES[name]()):
+            layer = engine.Linear(64, 32)
+        with pytest.raises(NotImplementedError, match=r"split along dim 0 of a .*FSDP2 shards parameters"):
+            torch.chunk(layer.weight, 2, dim=0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match="FP8 primary weights"):
+            fully_shard(layer)
+    finally:
+        dist.destroy_process_group()
+    # a plain split along the other dim still runs on the dequantized value, with the usual warning
+    with pytest.warns(engine.tensors.QuantizedFallbackWarning):
+        assert torch.equal(torch.cat(torch.chunk(layer.weight, 2, dim=1), dim=1), layer.weight.dequantize())

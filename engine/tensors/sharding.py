@@ -10,8 +10,9 @@ A row slice keeps the FP8 bytes and the scales of the rows it holds:
 * a columnwise copy that the scheme can derive exactly from the rowwise one (per-tensor,
   128x128) is left out of the slice: it is remade from the rowwise bytes when needed.
 
-Other layouts (NVFP4, axiswise) and other dims return NotImplemented: the op then runs on the
-dequantized value, as before, with a QuantizedFallbackWarning.
+Splitting other 2D layouts (NVFP4, axiswise) along dim 0 is a NotImplementedError that names
+FSDP2 (which would otherwise shard FP8 primary weights as fp32 copies); other slices and dims
+return NotImplemented: the op then runs on the dequantized value with a QuantizedFallbackWarning.
 """
 
 from __future__ import annotations
@@ -104,8 +105,21 @@ def _dim0(self: QuantizedTensor, dim: int) -> bool:
     return _sliceable(self._qstorage) and dim in (0, -2)
 
 
+def _refuse_row_split(self: QuantizedTensor, dim: int) -> None:
+    """Row splits of a 2D layout this file cannot slice: an error, not a high-precision copy. FSDP2 shards a
+    weight this way, and would otherwise train silently on fp32 shards of FP8 primary weights."""
+    storage = self._qstorage
+    if len(storage.shape) == 2 and dim in (0, -2) and not _sliceable(storage):
+        raise NotImplementedError(
+            f"split along dim 0 of a {storage.scheme.name} ({storage.scheme.layout} layout) quantized tensor: row "
+            f"slices are implemented for the {'/'.join(SLICEABLE_LAYOUTS)} layouts only. This is how FSDP2 shards "
+            "parameters: FP8 primary weights (fp8_model_init) of this recipe cannot be sharded; build the model "
+            "without fp8_model_init (FSDP2 then gathers high-precision weights) or dequantize() first")
+
+
 @_handles(aten.split.Tensor)
 def _split(self: QuantizedTensor, split_size: int, dim: int = 0) -> Any:
+    _refuse_row_split(self, dim)
     if not _dim0(self, dim):
         return NotImplemented
     n = self.shape[0]
@@ -115,6 +129,7 @@ def _split(self: QuantizedTensor, split_size: int, dim: int = 0) -> Any:
 
 @_handles(aten.split_with_sizes.default)
 def _split_with_sizes(self: QuantizedTensor, split_sizes: list[int], dim: int = 0) -> Any:
+    _refuse_row_split(self, dim)
     if not _dim0(self, dim) or sum(split_sizes) != self.shape[0]:
         return NotImplemented
     out, start = [], 0
