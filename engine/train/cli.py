@@ -7,10 +7,9 @@ import json
 import multiprocessing
 import os
 import time
-
-import torch.distributed as dist
 from pathlib import Path
 
+import torch.distributed as dist
 from pydantic import ValidationError
 
 from engine.train.data import load_corpus
@@ -125,7 +124,10 @@ def _run_one(cfg: RunConfig, corpus, out_dir: Path, args: argparse.Namespace) ->
     result_path = out_dir / f"{cfg.recipe}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.nproc > 1:
-        spawn_ranks(args.nproc, train_to_file, (cfg.model_dump_json(), corpus, str(result_path)))
+        try:
+            spawn_ranks(args.nproc, train_to_file, (cfg.model_dump_json(), corpus, str(result_path)))
+        except Exception as err:  # a rank's traceback is printed above; torch.multiprocessing says which rank
+            raise SystemExit(f"engine train: the {cfg.recipe} run failed on {args.nproc} processes: {err}") from None
     else:
         process = multiprocessing.get_context("spawn").Process(
             target=train_to_file, args=(cfg.model_dump_json(), corpus, str(result_path)))
