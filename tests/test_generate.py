@@ -94,6 +94,7 @@ def test_the_command_prints_text_and_speeds(checkpoint_path: str, capsys) -> Non
     (["--max-new-tokens", "0"], "engine generate: error: argument --max-new-tokens: expected an integer >= 1"),
     (["--temperature", "-1"], "engine generate: error: argument --temperature: expected a finite number >= 0"),
     (["--top-k", "5"], "engine generate: --top-k: only with --temperature > 0"),
+    (["--threads", "x"], "engine generate: error: argument --threads: expected an integer >= 1, got 'x'"),
     (["--max-new-tokens", "48"], "engine generate: --max-new-tokens: the prompt (4 bytes) and 48 new tokens need 51 "
                                  "positions; the model learned 48"),
     (["--prompt", ""], "engine generate: --prompt: expected at least one byte"),

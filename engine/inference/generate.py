@@ -154,6 +154,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--repeats", type=_positive, default=3,
                    help="generations per config, interleaved; speeds are their medians (default 3)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine")
     p.set_defaults(run=run)
 
 
@@ -179,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         raise _fail(f"--max-new-tokens: the prompt ({prompt.shape[1]} bytes) and {args.max_new_tokens} new tokens need "
                     f"{prompt.shape[1] + args.max_new_tokens - 1} positions; the model learned {seq_len} (no sliding "
                     "window): shorten the prompt or generate fewer tokens")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     names = args.quantize if len(args.quantize) == 1 else [BASELINE, *[n for n in args.quantize if n != BASELINE]]
     models = {name: load_model(checkpoint, name) for name in names}
     runs: dict[str, list[Generation]] = {name: [] for name in names}
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     base = runs[BASELINE][0].tokens
     print(f"{args.checkpoint}: {args.max_new_tokens} new tokens after a {prompt.shape[1]}-byte prompt, {how}, batch 1; "
-          f"medians of {args.repeats} interleaved runs; weights: every linear layer")
+          f"medians of {args.repeats} interleaved runs; {torch.get_num_threads()} threads; weights: every linear layer")
     print(f"bf16 text: {args.prompt + decode(base)!r}")
     print("| config | decode tok/s | vs bf16 | prefill tok/s | vs bf16 | linear weight KiB | tokens = bf16's |")
     print("|---|---|---|---|---|---|---|")
