@@ -227,3 +227,23 @@ def test_demo_gpt_quantizes_every_linear_weight() -> None:
     assert plain_bytes == 2 * sum(p.numel() for n, p in gpt.named_parameters() if n.endswith("weight")
                                   and p.dim() == 2 and "emb" not in n)
     assert linear_weight_bytes(gpt) < 0.6 * plain_bytes
+
+
+def test_fp8_primary_weights_are_quantized_from_their_value() -> None:
+    """A LayerNormMLP made under fp8_model_init holds FP8 weights: quantize_ starts from their dequantized value."""
+    torch.manual_seed(2)
+    with engine.fp8_model_init():
+        fp8 = engine.LayerNormMLP(64, 128, params_dtype=torch.bfloat16)
+    plain = engine.LayerNormMLP(64, 128, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            theirs = getattr(fp8, name)
+            p.copy_(theirs.dequantize() if name.endswith("fc1_weight") or name.endswith("fc2_weight") else theirs)
+    for m in (fp8, plain):
+        engine.quantize_(m, engine.Int8WeightOnly())
+    x = inputs(64)
+    for name in ("fc1_weight", "fc2_weight"):
+        for part, t in getattr(plain, name).parts.items():
+            assert torch.equal(getattr(fp8, name).parts[part], t), (name, part)
+    with torch.no_grad():
+        assert torch.equal(fp8(x), plain(x))
