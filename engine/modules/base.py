@@ -107,11 +107,10 @@ class FP8Module(torch.nn.Module):
         if not fp8 and not calibrating:
             return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
                     for _ in range(self.num_gemms)]
-        if not torch.compiler.is_compiling():
-            self._refuse_inference_weights("inside fp8_autocast" if fp8 else "while calibrating")
         if torch.compiler.is_compiling():
             _states_while_tracing(self, autocast.get_recipe_key(), device)
         else:
+            self._refuse_inference_weights("inside fp8_autocast" if fp8 else "while calibrating")
             recipe = autocast.get_recipe()
             if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
                 self._build_states(recipe, device)
