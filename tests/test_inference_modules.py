@@ -194,6 +194,9 @@ def test_inside_fp8_autocast_is_a_clear_error(make) -> None:
                                         r"engine.quantize_ is for inference outside fp8_autocast"):
         with engine.fp8_autocast():
             m(torch.randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=rf"{type(m).__name__}\.{first}: .* got a forward while calibrating"):
+        with engine.fp8_autocast(enabled=False, calibrating=True):
+            m(torch.randn(2, 64, dtype=torch.bfloat16))
     with engine.fp8_autocast(enabled=False):
         assert m(torch.randn(2, 64, dtype=torch.bfloat16)).shape[-1] == (32 if first == "weight" else 64)
 
