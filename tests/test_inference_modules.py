@@ -250,3 +250,22 @@ def test_fp8_primary_weights_are_quantized_from_their_value() -> None:
             assert torch.equal(getattr(fp8, name).parts[part], t), (name, part)
     with torch.no_grad():
         assert torch.equal(fp8(x), plain(x))
+
+
+def test_quantized_demo_gpt_checkpoint_round_trip() -> None:
+    """A whole quantized demo GPT saves as plain tensors and loads into another one quantized the same way."""
+    import copy
+
+    from engine.train.model import GPT, GPTConfig
+
+    config = GPTConfig(d_model=64, n_layers=1, n_heads=2, seq_len=16)
+    torch.manual_seed(0)
+    source = engine.quantize_(GPT(config), engine.Int4WeightOnly(group_size=32))
+    torch.manual_seed(1)
+    target = engine.quantize_(GPT(config), engine.Int4WeightOnly(group_size=32))
+    target.load_state_dict(torch_round_trip(source.state_dict()))
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        expected = source(tokens)
+        assert torch.equal(target(tokens), expected)
+        assert torch.equal(copy.deepcopy(source)(tokens), expected)
