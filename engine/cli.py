@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.inference.eval import add_parser as add_eval_parser
 
     add_eval_parser(commands)
+    from engine.inference.generate import add_parser as add_generate_parser
+
+    add_generate_parser(commands)
     return parser
 
 

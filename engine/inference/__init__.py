@@ -1,8 +1,9 @@
-"""Inference quantization (torchao's `quantize_` habit): Linear weights swapped for quantized tensors in place.
+"""Inference quantization (torchao's `quantize_` habit): linear weights swapped for quantized tensors in place
+(torch.nn.Linear, engine.Linear, engine.LayerNormLinear, engine.LayerNormMLP's fc1 and fc2).
 
     import engine
     engine.quantize_(model, engine.Int4WeightOnly(group_size=128))
-    model(x)                                   # each Linear runs torch's int4 CPU GEMM
+    model(x)                                   # each linear layer runs torch's int4 CPU GEMM
     torch.save(model.state_dict(), path)       # plain tensors; loads with weights_only=True
 """
 

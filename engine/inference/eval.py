@@ -2,9 +2,9 @@
 
 The checkpoint is one `python -m engine train` wrote (runs/<t>/bf16.pt). Each config gets a fresh model
 with the checkpoint's weights, `quantize_`d, evaluated on the same validation windows as training
-(`engine.train.run.evaluate`). Only Linear modules are quantized: the attention projections
-(engine.Linear) and the output head (torch.nn.Linear); the QKV LayerNormLinear and the LayerNormMLP
-are other module kinds and stay in high precision.
+(`engine.train.run.evaluate`). Every linear weight is quantized: the QKV LayerNormLinear, the
+attention projection (engine.Linear), the LayerNormMLP's fc1 and fc2 and the output head
+(torch.nn.Linear); the embeddings and norms stay in high precision.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from engine.inference.configs import (
     Float8DynamicActivationFloat8Weight, Float8WeightOnly, InferenceConfig, Int4WeightOnly,
     Int8DynamicActivationInt8Weight, Int8WeightOnly, MXWeightOnly, NVFP4WeightOnly,
 )
-from engine.inference.quantize import quantize_
-from engine.inference.weight import QuantizedWeight
+from engine.inference.quantize import linear_weight_bytes, quantize_
 
 EVAL_CONFIGS: dict[str, InferenceConfig] = {
     "int8wo": Int8WeightOnly(), "int4wo-g128": Int4WeightOnly(group_size=128), "int4wo-g32": Int4WeightOnly(group_size=32),
@@ -54,7 +53,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def evaluate_checkpoint(checkpoint: dict[str, Any], corpus: Any, names: list[str], *, eval_batches: int = 8,
                         batch_size: int = 16, seed: int = 0) -> list[dict[str, Any]]:
-    """[{"config", "val_loss", "perplexity", "linear_weight_bytes"}] for bf16 (no quantization) and each name."""
+    """[{"config", "val_loss", "perplexity", "linear_weight_bytes"}] for bf16 (no quantization) and each name
+    (weight bytes: bf16 at 2 bytes per element, or the quantized parts)."""
     from engine.train.model import GPT, GPTConfig
     from engine.train.run import RunConfig, evaluate
 
@@ -70,10 +70,8 @@ def evaluate_checkpoint(checkpoint: dict[str, Any], corpus: Any, names: list[str
                 warnings.filterwarnings("ignore", message="engine: NVFP4 quantization")
                 quantize_(model, EVAL_CONFIGS[name])
         loss = evaluate(model.loss, corpus, cfg, None)
-        weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedWeight)]
-        nbytes = sum(w.nbytes_quantized() for w in weights) if weights else sum(
-            m.weight.numel() * 2 for m in model.modules() if type(m).__name__ == "Linear")
-        rows.append({"config": name, "val_loss": loss, "perplexity": math.exp(loss), "linear_weight_bytes": nbytes})
+        rows.append({"config": name, "val_loss": loss, "perplexity": math.exp(loss),
+                     "linear_weight_bytes": linear_weight_bytes(model)})
     return rows
 
 
@@ -90,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                                batch_size=args.batch_size, seed=seed)
     base = rows[0]["val_loss"]
     print(f"{args.checkpoint}: validation on {corpus.source} ({args.eval_batches} windows of {args.batch_size}); "
-          "quantized: attention projections and the output head")
+          "quantized: every linear weight (QKV, attention projection, MLP fc1/fc2, output head)")
     print("| config | val loss | gap vs bf16 | perplexity | Linear weight KiB |")
     print("|---|---|---|---|---|")
     for r in rows:

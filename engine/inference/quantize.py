@@ -1,4 +1,4 @@
-"""engine.quantize_(model, config, *, module_filter=None): swap Linear weights for QuantizedWeights in place."""
+"""engine.quantize_(model, config, *, module_filter=None): swap linear weights for QuantizedWeights in place."""
 
 from __future__ import annotations
 
@@ -13,25 +13,31 @@ from engine.inference.weight import QuantizedWeight
 ModuleFilter = Callable[[str, torch.nn.Module], bool]
 
 
-def is_linear(module: torch.nn.Module) -> bool:
-    """torch.nn.Linear (not the subclass nn.MultiheadAttention reads its weight from directly) or engine.Linear."""
-    from engine.modules import Linear
+def quantized_weight_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The weights quantize_ swaps in `module`: `weight` of torch.nn.Linear, engine.Linear and
+    engine.LayerNormLinear; `fc1_weight` and `fc2_weight` of engine.LayerNormMLP; none of other modules
+    (nor of the torch.nn.Linear subclass nn.MultiheadAttention reads its weight from directly)."""
+    from engine.modules.base import FP8Module
 
+    if isinstance(module, FP8Module):
+        return module.weight_names
     if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
-        return False
-    return isinstance(module, (torch.nn.Linear, Linear))
+        return ()
+    return ("weight",) if isinstance(module, torch.nn.Linear) else ()
 
 
 def quantize_(model: torch.nn.Module, config: InferenceConfig, *,
               module_filter: ModuleFilter | None = None) -> torch.nn.Module:
-    """Quantize, in place, the weight of every torch.nn.Linear and engine.Linear in `model` (the model itself
-    included) for which `module_filter(fqn, module)` is true (default: all of them); returns `model`.
+    """Quantize, in place, the weights of every torch.nn.Linear, engine.Linear, engine.LayerNormLinear and
+    engine.LayerNormMLP (fc1 and fc2) in `model` (the model itself included) for which
+    `module_filter(fqn, module)` is true (default: all of them); returns `model`.
 
-    Each module stays; its `weight` Parameter becomes a `QuantizedWeight` (requires_grad=False) whose
-    F.linear runs the config's GEMM, and the module saves and loads it as plain tensors
-    (`engine.inference.saving`). A weight that is already quantized, not 2D float32/bfloat16/float16
-    on the CPU, or a shape the config cannot take, is an error naming the module (use module_filter to
-    leave it out). engine.Linear's quantized weight is for inference outside fp8_autocast.
+    Each module stays; each of its weight Parameters becomes a `QuantizedWeight` (requires_grad=False)
+    whose F.linear runs the config's GEMM, and the module saves and loads it as plain tensors
+    (`engine.inference.saving`). The engine modules run it on their high-precision path (norm, GEMM,
+    activation, GEMM), so a quantized engine module is for inference outside fp8_autocast (inside, it
+    is a TypeError). A weight that is already quantized, not 2D float32/bfloat16/float16 on the CPU,
+    or a shape the config cannot take, is an error naming it (use module_filter to leave it out).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -40,15 +46,19 @@ def quantize_(model: torch.nn.Module, config: InferenceConfig, *,
         raise TypeError(f"module_filter: expected a callable (fqn, module) -> bool, got {type(module_filter).__name__}")
     chosen = []
     for fqn, module in model.named_modules():
-        if not is_linear(module) or (module_filter is not None and not module_filter(fqn, module)):
+        names = quantized_weight_names(module)
+        if not names or (module_filter is not None and not module_filter(fqn, module)):
             continue
-        name = f"{fqn or type(model).__name__}.weight"
-        if isinstance(module.weight, QuantizedWeight):
-            raise ValueError(f"{name}: already quantized with {module.weight.config!r}")
-        chosen.append((name, module))
-    fresh = [(module, QuantizedWeight.from_float(_plain(module.weight, name), config, name)) for name, module in chosen]
-    for module, weight in fresh:  # only once every weight quantized: an error leaves the model as it was
-        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+        for attr in names:
+            name = f"{fqn or type(model).__name__}.{attr}"
+            weight = getattr(module, attr)
+            if isinstance(weight, QuantizedWeight):
+                raise ValueError(f"{name}: already quantized with {weight.config!r}")
+            chosen.append((name, module, attr))
+    fresh = [(module, attr, QuantizedWeight.from_float(_plain(getattr(module, attr)), config, name))
+             for name, module, attr in chosen]
+    for module, attr, weight in fresh:  # only once every weight quantized: an error leaves the model as it was
+        setattr(module, attr, torch.nn.Parameter(weight, requires_grad=False))
         if not getattr(module, "_engine_inference_hooks", False):
             module.register_state_dict_post_hook(save_hook)
             module.register_load_state_dict_pre_hook(load_hook)
@@ -56,8 +66,19 @@ def quantize_(model: torch.nn.Module, config: InferenceConfig, *,
     return model
 
 
-def _plain(weight: torch.Tensor, name: str) -> torch.Tensor:
+def _plain(weight: torch.Tensor) -> torch.Tensor:
     """The high-precision value of a weight (an engine FP8 primary weight dequantized)."""
     from engine.tensors import QuantizedTensor
 
     return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights quantize_ swaps (or would swap) in `model`: a QuantizedWeight's parts, a plain
+    weight counted at 2 bytes per element (bf16, what inference would keep it in)."""
+    total = 0
+    for module in model.modules():
+        for name in quantized_weight_names(module):
+            w = getattr(module, name)
+            total += w.nbytes_quantized() if isinstance(w, QuantizedWeight) else 2 * w.numel()
+    return total

@@ -1,6 +1,7 @@
 """Quantized weights in state dicts as plain tensors (torch.save with weights_only=True, safetensors).
 
-A module whose weight `quantize_` swapped saves, instead of the weight:
+A module whose weight `quantize_` swapped saves, instead of the weight (`weight` here; a LayerNormMLP's
+`fc1_weight` and `fc2_weight` alike, e.g. `fc1_weight_scale`, `fc1_weight_qformat`):
 
     <prefix>weight             the main part ("data": int8 [N, K]; int4 packed uint8 [N16, K/2];
                                FP8 bytes, MX or NVFP4 codes as uint8)

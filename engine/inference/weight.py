@@ -2,7 +2,7 @@
 
 A wrapper tensor subclass (torchao's habit): to the module it is a [N, K] tensor of the weight's
 dtype; inside it holds named plain tensors (the config's parts). `F.linear(x, w, b)` (what
-torch.nn.Linear and engine.Linear outside fp8_autocast call), `x @ w.t()` and `torch.matmul`
+torch.nn.Linear and the engine modules outside fp8_autocast call), `x @ w.t()` and `torch.matmul`
 run the format's GEMM on x's last dim, for any leading dims. `.to(dtype)` changes only the
 nominal dtype (the output follows x's dtype anyway). Other ops are refused with a clear error:
 call `.dequantize()` for a plain tensor. Inference only: the weight takes no gradient.

@@ -110,6 +110,7 @@ class FP8Module(torch.nn.Module):
         if torch.compiler.is_compiling():
             _states_while_tracing(self, autocast.get_recipe_key(), device)
         else:
+            self._refuse_inference_weights("inside fp8_autocast" if fp8 else "while calibrating")
             recipe = autocast.get_recipe()
             if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
                 self._build_states(recipe, device)
@@ -120,6 +121,18 @@ class FP8Module(torch.nn.Module):
                        grad_enabled=grad)
             for g in range(self.num_gemms)
         ]
+
+    def _refuse_inference_weights(self, where: str) -> None:
+        """A weight `engine.quantize_` swapped runs its own GEMM, on the high-precision path only."""
+        from engine.inference.weight import QuantizedWeight
+
+        for name in self.weight_names:
+            weight = getattr(self, name, None)
+            if isinstance(weight, QuantizedWeight):
+                raise TypeError(f"{type(self).__name__}.{name}: a QuantizedWeight ({weight.config!r}) from "
+                                f"engine.quantize_ is for inference outside fp8_autocast; got a forward {where} "
+                                "(run the model with fp8_autocast(enabled=False), or load the unquantized weights "
+                                "to train)")
 
     def _calibrate(self, args: LinearArgs, inp: torch.Tensor, weight: torch.Tensor) -> None:
         """Record the input and weight amaxes of one GEMM while running in high precision."""

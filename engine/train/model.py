@@ -3,7 +3,9 @@
 Each block is attention (LayerNormLinear for QKV, torch's scaled_dot_product_attention,
 Linear for the output projection) and an MLP (LayerNormMLP), both with residuals. The
 embeddings, final norm and LM head stay in high precision, as is usual for FP8 training.
-Parameters are fp32 (master weights); activations run in bf16.
+Parameters are fp32 (master weights); activations run in bf16. For decoding, `forward`
+takes a `KVCache`: it reads the positions after the cached ones and appends their keys and
+values. Positions are learned up to seq_len, so a longer sequence is refused (no sliding window).
 """
 
 from __future__ import annotations
@@ -33,6 +35,35 @@ class GPTConfig(BaseModel):
         return self
 
 
+class LayerKV:
+    """One block's cached keys and values: [batch, heads, capacity, head_dim] buffers, made at first use."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [batch, heads, new, head_dim] at positions start..; the keys and values of all positions so far."""
+        end = start + k.shape[2]
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:2], self.capacity, k.shape[3])
+            self.v = torch.zeros_like(self.k)
+        elif self.k.shape[:2] != k.shape[:2]:
+            raise ValueError(f"cache: made for [batch, heads] = {list(self.k.shape[:2])}, got {list(k.shape[:2])}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every block for the first `length` positions (at most the model's seq_len)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        self.layers = [LayerKV(cfg.seq_len) for _ in range(cfg.n_layers)]
+        self.length = 0
+
+
 class Attention(torch.nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -40,12 +71,21 @@ class Attention(torch.nn.Module):
         self.qkv = engine.LayerNormLinear(cfg.d_model, 3 * cfg.d_model)
         self.proj = engine.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None, start: int = 0) -> torch.Tensor:
+        """x holds positions start..start+seq; with `kv`, they attend to the cached positions before them too."""
         batch, seq, width = x.shape
         # heads-major [head, q|k|v, head_dim]: a column-parallel shard of qkv holds whole heads
         qkv = self.qkv(x)
         q, k, v = qkv.view(batch, seq, -1, 3, width // self.n_heads).permute(3, 0, 2, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv is not None:
+            k, v = kv.extend(k, v, start)
+        if start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif seq == 1:  # one new position sees every cached one
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:  # query i (position start + i) sees keys 0..start + i
+            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(start)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -55,8 +95,8 @@ class Block(torch.nn.Module):
         self.attn = Attention(cfg)
         self.mlp = engine.LayerNormMLP(cfg.d_model, cfg.ffn_mult * cfg.d_model, activation="gelu")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x)
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(x, kv, start)
         return x + self.mlp(x)
 
 
@@ -74,17 +114,26 @@ class GPT(torch.nn.Module):
         for emb in (self.tok_emb, self.pos_emb):
             torch.nn.init.normal_(emb.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (fp32) for every position of a [batch, seq] byte tensor."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (fp32) for every position of a [batch, seq] byte tensor; with `cache`, the tokens follow
+        the cache.length cached positions, and their keys and values are added to the cache."""
+        start = 0 if cache is None else cache.length
+        end = start + tokens.shape[1]
+        if end > self.cfg.seq_len:
+            raise ValueError(f"tokens: positions {start}..{end - 1} go past the last learned position "
+                             f"{self.cfg.seq_len - 1} (seq_len {self.cfg.seq_len}; no sliding window)")
+        positions = torch.arange(start, end, device=tokens.device)
         x = (self.tok_emb(tokens) + self.pos_emb(positions)).to(torch.bfloat16)
         first_bf16 = len(self.blocks) - self.high_precision_last_blocks
         for i, block in enumerate(self.blocks):
+            kv = None if cache is None else cache.layers[i]
             if i >= first_bf16:
                 with engine.fp8_autocast(enabled=False):
-                    x = block(x)
+                    x = block(x, kv, start)
             else:
-                x = block(x)
+                x = block(x, kv, start)
+        if cache is not None:
+            cache.length = end
         return self.head(self.norm(x.float()))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
