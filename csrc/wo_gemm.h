@@ -1,0 +1,48 @@
+// Weight-only integer GEMMs at small M (int4 groupwise, int8 per channel): the jobs the torch glue
+// (kernels_wo_gemm.cpp) hands the kernels, and their two builds, portable (kernels_wo_gemm.cpp) and AVX-512
+// (kernels_wo_gemm_avx512.cpp, chosen at run time). No torch here.
+//
+// Both compute y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w dequantized in registers exactly as the reference
+// does (int4: (q - 8) * scale + zero, the product exact, one rounding; int8: q, the scale applied to the
+// sum), so the results differ from the plain-PyTorch fp32 reference only by the order of the fp32 additions.
+#pragma once
+
+#include <cstdint>
+
+namespace engine_native {
+
+// int4 weight layout (Int4WeightOnly's "data"): uint8 [rows, K/2], byte [n, i] = q[n, 2i] | q[n, 2i+1] << 4
+// (element 2i in the low nibble), q in [0, 15]. K is a multiple of the group size, itself a multiple of 32.
+constexpr int64_t kWoChunk = 32;  // the k values one step of the int4 kernels reads from one row: 16 bytes
+
+struct WoInt4Job {
+  const float* x;      // [M, K] fp32, each run of 32 k's stored even k's first, then odd k's (`deinterleave`)
+  int64_t M, K;
+  const uint8_t* w;    // the layout above, row n at w + n * K / 2
+  const uint32_t* sz;  // group j of row n: sz[j * sz_ld + n] = bf16 scale bits | bf16 zero bits << 16
+  int64_t sz_ld, group;
+  float* y;            // [M, ldy] fp32
+  int64_t ldy;
+};
+
+struct WoInt8Job {
+  const float* x;      // [M, K] fp32, row-major
+  int64_t M, K;
+  const int8_t* w;     // [N, K] int8, row-major
+  const float* scale;  // [N]: y = sum * scale
+  float* y;            // [M, ldy] fp32
+  int64_t ldy;
+};
+
+// Rows [n0, n1) of y, every m.
+namespace wo_portable {
+void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1);
+void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1);
+}  // namespace wo_portable
+namespace wo_avx512 {
+bool compiled();  // false where the compiler or architecture has no AVX-512 build
+void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1);
+void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1);
+}  // namespace wo_avx512
+
+}  // namespace engine_native
