@@ -97,6 +97,15 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx512_bf16() {
+#if defined(ENGINE_WO_X86) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 struct DefaultFpEnv {
 #ifdef ENGINE_WO_X86
   unsigned saved;
@@ -198,22 +207,56 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_a
                         scale_and_zero.size(1) == rows && scale_and_zero.size(2) == 2,
                     "scale_and_zero: expected shape [", K / group_size, ", ", rows, ", 2], got ", scale_and_zero.sizes());
   check_contiguous(scale_and_zero, "scale_and_zero");
-  Tensor xd = at::empty({M, K}, x.options());
+  const int64_t groups = K / group_size;
+  Tensor xd, xb, xsum;
   const float* src = x.data_ptr<float>();
-  float* dst = xd.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; i += kWoChunk) {  // each run of 32: even k's, then odd k's
-    for (int64_t j = 0; j < kWoChunk / 2; ++j) {
-      dst[i + j] = src[i + 2 * j];
-      dst[i + kWoChunk / 2 + j] = src[i + 2 * j + 1];
+  // The bf16 path reads x as bf16 (exact for bf16 x), which vdpbf16ps would read as 0 where subnormal: such x
+  // run the fp32 path.
+  bool bf16 = avx512 && x_in.scalar_type() == at::kBFloat16 && group_size % 64 == 0 && wo_avx512::compiled_bf16() &&
+              cpu_has_avx512_bf16();
+  for (int64_t i = 0; bf16 && i < M * K; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    bf16 = (u & 0x7F800000u) != 0 || (u & 0x007FFFFFu) == 0;
+  }
+  if (bf16) {
+    xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    xsum = at::empty({M, groups}, x.options());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x_in.contiguous().data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * K; i += 64) {  // each run of 64: even k's, then odd k's
+      for (int64_t j = 0; j < 32; ++j) {
+        dst[i + j] = xs[i + 2 * j];
+        dst[i + 32 + j] = xs[i + 2 * j + 1];
+      }
+    }
+    float* sums = xsum.data_ptr<float>();
+    for (int64_t i = 0; i < M * groups; ++i) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < group_size; ++k) sum += src[i * group_size + k];
+      sums[i] = sum;
+    }
+  } else {
+    xd = at::empty({M, K}, x.options());
+    float* dst = xd.data_ptr<float>();
+    for (int64_t i = 0; i < M * K; i += kWoChunk) {  // each run of 32: even k's, then odd k's
+      for (int64_t j = 0; j < kWoChunk / 2; ++j) {
+        dst[i + j] = src[i + 2 * j];
+        dst[i + kWoChunk / 2 + j] = src[i + 2 * j + 1];
+      }
     }
   }
   Tensor y = at::empty({M, n}, x.options());
-  const WoInt4Job job{dst, M, K, data.data_ptr<uint8_t>(),
+  const WoInt4Job job{bf16 ? nullptr : xd.data_ptr<float>(), M, K,
+                      bf16 ? reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()) : nullptr,
+                      bf16 ? xsum.data_ptr<float>() : nullptr, data.data_ptr<uint8_t>(),
                       reinterpret_cast<const uint32_t*>(scale_and_zero.data_ptr<at::BFloat16>()), rows, group_size,
                       y.data_ptr<float>(), n};
   if (M > 0 && K > 0) {
     parallel_rows(M * n * K / 4 + n * K, n, [&](int64_t n0, int64_t n1) {
-      if (avx512) {
+      if (bf16) {
+        wo_avx512::int4_rows_bf16(job, n0, n1);
+      } else if (avx512) {
         wo_avx512::int4_rows(job, n0, n1);
       } else {
         wo_portable::int4_rows(job, n0, n1);

@@ -8,6 +8,7 @@
 // this is the reference's value bit for bit) and multiply-adds them into the sums against x's even and odd
 // k's (x comes deinterleaved). int8: 16 bytes -> 16 dwords -> fp32, multiply-added against x; the scale
 // multiplies the finished sum.
+#include <algorithm>
 #include <cstdint>
 
 #include "wo_gemm.h"
@@ -28,6 +29,14 @@ namespace {
 #define WO_INLINE inline __attribute__((always_inline))
 
 WO_INLINE __m512 bits_ps(uint32_t bits) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(bits))); }
+
+// bf16 bits of a small integer v (|v| <= 8: exact), by way of fp32.
+inline uint32_t bf16_of_small_int(int v) {
+  const float f = static_cast<float>(v);
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u >> 16;
+}
 
 template <int MB, int NR>
 void int4_tile(const WoInt4Job& job, int64_t m0, int64_t n0) {
@@ -113,6 +122,28 @@ WO_INLINE void all_m(const Job& job, int64_t n0, Tile8 t8, Tile4 t4, Tile2 t2, T
   if (m < job.M) t1(job, m, n0);
 }
 
+WO_INLINE void advance(WoInt8Job&, int64_t, int64_t) {}
+WO_INLINE void advance(WoInt4Job& job, int64_t m0, int64_t groups) {
+  if (job.xb) job.xb += m0 * job.K;
+  if (job.xsum) job.xsum += m0 * groups;
+}
+
+// Runs rows(panel, n0, n1) on panels of the rows of x that fit in ~256 KiB (x of big M would otherwise be
+// re-read from beyond L2 for every few weight rows), each over all of [n0, n1).
+template <typename Job, typename Rows>
+WO_INLINE void by_panels(const Job& job, int64_t n0, int64_t n1, int64_t x_row_bytes, int64_t groups, Rows rows) {
+  const int64_t panel = std::max<int64_t>(4, (int64_t{256} << 10) / std::max<int64_t>(1, x_row_bytes) / 4 * 4);
+  if (job.M <= panel) return rows(job, n0, n1);
+  for (int64_t m0 = 0; m0 < job.M; m0 += panel) {
+    Job part = job;
+    part.M = std::min(panel, job.M - m0);
+    part.y = job.y + m0 * job.ldy;
+    if (part.x) part.x = job.x + m0 * job.K;
+    advance(part, m0, groups);
+    rows(part, n0, n1);
+  }
+}
+
 }  // namespace
 
 bool compiled() { return true; }
@@ -120,7 +151,8 @@ bool compiled() { return true; }
 // Rows per tile: 4 for a single row of x (more independent sums), else 2 (the 8 x 2 tile's 16 sums fill half
 // the registers).
 
-void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1) {
+namespace {
+void int4_panel(const WoInt4Job& job, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (job.M == 1) {
     for (; n + 4 <= n1; n += 4) int4_tile<1, 4>(job, 0, n);
@@ -132,7 +164,7 @@ void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) all_m<1>(job, n, int4_tile<8, 1>, int4_tile<4, 1>, int4_tile<2, 1>, int4_tile<1, 1>);
 }
 
-void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1) {
+void int8_panel(const WoInt8Job& job, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (job.M == 1) {
     for (; n + 4 <= n1; n += 4) int8_tile<1, 4>(job, 0, n);
@@ -142,6 +174,122 @@ void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1) {
     }
   }
   for (; n < n1; ++n) all_m<1>(job, n, int8_tile<8, 1>, int8_tile<4, 1>, int8_tile<2, 1>, int8_tile<1, 1>);
+}
+}  // namespace
+
+void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1) {
+  by_panels(job, n0, n1, job.K * 4, job.K / job.group, int4_panel);
+}
+
+void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1) {
+  by_panels(job, n0, n1, job.K * 4, 0, int8_panel);
+}
+
+}  // namespace wo_avx512
+}  // namespace engine_native
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// ------------------------------------------------------------------------------ int4, bf16 x (AVX512-BF16)
+// Each step reads 32 bytes (64 codes) of a row, widens them to 32 words, looks the low and the high nibbles up
+// in a 32-entry table of bf16(q - 8) (vpermw reads the low 5 bits of its index; the table repeats every 16, so
+// the bit above the nibble does not matter) and multiply-adds both against x's even and odd k's with vdpbf16ps
+// (products of bf16 x and q - 8 are exact in fp32). At the end of a group: sums = fma(t, scale, sums), then
+// sums += zero * (the group's x sum, in lane 0).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,prefer-vector-width=512")
+#endif
+
+namespace engine_native {
+namespace wo_avx512 {
+namespace {
+
+constexpr int64_t kStep = 64;
+
+template <int MB, int NR>
+void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) entries[i] = static_cast<uint16_t>(bf16_of_small_int((i & 15) - 8));
+  const __m512i table = _mm512_load_si512(entries);
+  const int64_t K = job.K, kb = K / 2, groups = K / job.group, steps = job.group / kStep;
+  const uint8_t* w[NR];
+  for (int r = 0; r < NR; ++r) w[r] = job.w + (n0 + r) * kb;
+  const uint16_t* x = job.xb + m0 * K;
+  const float* xsum = job.xsum + m0 * groups;
+  __m512 acc[MB][NR];
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 t[MB][NR], u[MB][NR];
+    for (int m = 0; m < MB; ++m) {
+      for (int r = 0; r < NR; ++r) t[m][r] = u[m][r] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < steps; ++c) {
+      const int64_t k0 = (g * steps + c) * kStep;
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k0 / 2)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          t[m][r] = _mm512_dpbf16_ps(t[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k0), lo);
+          u[m][r] = _mm512_dpbf16_ps(u[m][r], (__m512bh)_mm512_loadu_si512(x + m * K + k0 + 32), hi);
+        }
+      }
+    }
+    const uint32_t* sz = job.sz + g * job.sz_ld + n0;
+    for (int r = 0; r < NR; ++r) {
+      const __m512 s = bits_ps(sz[r] << 16), z = bits_ps(sz[r] & 0xFFFF0000u);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][r] = _mm512_fmadd_ps(_mm512_add_ps(t[m][r], u[m][r]), s, acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(1, xsum + m * groups + g), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < NR; ++r) job.y[(m0 + m) * job.ldy + n0 + r] = _mm512_reduce_add_ps(acc[m][r]);
+  }
+}
+
+template <int NR>
+void int4_all_m_bf16(const WoInt4Job& job, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= job.M; m += 4) int4_tile_bf16<4, NR>(job, m, n0);
+  if (m + 2 <= job.M) {
+    int4_tile_bf16<2, NR>(job, m, n0);
+    m += 2;
+  }
+  if (m < job.M) int4_tile_bf16<1, NR>(job, m, n0);
+}
+
+}  // namespace
+
+bool compiled_bf16() { return true; }
+
+namespace {
+void int4_panel_bf16(const WoInt4Job& job, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (job.M == 1) {
+    for (; n + 4 <= n1; n += 4) int4_tile_bf16<1, 4>(job, 0, n);
+  } else {
+    for (; n + 2 <= n1; n += 2) int4_all_m_bf16<2>(job, n);
+  }
+  for (; n < n1; ++n) int4_all_m_bf16<1>(job, n);
+}
+}  // namespace
+
+void int4_rows_bf16(const WoInt4Job& job, int64_t n0, int64_t n1) {
+  by_panels(job, n0, n1, job.K * 2, job.K / job.group, int4_panel_bf16);
 }
 
 }  // namespace wo_avx512
@@ -158,7 +306,9 @@ void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1) {
 namespace engine_native {
 namespace wo_avx512 {
 bool compiled() { return false; }
+bool compiled_bf16() { return false; }
 void int4_rows(const WoInt4Job&, int64_t, int64_t) {}
+void int4_rows_bf16(const WoInt4Job&, int64_t, int64_t) {}
 void int8_rows(const WoInt8Job&, int64_t, int64_t) {}
 }  // namespace wo_avx512
 }  // namespace engine_native

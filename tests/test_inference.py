@@ -114,7 +114,7 @@ def test_int4_large_m_is_the_fp32_formula() -> None:
     """Above the native kernel's M: (x @ ((q - 8) * scale + zero)^T) in fp32, rounded once (bit for bit)."""
     m = layer(torch.nn.Linear, 64, 32, bias=False)
     engine.quantize_(m, engine.Int4WeightOnly(group_size=32))
-    x = torch.randn(m.weight.fmt.native_max_m + 1, 64, dtype=torch.bfloat16)
+    x = torch.randn(m.weight.fmt.native_max_m_bf16 + 1, 64, dtype=torch.bfloat16)
     assert torch.equal(m(x), (x.float() @ m.weight.dequantize(torch.float32).t()).bfloat16())
 
 

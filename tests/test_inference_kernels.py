@@ -3,9 +3,9 @@
 The reference dequantizes the weight with torch ops written out here ((q - 8) * scale + zero in fp32 for int4,
 q for int8) and sums in float64. The kernels dequantize to the same fp32 values and sum in fp32 in their own
 order, so each output is within one rounding to the output dtype plus fp32 accumulation in any order:
-|y - ref| <= u_out * |ref| + (K + 2) * 2^-24 * sum_k |x_k| |w_k| (int8: times the scale; plus half the output
-dtype's subnormal spacing), on both kernel sets
-(portable and AVX-512). A row's result does not depend on M (the sums run in the same order). Odd shapes
+|y - ref| <= u_out * |ref| + (2K + 16) * 2^-24 * sum_k |x_k| |w_k| (int8: times the scale; plus half the output
+dtype's subnormal spacing), on both kernel sets (portable and AVX-512). int4 with bf16 x (AVX512-BF16) sums
+scale * sum x * (q - 8) + zero * sum x per group: |w_k| becomes |q_k - 8| * scale + |zero| there. A row's result does not depend on M (the sums run in the same order). Odd shapes
 (K not a multiple of 16, N odd, M = 1, 3, 16, 17), every group size, and bad arguments (errors naming them).
 """
 
@@ -32,8 +32,10 @@ def isa(request):
         yield request.param
 
 
-def int4_weight(rows: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data uint8 [rows, K/2], scale_and_zero bf16 [K/group, rows, 2], the fp32 weight they stand for)."""
+def int4_weight(rows: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """(data uint8 [rows, K/2], scale_and_zero bf16 [K/group, rows, 2], the fp32 weight they stand for,
+    |q - 8| * scale + |zero|: the magnitudes the bf16 path's sums add up)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (rows, k), generator=gen, dtype=torch.uint8)
     scale = (torch.rand(rows, k // group, generator=gen) * 0.1 + 1e-3).bfloat16()
@@ -44,17 +46,19 @@ def int4_weight(rows: int, k: int, group: int, seed: int) -> tuple[torch.Tensor,
     sz = torch.stack([scale.t(), zero.t()], dim=2).contiguous()
     s = scale.float().repeat_interleave(group, dim=1)
     z = zero.float().repeat_interleave(group, dim=1)
-    return data, sz, (q.float() - 8.0) * s + z
+    return data, sz, (q.float() - 8.0) * s + z, (q.float() - 8.0).abs() * s + z.abs()
 
 
-def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, factor: torch.Tensor | None = None) -> None:
-    """y = x @ w^T (* factor per output column) within one rounding to y's dtype plus fp32 accumulation."""
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, factor: torch.Tensor | None = None,
+          magnitudes: torch.Tensor | None = None) -> None:
+    """y = x @ w^T (* factor per output column) within one rounding to y's dtype plus fp32 accumulation in any
+    order and grouping of the terms whose `magnitudes` (default |w|) are given."""
     ref = x.double() @ w.double().t()
-    absdot = x.double().abs() @ w.double().abs().t()
+    absdot = x.double().abs() @ (w.abs() if magnitudes is None else magnitudes).double().t()
     if factor is not None:
         ref, absdot = ref * factor.double(), absdot * factor.double().abs()
     k = x.shape[1]
-    bound = UNIT[y.dtype] * ref.abs() * 1.01 + (k + 2) * FP32_U * absdot * 1.01 + HALF_SUBNORMAL[y.dtype]
+    bound = UNIT[y.dtype] * ref.abs() * 1.01 + (2 * k + 16) * FP32_U * absdot + HALF_SUBNORMAL[y.dtype]
     assert y.dtype == x.dtype and y.shape == ref.shape
     err = (y.double() - ref).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3g}"
@@ -64,11 +68,11 @@ def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, factor: torch.Tenso
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int4_within_the_fp32_bound(isa: str, group: int, dtype: torch.dtype) -> None:
     for k, n, rows in ((group, 1, 16), (3 * group, 17, 32), (2 * group, 33, 48)):
-        data, sz, w = int4_weight(rows, k, group, seed=k + n)
+        data, sz, w, mags = int4_weight(rows, k, group, seed=k + n)
         for m in (1, 3, 16, 17):
             x = torch.randn(m, k).to(dtype)
             y = native.int4_linear(x, data, sz, group, n)
-            check(y, x, w[:n])
+            check(y, x, w[:n], magnitudes=mags[:n])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,10 +90,11 @@ def test_int8_within_the_fp32_bound(isa: str, dtype: torch.dtype) -> None:
 
 def test_a_row_does_not_depend_on_m(isa: str) -> None:
     """The GEMV (M = 1) and every row block of the GEMM sum in the same order: the same bits."""
-    data, sz, _ = int4_weight(32, 256, 64, seed=3)
-    x = torch.randn(19, 256)
-    y = native.int4_linear(x, data, sz, 64, 30)
-    assert torch.equal(torch.cat([native.int4_linear(x[i:i + 1], data, sz, 64, 30) for i in range(19)]), y)
+    data, sz, _, _ = int4_weight(32, 256, 64, seed=3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(19, 256, dtype=dtype)
+        y = native.int4_linear(x, data, sz, 64, 30)
+        assert torch.equal(torch.cat([native.int4_linear(x[i:i + 1], data, sz, 64, 30) for i in range(19)]), y)
     q8 = torch.randint(-127, 128, (30, 70), dtype=torch.int8)
     s8 = torch.rand(30)
     x8 = torch.randn(19, 70, dtype=torch.bfloat16)
@@ -99,15 +104,15 @@ def test_a_row_does_not_depend_on_m(isa: str) -> None:
 
 def test_isas_agree_within_the_bound() -> None:
     """A bigger shape, split over threads (the row ranges a multiple of 4), on both kernel sets."""
-    data, sz, w = int4_weight(528, 1024, 128, seed=4)
+    data, sz, w, mags = int4_weight(528, 1024, 128, seed=4)
     x = torch.randn(5, 1024, dtype=torch.bfloat16)
     for name in ISAS:
         with native.use_isa(name):
-            check(native.int4_linear(x, data, sz, 128, 517), x, w[:517])
+            check(native.int4_linear(x, data, sz, 128, 517), x, w[:517], magnitudes=mags[:517])
 
 
 def test_empty_inputs(isa: str) -> None:
-    data, sz, _ = int4_weight(16, 64, 32, seed=5)
+    data, sz, _, _ = int4_weight(16, 64, 32, seed=5)
     assert native.int4_linear(torch.randn(0, 64), data, sz, 32, 16).shape == (0, 16)
     assert native.int4_linear(torch.randn(2, 64), data, sz, 32, 0).shape == (2, 0)
     y = native.int8_linear(torch.randn(2, 0), torch.zeros(3, 0, dtype=torch.int8), torch.ones(3))
@@ -115,7 +120,7 @@ def test_empty_inputs(isa: str) -> None:
 
 
 def test_bad_arguments_are_named() -> None:
-    data, sz, _ = int4_weight(16, 64, 32, seed=6)
+    data, sz, _, _ = int4_weight(16, 64, 32, seed=6)
     x = torch.randn(2, 64)
     cases = [
         (TypeError, "x: expected float32", lambda: native.int4_linear(x.double(), data, sz, 32, 16)),
@@ -159,12 +164,18 @@ def test_int4_layer_runs_the_kernel_by_shape() -> None:
     engine.quantize_(lin, engine.Int4WeightOnly(group_size=64))
     parts, fmt = lin.weight.parts, lin.weight.fmt
     w = lin.weight.dequantize(torch.float32)
-    for m in (1, fmt.native_max_m, fmt.native_max_m + 1):
-        x = torch.randn(m, 256, dtype=torch.bfloat16)
-        y = lin(x)
-        check(y, x, w)
-        if m <= fmt.native_max_m:
-            assert torch.equal(y, native.int4_linear(x, parts["data"], parts["scale_and_zero"], 64, 40))
+    q = int_formats.unpack_int4(parts["data"][:40]).float()
+    sz = parts["scale_and_zero"][:, :40].float().repeat_interleave(64, dim=0)
+    mags = (q - 8).abs() * sz[:, :, 0].t() + sz[:, :, 1].t().abs()
+    for dtype, limit in ((torch.bfloat16, fmt.native_max_m_bf16), (torch.float32, fmt.native_max_m)):
+        for m in (1, limit, limit + 1):
+            x = torch.randn(m, 256, dtype=dtype)
+            y = lin(x)
+            check(y, x, w, magnitudes=mags)
+            if m <= limit:
+                assert torch.equal(y, native.int4_linear(x, parts["data"], parts["scale_and_zero"], 64, 40))
+            else:
+                assert torch.equal(y, (x.float() @ w.t()).to(dtype))
 
 
 def test_version_1_int4_records_are_refused() -> None:

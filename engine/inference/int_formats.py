@@ -7,8 +7,9 @@ y[M, N] = x[M, K] @ W^T (+ bias) on the parts. Rounding is round-half-to-even ev
 
 The weight-only GEMMs run engine's C++ kernels (`engine.ops.native.int4_linear` / `int8_linear`,
 csrc/kernels_wo_gemm*.cpp: the weight dequantized in registers, fp32 sums, AVX-512 or portable) when the
-extension is built and M (the token count) is at most the format's `native_max_m`; above it, torch's
-op (int8) or the formula in torch ops (int4), faster there. The choice depends on the shape only.
+extension is built and M (the token count) is at most the format's `native_max_m` (for int4 with bf16 x:
+`native_max_m_bf16`); above it, torch's op (int8) or the formula in torch ops (int4). The choice depends
+on the shape (and x's dtype) only, never on an error.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class Int8WeightOnlyFormat:
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return (parts["data"].float() * parts["scale"].float().unsqueeze(1)).to(dtype)
 
-    #: the largest M the C++ GEMV/GEMM runs (bigger M: torch's _weight_int8pack_mm, faster there)
-    native_max_m = 16
+    #: the largest M the C++ GEMV/GEMM runs (measured faster than torch's _weight_int8pack_mm up to there)
+    native_max_m = 256
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,7 +108,9 @@ class Int4Format:
     """
 
     N_UNIT = 16
-    #: the largest M the C++ kernel runs; bigger M: the fp32 formula in torch ops (dequantize, fp32 matmul)
+    #: the largest M the C++ kernel runs, for bf16 x (its vdpbf16ps path) and for the other dtypes (fp32
+    #: FMAs); bigger M: the fp32 formula in torch ops (dequantize, fp32 matmul), faster there
+    native_max_m_bf16 = 256
     native_max_m = 64
 
     def __init__(self, config: Int4WeightOnly) -> None:
@@ -157,7 +160,8 @@ class Int4Format:
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.native_max_m and native.available():
+        limit = self.native_max_m_bf16 if x.dtype == torch.bfloat16 else self.native_max_m
+        if x.shape[0] <= limit and native.available():
             out = native.int4_linear(x, parts["data"], parts["scale_and_zero"], self.group_size, shape[0])
         else:
             out = (x.float() @ self.dequantize(parts, shape, torch.float32).t()).to(x.dtype)
