@@ -136,6 +136,15 @@ bool use_avx512(const std::string& isa) {
   return isa == "avx512" && wo_avx512::compiled() && cpu_has_avx512();
 }
 
+// A subnormal in x (contiguous fp32): int4's bf16 path (vdpbf16ps) would read it as 0, so such x take the fp32 path.
+bool has_subnormal(const Tensor& x) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  const int64_t n = x.numel();
+  bool found = false;
+  for (int64_t i = 0; i < n; ++i) found |= (bits[i] & 0x7F800000u) == 0 && (bits[i] & 0x007FFFFFu) != 0;
+  return found;
+}
+
 // x [M, K] (float32, bfloat16 or float16) checked, as contiguous fp32.
 Tensor input_fp32(const Tensor& x) {
   check_plain(x, "x");
@@ -210,15 +219,10 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_a
   const int64_t groups = K / group_size;
   Tensor xd, xb, xsum;
   const float* src = x.data_ptr<float>();
-  // The bf16 path reads x as bf16 (exact for bf16 x), which vdpbf16ps would read as 0 where subnormal: such x
-  // run the fp32 path.
-  bool bf16 = avx512 && x_in.scalar_type() == at::kBFloat16 && group_size % 64 == 0 && wo_avx512::compiled_bf16() &&
-              cpu_has_avx512_bf16();
-  for (int64_t i = 0; bf16 && i < M * K; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, 4);
-    bf16 = (u & 0x7F800000u) != 0 || (u & 0x007FFFFFu) == 0;
-  }
+  // the bf16 path steps 64 k's at a time: one group (or part of one), or two of 32
+  const bool steps64 = group_size % 64 == 0 || (group_size == 32 && K % 64 == 0);
+  const bool bf16 = avx512 && x_in.scalar_type() == at::kBFloat16 && steps64 && !has_subnormal(x) &&
+                    wo_avx512::compiled_bf16() && cpu_has_avx512_bf16();
   if (bf16) {
     xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
     xsum = at::empty({M, groups}, x.options());

@@ -148,10 +148,9 @@ WO_INLINE void by_panels(const Job& job, int64_t n0, int64_t n1, int64_t x_row_b
 
 bool compiled() { return true; }
 
+namespace {
 // Rows per tile: 4 for a single row of x (more independent sums), else 2 (the 8 x 2 tile's 16 sums fill half
 // the registers).
-
-namespace {
 void int4_panel(const WoInt4Job& job, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (job.M == 1) {
@@ -214,12 +213,14 @@ namespace {
 
 constexpr int64_t kStep = 64;
 
-template <int MB, int NR>
+// PAIR (group size 32): a step holds two groups, the first in lanes 0-7 of the sums, the second in lanes 8-15.
+template <int MB, int NR, bool PAIR>
 void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
   alignas(64) uint16_t entries[32];
   for (int i = 0; i < 32; ++i) entries[i] = static_cast<uint16_t>(bf16_of_small_int((i & 15) - 8));
   const __m512i table = _mm512_load_si512(entries);
-  const int64_t K = job.K, kb = K / 2, groups = K / job.group, steps = job.group / kStep;
+  const int64_t K = job.K, kb = K / 2, groups = K / job.group, steps = PAIR ? 1 : job.group / kStep;
+  const int64_t blocks = PAIR ? K / kStep : groups;  // the scale blocks: a group, or a pair of them
   const uint8_t* w[NR];
   for (int r = 0; r < NR; ++r) w[r] = job.w + (n0 + r) * kb;
   const uint16_t* x = job.xb + m0 * K;
@@ -228,7 +229,7 @@ void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   }
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < blocks; ++g) {
     __m512 t[MB][NR], u[MB][NR];
     for (int m = 0; m < MB; ++m) {
       for (int r = 0; r < NR; ++r) t[m][r] = u[m][r] = _mm512_setzero_ps();
@@ -247,12 +248,23 @@ void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
         }
       }
     }
-    const uint32_t* sz = job.sz + g * job.sz_ld + n0;
+    const int64_t first = PAIR ? 2 * g : g;  // the block's first group
+    const uint32_t* sz = job.sz + first * job.sz_ld + n0;
     for (int r = 0; r < NR; ++r) {
-      const __m512 s = bits_ps(sz[r] << 16), z = bits_ps(sz[r] & 0xFFFF0000u);
+      __m512 s = bits_ps(sz[r] << 16), z = bits_ps(sz[r] & 0xFFFF0000u);
+      if (PAIR) {
+        const uint32_t next = sz[job.sz_ld + r];
+        s = _mm512_mask_blend_ps(0xFF00, s, bits_ps(next << 16));
+        z = _mm512_mask_blend_ps(0xFF00, z, bits_ps(next & 0xFFFF0000u));
+      }
       for (int m = 0; m < MB; ++m) {
         acc[m][r] = _mm512_fmadd_ps(_mm512_add_ps(t[m][r], u[m][r]), s, acc[m][r]);
-        acc[m][r] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(1, xsum + m * groups + g), acc[m][r]);
+        // the x sum of the group in lane 0 (and of the next one in lane 9, PAIR: the pair broadcast, masked)
+        const float* sums = xsum + m * groups + first;
+        const __m512 xs = PAIR ? _mm512_maskz_broadcast_f32x2(0x0201, _mm_castpd_ps(_mm_load_sd(
+                                     reinterpret_cast<const double*>(sums))))
+                               : _mm512_maskz_loadu_ps(1, sums);
+        acc[m][r] = _mm512_fmadd_ps(z, xs, acc[m][r]);
       }
     }
   }
@@ -261,35 +273,38 @@ void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
   }
 }
 
-template <int NR>
+template <int NR, bool PAIR>
 void int4_all_m_bf16(const WoInt4Job& job, int64_t n0) {
   int64_t m = 0;
-  for (; m + 4 <= job.M; m += 4) int4_tile_bf16<4, NR>(job, m, n0);
+  for (; m + 4 <= job.M; m += 4) int4_tile_bf16<4, NR, PAIR>(job, m, n0);
   if (m + 2 <= job.M) {
-    int4_tile_bf16<2, NR>(job, m, n0);
+    int4_tile_bf16<2, NR, PAIR>(job, m, n0);
     m += 2;
   }
-  if (m < job.M) int4_tile_bf16<1, NR>(job, m, n0);
+  if (m < job.M) int4_tile_bf16<1, NR, PAIR>(job, m, n0);
 }
 
 }  // namespace
 
 bool compiled_bf16() { return true; }
 
+
 namespace {
+template <bool PAIR>
 void int4_panel_bf16(const WoInt4Job& job, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (job.M == 1) {
-    for (; n + 4 <= n1; n += 4) int4_tile_bf16<1, 4>(job, 0, n);
+    for (; n + 4 <= n1; n += 4) int4_tile_bf16<1, 4, PAIR>(job, 0, n);
   } else {
-    for (; n + 2 <= n1; n += 2) int4_all_m_bf16<2>(job, n);
+    for (; n + 2 <= n1; n += 2) int4_all_m_bf16<2, PAIR>(job, n);
   }
-  for (; n < n1; ++n) int4_all_m_bf16<1>(job, n);
+  for (; n < n1; ++n) int4_all_m_bf16<1, PAIR>(job, n);
 }
 }  // namespace
 
 void int4_rows_bf16(const WoInt4Job& job, int64_t n0, int64_t n1) {
-  by_panels(job, n0, n1, job.K * 2, job.K / job.group, int4_panel_bf16);
+  if (job.group == 32) return by_panels(job, n0, n1, job.K * 2, job.K / job.group, int4_panel_bf16<true>);
+  by_panels(job, n0, n1, job.K * 2, job.K / job.group, int4_panel_bf16<false>);
 }
 
 }  // namespace wo_avx512

@@ -19,7 +19,8 @@ constexpr int64_t kWoChunk = 32;  // the k values one step of the int4 kernels r
 struct WoInt4Job {
   const float* x;      // [M, K] fp32, each run of 32 k's stored even k's first, then odd k's
   int64_t M, K;
-  // The bf16 path (x in bf16 without subnormals, group a multiple of 64, a CPU with AVX512-BF16), else null:
+  // The bf16 path (x in bf16 without subnormals, group a multiple of 64 or 32 with K a multiple of 64,
+  // AVX512-BF16), else null:
   const uint16_t* xb;  // [M, K] bf16 bits, each run of 64 k's stored even k's first, then odd k's
   const float* xsum;   // [M, K / group]: the fp32 sum of x over each group
   const uint8_t* w;    // the layout above, row n at w + n * K / 2

@@ -1,4 +1,5 @@
-"""The C++ weight-only GEMMs (engine.ops.native.int4_linear / int8_linear) against plain-PyTorch references.
+"""The C++ weight-only GEMMs (engine.ops.native.int4_linear / int8_linear) against plain-PyTorch references,
+and the int8 dynamic-activation glue (int8_quantize_rows, int8_rescale) bit for bit against the torch ops.
 
 The reference dequantizes the weight with torch ops written out here ((q - 8) * scale + zero in fp32 for int4,
 q for int8) and sums in float64. The kernels dequantize to the same fp32 values and sum in fp32 in their own
@@ -189,3 +190,59 @@ def test_version_1_int4_records_are_refused() -> None:
     state["0.weight_qformat"] = encode_record(saving.MAGIC, 1, header, {})
     with pytest.raises(ValueError, match="0.weight_qformat: an Int4WeightOnly weight saved in torch's packed"):
         lin.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------ int8 dynamic activations
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_dynamic_glue_is_bit_exact(dtype: torch.dtype) -> None:
+    """The one-pass quantize of x and rescale of the int32 sums give the bits of the torch ops they replace:
+    ties of the rounding, an all-zero row (the tiny scale), a NaN row, fp32 subnormals, clamping at 127."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(9, 77, generator=gen) * 3).to(dtype)
+    x[1] = 0.0
+    x[2, :4] = torch.tensor([127.0, 63.5, -0.5, 1.5]).to(dtype)  # ties: 63.5 -> 64, -0.5 -> -0, 1.5 -> 2
+    x[3, 5] = float("nan")
+    if dtype == torch.float32:
+        x[4] = torch.tensor(1e-40) * torch.arange(77)
+    q, sx = native.int8_quantize_rows(x)
+    q_ref, sx_ref = int_formats.rowwise_int8(x)
+    keep = torch.ones(9, dtype=torch.bool)
+    keep[3] = False  # NaN -> int8 is undefined for torch; the kernel writes 0
+    assert torch.equal(q[keep], q_ref[keep]) and torch.equal(sx.isnan(), sx_ref.isnan())
+    assert torch.equal(sx[keep], sx_ref[keep]) and bool((q[3] == 0).all())
+    acc = torch.randint(-2 ** 26, 2 ** 26, (9, 33), generator=gen, dtype=torch.int32)
+    sw = torch.rand(33, generator=gen) * 0.01
+    y = native.int8_rescale(acc, sx_ref, sw, dtype)
+    ref = (acc.float() * sx_ref.unsqueeze(1) * sw.unsqueeze(0)).to(dtype)
+    assert torch.equal(y[keep], ref[keep]) and bool(y[3].isnan().all())
+
+
+def test_int8_dynamic_glue_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="x: expected float32"):
+        native.int8_quantize_rows(torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x: expected a 2D"):
+        native.int8_quantize_rows(torch.zeros(3))
+    acc = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(TypeError, match="acc: expected int32"):
+        native.int8_rescale(acc.float(), torch.ones(2), torch.ones(3), torch.float32)
+    with pytest.raises(ValueError, match="sx: expected shape"):
+        native.int8_rescale(acc, torch.ones(3), torch.ones(3), torch.float32)
+    with pytest.raises(ValueError, match="sw: expected shape"):
+        native.int8_rescale(acc, torch.ones(2), torch.ones(2), torch.float32)
+    with pytest.raises(TypeError, match="sw: expected float32"):
+        native.int8_rescale(acc, torch.ones(2), torch.ones(3, dtype=torch.float64), torch.float32)
+    with pytest.raises(TypeError, match="dtype: expected"):
+        native.int8_rescale(acc, torch.ones(2), torch.ones(3), torch.int8)
+
+
+def test_the_benchmark_runs(capsys) -> None:
+    """benchmarks/bench_inference.py on a tiny shape: every int config and torch's kernels, a row each."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_inference
+
+    rows = bench_inference.main(["--shapes", "128x48", "--ms", "1,3", "--blocks", "1",
+                                 "--configs", "int8wo,int4wo-g32,int8dq,torch-int8pack,torch-int4pack-g128"])
+    assert len(rows) == 2 * 6 and "speed-up vs bf16" in capsys.readouterr().out

@@ -69,7 +69,7 @@ EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp", "kernels_mx_small.cpp",
            "kernels_mx_small_avx512.cpp", "kernels_nvfp4.cpp", "kernels_nvfp4_avx512.cpp", "kernels_wo_gemm.cpp",
-           "kernels_wo_gemm_avx512.cpp")
+           "kernels_wo_gemm_avx512.cpp", "kernels_int8_dynamic.cpp")
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -644,3 +644,21 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> tor
     check_cpu_tensor(scale, "scale")
     ext = _ext()
     return ext.int8_linear(x, data, scale, ext.isa())
+
+
+def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x [M, K] in one pass: (q int8 [M, K], scale fp32 [M]), the bits of
+    `engine.inference.int_formats.rowwise_int8` (scale = max(amax / 127, fp32 tiny), q = round-half-even(x /
+    scale) clamped to [-127, 127]); a row with a NaN gets a NaN scale and q = 0 where x / scale is NaN."""
+    _wo_input(x)
+    return _ext().int8_quantize_rows(x)
+
+
+def int8_rescale(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass, bit for bit: acc int32 [M, N], sx and sw
+    float32 [M] and [N], dtype float32, bfloat16 or float16."""
+    for t, name in ((acc, "acc"), (sx, "sx"), (sw, "sw")):
+        check_cpu_tensor(t, name)
+    if dtype not in WO_DTYPES:
+        raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+    return _ext().int8_rescale(acc, sx, sw, dtype)
