@@ -1,12 +1,16 @@
 """Quantized inference Linears (engine.quantize_ configs) vs bf16 `x @ w.t()`, measured in the same run.
 
-    python -m engine bench inference [--shapes 4096x4096,4096x11008] [--ms 1,16,256] [--configs int8wo,int4wo]
-                                     [--blocks 3] [--wall]
+    python -m engine bench inference [--shapes 4096x4096,4096x11008,11008x4096] [--ms 1,16,256]
+                                     [--configs int8wo,int4wo-g128,...] [--blocks 3] [--wall] [--quick]
 
-A shape is KxN (in_features x out_features: x [M, K], W [N, K]). Default timing: one thread, the
-calling thread's CPU time over the least disturbed of `--blocks` interleaved blocks
-(`common.least_disturbed_cpu_seconds`), which is what a quiet machine shows; `--wall`: wall-time
-medians with torch's default threads. Weight bytes are the quantized parts' (bf16: N*K*2).
+A shape is KxN (in_features x out_features: x [M, K], W [N, K]; 4096x11008 and 11008x4096 are the two
+orientations of an MLP). Default timing: one thread, the calling thread's CPU time over the least
+disturbed of `--blocks` interleaved blocks (`common.least_disturbed_cpu_seconds`), which is what a quiet
+machine shows; `--wall`: wall-time medians with torch's default threads (both cores). Every config is
+timed against bf16 `x @ w.t()` in the same run. Weight bytes are the quantized parts' (bf16: N*K*2).
+`torch-int8pack` / `torch-int4pack-g128` time torch's own weight-only CPU kernels on the same weights
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), for comparison. `--quick`: the int configs only,
+M = 1 and 16 (a minute or two).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import least_disturbed_cpu_seconds, median_seconds, print_table  # noqa: E402
 
 import engine  # noqa: E402
+from engine.inference import int_formats  # noqa: E402
 from engine.inference.weight import QuantizedWeight  # noqa: E402
 
 CONFIGS = {
@@ -38,6 +44,8 @@ CONFIGS = {
     "mx-e2m1": engine.MXWeightOnly("e2m1"),
     "nvfp4": engine.NVFP4WeightOnly(),
 }
+TORCH_KERNELS = ("torch-int8pack", "torch-int4pack-g128")
+QUICK_CONFIGS = "int8wo,int4wo-g128,int4wo-g32,int8dq,torch-int8pack,torch-int4pack-g128"
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -45,18 +53,36 @@ def parse_shape(text: str) -> tuple[int, int]:
     return k, n
 
 
+def torch_kernel(name: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """(x -> x @ W^T by torch's own weight-only CPU op, weight bytes) for `name` of TORCH_KERNELS."""
+    if name == "torch-int8pack":
+        q, scale = int_formats.rowwise_int8(w, torch.bfloat16)
+        return (lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)), q.numel() + scale.numel() * 2
+    fmt = int_formats.Int4Format(engine.Int4WeightOnly(group_size=128))
+    q, scale, zero = fmt.codes_and_params(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    sz = torch.stack([scale.t(), zero.t()], dim=2).contiguous()
+    return ((lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 128, sz)),
+            packed.numel() + sz.numel() * 2)
+
+
 def main(argv: list[str] | None = None) -> list[list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="4096x4096,4096x11008", help="KxN list, comma separated")
-    parser.add_argument("--ms", default="1,16,256", help="token counts M, comma separated")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
+    parser.add_argument("--shapes", default="4096x4096,4096x11008,11008x4096", help="KxN list, comma separated")
+    parser.add_argument("--ms", default=None, help="token counts M, comma separated (default 1,16,256)")
+    parser.add_argument("--configs", default=None,
+                        help=f"of {','.join((*CONFIGS, *TORCH_KERNELS))} (default: all)")
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks (CPU-time mode)")
     parser.add_argument("--wall", action="store_true", help="wall-time medians with torch's threads")
+    parser.add_argument("--quick", action="store_true", help=f"--configs {QUICK_CONFIGS} --ms 1,16 (unless given)")
     args = parser.parse_args(argv)
-    names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in CONFIGS]
+    known = (*CONFIGS, *TORCH_KERNELS)
+    configs = args.configs or (QUICK_CONFIGS if args.quick else ",".join(known))
+    ms = args.ms or ("1,16" if args.quick else "1,16,256")
+    names = [n for n in configs.split(",") if n]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; expected names of {','.join(CONFIGS)}")
+        raise SystemExit(f"--configs: unknown {unknown}; expected names of {','.join(known)}")
     if not args.wall:
         torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="engine: NVFP4 quantization")
@@ -65,11 +91,15 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         k, n = parse_shape(shape)
         torch.manual_seed(0)
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
-        weights = {name: QuantizedWeight.from_float(w, CONFIGS[name]) for name in names}
-        for m in (int(v) for v in args.ms.split(",")):
+        weights = {name: QuantizedWeight.from_float(w, CONFIGS[name]) for name in names if name in CONFIGS}
+        kernels = {name: torch_kernel(name, w) for name in names if name in TORCH_KERNELS}
+        sizes = {name: q.nbytes_quantized() for name, q in weights.items()}
+        sizes.update({name: size for name, (_, size) in kernels.items()})
+        for m in (int(v) for v in ms.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16)
             fns = {"bf16": lambda x=x: x @ w.t()}
             fns.update({name: (lambda q=q, x=x: torch.nn.functional.linear(x, q)) for name, q in weights.items()})
+            fns.update({name: (lambda f=f, x=x: f(x)) for name, (f, _) in kernels.items()})
             if args.wall:
                 times = {name: median_seconds(fn, repeat=5, warmup=1, min_time=0.02) for name, fn in fns.items()}
             else:
@@ -77,9 +107,9 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
                 times = least_disturbed_cpu_seconds(fns, blocks=args.blocks, calls=calls, warmup=1)
             base = times["bf16"]
             rows.append([f"{m}x{k}x{n}", "bf16 x @ w.t()", f"{base * 1e3:.3f}", "1.00", f"{n * k * 2 / 2**20:.1f}"])
-            for name, q in weights.items():
+            for name in names:
                 rows.append([f"{m}x{k}x{n}", name, f"{times[name] * 1e3:.3f}", f"{base / times[name]:.2f}",
-                             f"{q.nbytes_quantized() / 2**20:.1f}"])
+                             f"{sizes[name] / 2**20:.1f}"])
     how = "wall-time medians" if args.wall else "thread CPU time, 1 thread, least disturbed of interleaved blocks"
     print(f"Inference Linear forward, bf16 activations ({how})")
     print_table(["MxKxN", "config", "ms", "speed-up vs bf16", "weight MiB"], rows)

@@ -698,6 +698,8 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
 namespace engine_native {
 void register_mx_small(pybind11::module_& m);  // kernels_mx_small.cpp: MXFP4 / MXFP6
 void register_nvfp4(pybind11::module_& m);     // kernels_nvfp4.cpp: NVFP4
+void register_wo_gemm(pybind11::module_& m);   // kernels_wo_gemm.cpp: weight-only int4 / int8 GEMMs
+void register_int8_dynamic(pybind11::module_& m);  // kernels_int8_dynamic.cpp: int8 x quantize / rescale
 }  // namespace engine_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -728,4 +730,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("out_dtype"));
   register_mx_small(m);
   register_nvfp4(m);
+  register_wo_gemm(m);
+  register_int8_dynamic(m);
 }

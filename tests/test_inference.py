@@ -71,12 +71,17 @@ def test_int8_weight_only(cls: type) -> None:
 
 
 def test_int8_weight_only_odd_k_runs_the_formula() -> None:
-    """K not a multiple of 16 would crash torch's _weight_int8pack_mm: the formula runs instead."""
+    """K not a multiple of 16 would crash torch's _weight_int8pack_mm: above the native kernel's M the formula
+    runs instead (bit for bit); at small M the native kernel (the same sums in another order)."""
     m = layer(torch.nn.Linear, 40, 24, bias=False)
     engine.quantize_(m, engine.Int8WeightOnly())
-    x = torch.randn(3, 40, dtype=torch.bfloat16)
-    deq = m.weight.dequantize(torch.float32)
-    assert torch.equal(m(x), (x.float() @ deq.t()).bfloat16())
+    fmt = m.weight.fmt
+    x = torch.randn(fmt.native_max_m + 1, 40, dtype=torch.bfloat16)
+    q, scale = m.weight.parts["data"], m.weight.parts["scale"]
+    assert torch.equal(m(x), ((x.float() @ q.float().t()) * scale.float()).bfloat16())
+    deq = m.weight.dequantize(torch.float64)
+    ref = fp64_linear(x[:3], deq)
+    assert_within(m(x[:3]), ref, rounding_bound(x[:3], deq, ref, torch.bfloat16), "int8 small M")
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -105,11 +110,11 @@ def test_int4_weight_only(group_size: int) -> None:
     assert torch.equal(m(x[:1]), m(x)[:1])  # M = 1 (the GEMV) computes the same rows
 
 
-def test_int4_kernel_is_the_fp32_formula() -> None:
-    """torch's int4 CPU GEMM on bf16 inputs: (x @ ((q - 8) * scale + zero)^T) in fp32, rounded once (bit for bit)."""
+def test_int4_large_m_is_the_fp32_formula() -> None:
+    """Above the native kernel's M: (x @ ((q - 8) * scale + zero)^T) in fp32, rounded once (bit for bit)."""
     m = layer(torch.nn.Linear, 64, 32, bias=False)
     engine.quantize_(m, engine.Int4WeightOnly(group_size=32))
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x = torch.randn(m.weight.fmt.native_max_m_bf16 + 1, 64, dtype=torch.bfloat16)
     assert torch.equal(m(x), (x.float() @ m.weight.dequantize(torch.float32).t()).bfloat16())
 
 

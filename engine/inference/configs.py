@@ -46,8 +46,8 @@ class Int8WeightOnly(InferenceConfig):
 
 @dataclass(frozen=True)
 class Int4WeightOnly(InferenceConfig):
-    """Asymmetric groupwise int4 (torch's CPU "tinygemm" layout): w ~ (q - 8) * scale + zero per group of
-    `group_size` along K, scale and zero in bf16 (zero in the float domain), q in [0, 15]."""
+    """Asymmetric groupwise int4 (two codes a byte along K, engine's C++ GEMV/GEMM at small M): w ~ (q - 8) *
+    scale + zero per group of `group_size` along K, scale and zero in bf16 (zero in the float domain), q in [0, 15]."""
 
     group_size: int = 128
 

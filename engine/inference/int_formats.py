@@ -4,6 +4,12 @@ Each format turns a 2D weight [N, K] into named plain tensors ("parts"; "data" i
 knows the parts' shapes and dtypes (for checking a checkpoint), dequantizes, and runs
 y[M, N] = x[M, K] @ W^T (+ bias) on the parts. Rounding is round-half-to-even everywhere
 (`torch.round`).
+
+The weight-only GEMMs run engine's C++ kernels (`engine.ops.native.int4_linear` / `int8_linear`,
+csrc/kernels_wo_gemm*.cpp: the weight dequantized in registers, fp32 sums, AVX-512 or portable) when the
+extension is built and M (the token count) is at most the format's `native_max_m` (for int4 with bf16 x:
+`native_max_m_bf16`); above it, torch's op (int8) or the formula in torch ops (int4). The choice depends
+on the shape (and x's dtype) only, never on an error.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.inference.configs import Int4WeightOnly
+from engine.ops import native
 
 PartSpecs = dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]
 INT8_MAX = 127.0
@@ -31,9 +38,9 @@ def rowwise_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> t
 
 
 class Int8WeightOnlyFormat:
-    """y = round_to(x.dtype)((x @ q^T)_fp32 * scale) + bias. With x in the scale's dtype (or fp32) and K a
-    multiple of 16 this is torch's `_weight_int8pack_mm` (the same math up to the order of fp32 additions;
-    other K crash that kernel: they run the formula as written)."""
+    """y = round_to(x.dtype)((x @ q^T)_fp32 * scale) + bias. Small M: engine's C++ kernel; larger M, with x in
+    the scale's dtype (or fp32) and K a multiple of 16: torch's `_weight_int8pack_mm` (the same math up to the
+    order of fp32 additions; other K crash that kernel: they run the formula as written)."""
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale = rowwise_int8(w, torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32)
@@ -46,10 +53,15 @@ class Int8WeightOnlyFormat:
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return (parts["data"].float() * parts["scale"].float().unsqueeze(1)).to(dtype)
 
+    #: the largest M the C++ GEMV/GEMM runs (measured faster than torch's _weight_int8pack_mm up to there)
+    native_max_m = 256
+
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = parts["data"], parts["scale"]
-        if (x.dtype == scale.dtype or x.dtype == torch.float32) and q.shape[1] % PACK_MM_K == 0:  # scale exact in x.dtype
+        if x.shape[0] <= self.native_max_m and native.available():
+            out = native.int8_linear(x, q, scale)
+        elif (x.dtype == scale.dtype or x.dtype == torch.float32) and q.shape[1] % PACK_MM_K == 0:  # scale exact in x.dtype
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
         else:
             out = ((x.float() @ q.float().t()) * scale.float()).to(x.dtype)
@@ -74,9 +86,13 @@ class Int8DynamicFormat:
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
-        xq, sx = rowwise_int8(x)
-        acc = int32_mm(xq, parts["data"])
-        out = (acc.float() * sx.unsqueeze(1) * parts["scale"].unsqueeze(0)).to(x.dtype)
+        if native.available():  # the same bits, one pass each for the quantize and the rescale
+            xq, sx = native.int8_quantize_rows(x)
+            out = native.int8_rescale(int32_mm(xq, parts["data"]), sx, parts["scale"], x.dtype)
+        else:
+            xq, sx = rowwise_int8(x)
+            acc = int32_mm(xq, parts["data"])
+            out = (acc.float() * sx.unsqueeze(1) * parts["scale"].unsqueeze(0)).to(x.dtype)
         return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -86,16 +102,20 @@ def int32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Format:
-    """Groupwise asymmetric int4 in torch's packed CPU layout (`_convert_weight_to_int4pack_for_cpu`).
+    """Groupwise asymmetric int4, two codes a byte along K.
 
     Per group of g along K: scale = (max - min)/15 (at least bf16's smallest normal), zero = min + 8 * scale,
     both rounded to bf16; q = clamp(round((w - zero)/scale) + 8, 0, 15) with the stored values; the value is
-    (q - 8) * scale + zero in fp32 (what `_weight_int4pack_mm_for_cpu` computes, checked in the tests).
-    N is padded to a multiple of 16 (the kernel's unit; padded rows are zero and cut from the output);
-    K must be a multiple of g.
+    (q - 8) * scale + zero in fp32. Parts: "data" uint8 [N16, K/2], byte [n, i] = q[n, 2i] | q[n, 2i+1] << 4
+    (the low nibble first, as engine's packed E2M1), and "scale_and_zero" bf16 [K/g, N16, 2]; N is padded to
+    N16, a multiple of 16 (padded rows are zero and cut from the output). K must be a multiple of g.
     """
 
     N_UNIT = 16
+    #: the largest M the C++ kernel runs, for bf16 x (its vdpbf16ps path) and for the other dtypes (fp32
+    #: FMAs); bigger M: the fp32 formula in torch ops (dequantize, fp32 matmul), faster there
+    native_max_m_bf16 = 256
+    native_max_m = 64
 
     def __init__(self, config: Int4WeightOnly) -> None:
         self.group_size = config.group_size
@@ -109,14 +129,14 @@ class Int4Format:
                              f"(weight shape {tuple(shape)}); {_divisors(shape[1])}leave this layer out with module_filter")
 
     def codes_and_params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q int32 [N, K] in [0, 15], scale bf16 [N, K/g], zero bf16 [N, K/g])."""
+        """(q uint8 [N, K] in [0, 15], scale bf16 [N, K/g], zero bf16 [N, K/g])."""
         n, k = w.shape
         g = w.float().reshape(n, k // self.group_size, self.group_size)
         lo, hi = g.amin(dim=2), g.amax(dim=2)
         scale = ((hi - lo) / 15.0).clamp_min(FP32_TINY).to(torch.bfloat16)
         zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
         q = torch.round((g - zero.float().unsqueeze(2)) / scale.float().unsqueeze(2)) + 8.0
-        return q.clamp_(0.0, 15.0).to(torch.int32).reshape(n, k), scale, zero
+        return q.clamp_(0.0, 15.0).to(torch.uint8).reshape(n, k), scale, zero
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         self.check_shape(tuple(w.shape), "weight")
@@ -126,8 +146,7 @@ class Int4Format:
             q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])  # (8 - 8) * 1 + 0 = 0
             scale = torch.cat([scale, scale.new_ones((pad, scale.shape[1]))])
             zero = torch.cat([zero, zero.new_zeros((pad, zero.shape[1]))])
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        return {"data": packed, "scale_and_zero": torch.stack([scale.t(), zero.t()], dim=2).contiguous()}
+        return {"data": pack_int4(q), "scale_and_zero": torch.stack([scale.t(), zero.t()], dim=2).contiguous()}
 
     def part_specs(self, shape: tuple[int, int]) -> PartSpecs:
         n, k = shape
@@ -135,41 +154,33 @@ class Int4Format:
         return {"data": ((npad, k // 2), (torch.uint8,)),
                 "scale_and_zero": ((k // self.group_size, npad, 2), (torch.bfloat16,))}
 
-    def codes(self, packed: torch.Tensor, npad: int, k: int) -> torch.Tensor:
-        """q int32 [npad, K] back from the packed layout: the packing is a fixed permutation of nibbles, found by
-        packing the digits (base 16) of each element's own index."""
-        index = torch.arange(npad * k, dtype=torch.int64)
-        source = torch.zeros(npad * k, dtype=torch.int64)
-        digits = max(1, -(-(npad * k - 1).bit_length() // 4))
-        for d in range(digits):
-            digit = ((index >> (4 * d)) & 15).to(torch.int32).reshape(npad, k)
-            source |= _nibbles(torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 2)).long() << (4 * d)
-        q = torch.empty(npad * k, dtype=torch.int32)
-        q[source] = _nibbles(packed)
-        return q.reshape(npad, k)
-
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         n, k = shape
         sz = parts["scale_and_zero"]
-        q = self.codes(parts["data"], sz.shape[1], k)[:n].float()
+        q = unpack_int4(parts["data"][:n]).float()
         scale = sz[:, :n, 0].float().t().repeat_interleave(self.group_size, dim=1)
         zero = sz[:, :n, 1].float().t().repeat_interleave(self.group_size, dim=1)
         return ((q - 8.0) * scale + zero).to(dtype)
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
-        xc = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
-        sz = parts["scale_and_zero"]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xc.contiguous(), parts["data"], self.group_size,
-                                                         sz if xc.dtype == torch.bfloat16 else sz.float())
-        out = out[:, : shape[0]].to(x.dtype)
+        limit = self.native_max_m_bf16 if x.dtype == torch.bfloat16 else self.native_max_m
+        if x.shape[0] <= limit and native.available():
+            out = native.int4_linear(x, parts["data"], parts["scale_and_zero"], self.group_size, shape[0])
+        else:
+            out = (x.float() @ self.dequantize(parts, shape, torch.float32).t()).to(x.dtype)
         return out if bias is None else out + bias.to(out.dtype)
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Each byte's low then high nibble, flattened."""
-    flat = packed.reshape(-1)
-    return torch.stack([flat & 15, flat >> 4], dim=1).reshape(-1).to(torch.int32)
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes [R, K] (K even, values in [0, 15]) -> uint8 [R, K/2], q[:, 2i] in the low nibble of byte i."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K/2] -> codes uint8 [R, K] (`pack_int4` undone)."""
+    return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)
 
 
 def _divisors(k: int) -> str:

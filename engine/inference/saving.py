@@ -6,7 +6,7 @@ A module whose weight `quantize_` swapped saves, instead of the weight (`weight`
     <prefix>weight             the main part ("data": int8 [N, K]; int4 packed uint8 [N16, K/2];
                                FP8 bytes, MX or NVFP4 codes as uint8)
     <prefix>weight_<part>      each other part (scale, scale_and_zero, scale_inv, amax)
-    <prefix>weight_qformat     a uint8 record (engine.tensors.records, magic ENGQWGHT, version 1):
+    <prefix>weight_qformat     a uint8 record (engine.tensors.records, magic ENGQWGHT, version 2):
                                {"config": config.to_plain(), "shape": [N, K], "dtype": "bfloat16",
                                "parts": [names]}
 
@@ -14,6 +14,10 @@ Loading (`load_state_dict` into a model quantized the same way) checks the recor
 (it must equal the model's), every part's shape and dtype and that it is dense, and the values of
 engine-format scales, then copies the parts in. A plain (unquantized) `weight` without a record
 is quantized with the model's config as it is copied in. Never a pickle.
+
+Version 2 changed Int4WeightOnly's "data" from torch's packed CPU layout to engine's (two codes a
+byte along K, low nibble first; the shapes are the same): a version-1 record of an int4 weight is
+refused (re-quantize from the float weights); version-1 records of the other configs load as before.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from typing import Any
 
 import torch
 
-from engine.inference.configs import config_from_plain
+from engine.inference.configs import Int4WeightOnly, config_from_plain
 from engine.inference.weight import HIGH_PRECISION, QuantizedWeight
 from engine.tensors.records import decode_record, encode_record
 
 MAGIC = b"ENGQWGHT"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
 RECORD_SUFFIX = "_qformat"
 _FIELDS = {"config", "shape", "dtype", "parts"}
 
@@ -75,10 +80,14 @@ def load_hook(module: torch.nn.Module, state_dict: dict, prefix: str, local_meta
 def from_plain_tensors(state_dict: dict, key: str, like: QuantizedWeight) -> QuantizedWeight:
     """Pop `key`'s entries from state_dict and rebuild the weight, checked against `like` (the model's)."""
     where = key + RECORD_SUFFIX
-    _, header, tensors = decode_record(state_dict[where], MAGIC, (VERSION,), where)
+    version, header, tensors = decode_record(state_dict[where], MAGIC, READS, where)
     if tensors or set(header) != _FIELDS:
         raise ValueError(f"{where}: expected the fields {sorted(_FIELDS)} and no tensors, got {sorted(header)}")
     config = config_from_plain(header["config"], f"{where}['config']")
+    if version == 1 and isinstance(config, Int4WeightOnly):
+        raise ValueError(f"{where}: an Int4WeightOnly weight saved in torch's packed int4 layout (record version 1); "
+                         "this engine stores int4 codes in its own layout (version 2): re-quantize the model from "
+                         "its float weights")
     if config != like.config:
         raise ValueError(f"{where}: the weight was saved quantized with {config!r}; this model's {key} is "
                          f"quantized with {like.config!r}: quantize the model with the saved config")

@@ -68,7 +68,8 @@ except ImportError:  # not POSIX: no lock (concurrent first builds may then coll
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp", "kernels_mx_small.cpp",
-           "kernels_mx_small_avx512.cpp", "kernels_nvfp4.cpp", "kernels_nvfp4_avx512.cpp")
+           "kernels_mx_small_avx512.cpp", "kernels_nvfp4.cpp", "kernels_nvfp4_avx512.cpp", "kernels_wo_gemm.cpp",
+           "kernels_wo_gemm_avx512.cpp", "kernels_int8_dynamic.cpp")
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -603,3 +604,61 @@ def quantize_nvfp4(
         "columnwise_scale_inv": col_scales.view(e4m3) if columnwise else None,
         "amax_columnwise": col_amax if columnwise else None,
     }
+
+
+# ---------------------------------------------------------------------------- weight-only int GEMMs
+WO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _wo_input(x: object) -> torch.Tensor:
+    check_cpu_tensor(x, "x")
+    if x.dtype not in WO_DTYPES:
+        raise TypeError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2D tensor [M, K], got shape {tuple(x.shape)}")
+    return x
+
+
+def int4_linear(x: torch.Tensor, data: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
+                n: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, n] in x's dtype, W groupwise int4 (`Int4WeightOnly`'s parts, csrc/wo_gemm.h):
+    data uint8 [rows >= n, K/2] (q[n, 2i] in the low nibble of byte i), scale_and_zero bfloat16
+    [K/group_size, rows, 2]; w = (q - 8) * scale + zero in fp32, dequantized in registers, fp32 sums.
+    The same as the fp32 reference up to the order of the fp32 additions."""
+    _wo_input(x)
+    check_cpu_tensor(data, "data")
+    check_cpu_tensor(scale_and_zero, "scale_and_zero")
+    for value, name in ((group_size, "group_size"), (n, "n")):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    ext = _ext()
+    return ext.int4_linear(x, data, scale_and_zero, group_size, n, ext.isa())
+
+
+def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (data * scale[:, None])^T -> [M, N] in x's dtype for per-channel int8 data [N, K] and a
+    float32 / bfloat16 scale [N]: fp32 sums of x * q, times the scale. The same as the fp32 reference up to
+    the order of the fp32 additions."""
+    _wo_input(x)
+    check_cpu_tensor(data, "data")
+    check_cpu_tensor(scale, "scale")
+    ext = _ext()
+    return ext.int8_linear(x, data, scale, ext.isa())
+
+
+def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x [M, K] in one pass: (q int8 [M, K], scale fp32 [M]), the bits of
+    `engine.inference.int_formats.rowwise_int8` (scale = max(amax / 127, fp32 tiny), q = round-half-even(x /
+    scale) clamped to [-127, 127]); a row with a NaN gets a NaN scale and q = 0 where x / scale is NaN."""
+    _wo_input(x)
+    return _ext().int8_quantize_rows(x)
+
+
+def int8_rescale(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass, bit for bit: acc int32 [M, N], sx and sw
+    float32 [M] and [N], dtype float32, bfloat16 or float16."""
+    for t, name in ((acc, "acc"), (sx, "sx"), (sw, "sw")):
+        check_cpu_tensor(t, name)
+    if dtype not in WO_DTYPES:
+        raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+    return _ext().int8_rescale(acc, sx, sw, dtype)
