@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.formats import E2M1
+from engine.ops import mx_elements
 from engine.ops import quantize as ops
 from engine.ops import reference as ref
 from engine.schemes import ScaleEncoding, dims_2d
@@ -33,6 +35,9 @@ class GemmOperand:
     tile_cols: int = 1
     #: NVFP4: the usage's fp32 per-tensor amax (values are data * scale * amax / 2688)
     amax: torch.Tensor | None = None
+    #: E2M1 elements (MX e2m1, NVFP4): the codes packed two per byte along K, `[rows, ceil(K/2)]` uint8, element
+    #: 2i in the low nibble (what FP4 tensor cores read; `data` holds their exact bf16 values for the emulation)
+    codes: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -85,10 +90,14 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
     nvfp4 = scheme.scale is ScaleEncoding.E4M3
+    codes = None
     if nvfp4:  # NVFP4 codes: columnwise data is [K, M] (packed along M); exact bf16 values
         m, k = dims_2d(st.shape)
+        codes = data
         data = ops.elements_to_bf16(data, scheme, cols=m if transposed else k)
     elif scheme.coded:  # MX E2M1/E2M3/E3M2 codes (both usages in x's shape): exact bf16 values, read as FP8 data
+        if scheme.element is E2M1:
+            codes = k_major_e2m1(ref.as_2d(data), dims_2d(st.shape)[1], transposed)
         data = ops.elements_to_bf16(data, scheme, cols=st.shape[-1] if len(st.shape) else 1)
     block = scheme.stored_block(transposed)
     data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
@@ -96,10 +105,18 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
     if nvfp4:
         return GemmOperand(data2d, scale_inv, False, scheme.scale, 1, block.cols,
-                           st.amax_columnwise if transposed else st.amax_rowwise)
+                           st.amax_columnwise if transposed else st.amax_rowwise, codes)
     if block.is_tensor:
         return GemmOperand(data2d, scale_inv, True, scheme.scale)
-    return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape))
+    return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape), codes=codes)
+
+
+def k_major_e2m1(packed: torch.Tensor, cols: int, transposed: bool) -> torch.Tensor:
+    """MX E2M1 codes stored in x's 2D shape `[M, ceil(K/2)]` as the operand reads them: as they are, or (for op = x^T)
+    unpacked, transposed and packed again along M, `[K, ceil(M/2)]`."""
+    if not transposed:
+        return packed
+    return mx_elements.pack(mx_elements.unpack(packed, E2M1, cols).t(), E2M1)
 
 
 def as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transposed: bool, dtype: torch.dtype,
