@@ -236,6 +236,21 @@ def test_tiny_nvfp4_amaxes_do_not_flush_the_factor(blockscaled_mm, blackwell):
           rhs.dequantize(torch.float64), 64, torch.float32)
 
 
+@pytest.mark.parametrize("quantizer", [NVFP4Quantizer(), MXQuantizer("e2m1"), MXQuantizer("e4m3")])
+def test_3d_operands(blockscaled_mm, blackwell, quantizer):
+    gen = torch.Generator().manual_seed(14)
+    x, w = quantizer(torch.randn(2, 24, 48, generator=gen)), quantizer(torch.randn(40, 48, generator=gen))
+    dy = quantizer(torch.randn(2, 24, 40, generator=gen))
+    kind = "nvfp4" if isinstance(quantizer, NVFP4Quantizer) else "pow2"
+    impl = PAIRINGS[(kind, kind, "cuda")]
+    emulation = cpu.nvfp4 if isinstance(quantizer, NVFP4Quantizer) else cpu.pow2_tiles
+    for a, b, at, bt in three_gemms(x, w, dy):
+        lhs, rhs = gemm_operand(a, transposed=at), gemm_operand(b, transposed=bt)
+        close(impl(lhs, rhs, torch.float32, None), emulation(lhs, rhs, torch.float32, None),
+              lhs.dequantize(torch.float64), rhs.dequantize(torch.float64), lhs.k, torch.float32)
+    assert len(blockscaled_mm) == 3
+
+
 def test_general_gemm_on_cpu_never_calls_scaled_mm(blockscaled_mm, blackwell):
     qx, qw, _ = operands(NVFP4_SETS["1d"], 16, 16, 32, seed=12)
     general_gemm(qx, qw)

@@ -130,7 +130,7 @@ def nvfp4_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: tor
 def _warn_emulation_once(pair: str, device_type: str, reason: str) -> None:
     """One warning per (pair, device type, reason): the GEMM runs through the CPU emulation on the device."""
     warnings.warn(f"general_gemm: {pair} GEMMs on {device_type} run through the emulation path ({reason}; slow)",
-                  RuntimeWarning, stacklevel=5)
+                  RuntimeWarning, stacklevel=4)
 
 
 def pow2_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:

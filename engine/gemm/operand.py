@@ -93,7 +93,7 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
     codes = None
     if nvfp4:  # NVFP4 codes: columnwise data is [K, M] (packed along M); exact bf16 values
         m, k = dims_2d(st.shape)
-        codes = data
+        codes = data if transposed else ref.as_2d(data)
         data = ops.elements_to_bf16(data, scheme, cols=m if transposed else k)
     elif scheme.coded:  # MX E2M1/E2M3/E3M2 codes (both usages in x's shape): exact bf16 values, read as FP8 data
         if scheme.element is E2M1:
