@@ -167,7 +167,8 @@ MX_CASES = {
     "mxfp8": (MXQuantizer("e4m3"), MXQuantizer("e4m3"), MXQuantizer("e5m2")),
     "mxfp4": (MXQuantizer("e2m1"), MXQuantizer("e2m1"), MXQuantizer("e2m1", scale_mode="floor")),
 }
-SHAPES = [(32, 48, 64), (37, 20, 70), (130, 33, 100), (16, 16, 16)]  # M, N, K: partial blocks and rows
+SHAPES = [(32, 48, 64), (37, 20, 70), (130, 33, 100), (16, 16, 16), (24, 20, 45)]  # M, N, K: partial blocks, odd
+
 
 
 @pytest.mark.parametrize("case", sorted(MX_CASES))
@@ -206,6 +207,16 @@ def test_nvfp4_gemms_on_blockscaled_mm_match_the_emulation(blockscaled_mm, black
         want = cpu.nvfp4(lhs, rhs, out_dtype, None)
         close(got, want, lhs.dequantize(torch.float64), rhs.dequantize(torch.float64), lhs.k, out_dtype)
     assert [c[:2] for c in blockscaled_mm] == [(torch.float4_e2m1fn_x2, E4M3)] * 3
+
+
+def test_nvfp4_odd_dims(blockscaled_mm, blackwell):
+    # odd K and M: a half-filled last byte on both sides of fprop, dgrad and wgrad
+    qx, qw, qdy = operands(NVFP4_SETS["1d"], 33, 21, 45, seed=15)
+    for a, b, at, bt in three_gemms(qx, qw, qdy):
+        lhs, rhs = gemm_operand(a, transposed=at), gemm_operand(b, transposed=bt)
+        close(block_scaled.nvfp4(lhs, rhs, torch.float32, None), cpu.nvfp4(lhs, rhs, torch.float32, None),
+              lhs.dequantize(torch.float64), rhs.dequantize(torch.float64), lhs.k, torch.float32)
+    assert len(blockscaled_mm) == 3
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
