@@ -74,7 +74,7 @@ def mx_kind(a: GemmOperand, b: GemmOperand) -> str | None:
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if a.data.dtype in fp8 and b.data.dtype in fp8:
         return None if a.data.dtype == b.data.dtype == torch.float8_e5m2 else "mxfp8"
-    if a.codes is not None and b.codes is not None:
+    if a.stored_codes is not None and b.stored_codes is not None:
         return "mxfp4"
     return None
 
@@ -118,7 +118,7 @@ def mx_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.
 
 def nvfp4_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """NVFP4 x NVFP4 through block-scaled `torch._scaled_mm`, then the per-tensor factor on the fp32 result."""
-    if a.kind != "nvfp4" or b.kind != "nvfp4" or a.codes is None or b.codes is None:
+    if a.kind != "nvfp4" or b.kind != "nvfp4" or a.stored_codes is None or b.stored_codes is None:
         raise TypeError(f"nvfp4_gemm: expected two NVFP4 operands, got {a.kind} and {b.kind}")
     lhs, rhs = _operands(a, b, fp4=True)
     e4m3 = torch.float8_e4m3fn
