@@ -244,20 +244,27 @@ def test_the_quantizer_runs_the_kernel_without_a_warning_and_the_reference_when_
         assert torch.equal(raw(got[field]), raw(want[field])), field
 
 
-def test_forced_triton_runs_the_reference_with_one_warning(monkeypatch):
+def test_forced_triton_selects_the_triton_nvfp4_kernel(monkeypatch):
+    """ENGINE_BACKEND=triton picks the Triton NVFP4 kernel (tests/test_triton_nvfp4.py checks its bits under
+    the interpreter); on CUDA tensors it is the default."""
+    import functools
+
+    from engine.ops import triton as triton_kernels
     from engine.quantizers import nvfp4 as nvfp4_quantizer
 
     monkeypatch.setenv("ENGINE_BACKEND", "triton")
-    nvfp4_quantizer._warn_reference_once.cache_clear()
-    x = _big_nvfp4_input()
-    with pytest.warns(RuntimeWarning, match="plain-PyTorch reference"):
-        got = NVFP4Quantizer()(x).qstorage.buffers()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        NVFP4Quantizer()(x)
-    nvfp4_quantizer._warn_reference_once.cache_clear()
-    want = nvfp4.quantize(x)
-    assert torch.equal(got["columnwise_data"], want["columnwise_data"])
+    registry._resolve.cache_clear()
+    try:
+        for layout in ("nvfp4", "nvfp4_rht"):
+            fn = nvfp4_quantizer._kernel(layout, "cpu")
+            assert isinstance(fn, functools.partial) and fn.func is registry.quantize_nvfp4
+            assert fn.args == (triton_kernels,)
+    finally:
+        registry._resolve.cache_clear()
+    monkeypatch.delenv("ENGINE_BACKEND")
+    fn = nvfp4_quantizer._kernel("nvfp4", "cuda")
+    registry._resolve.cache_clear()
+    assert fn.func is registry.quantize_nvfp4 and fn.args == (triton_kernels,)
 
 
 # ------------------------------------------------------------------------------------------ bad input

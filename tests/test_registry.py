@@ -145,18 +145,20 @@ def compare_exact_gemm(fn) -> list[str]:
     return bad
 
 
-def compare_nvfp4(fn, layout: str, x: torch.Tensor, what: str) -> list[str]:
+def compare_nvfp4(fn, layout: str, x: torch.Tensor, what: str, *, matrix: bool = True) -> list[str]:
     """An NVFP4 kernel against the reference for each option: 2D tiles, stochastic rounding (the same bits and
-    the counter advanced alike), given amaxes, one usage or both. The RHT needs M % 16 == 0: both refuse others."""
+    the counter advanced alike), given amaxes, one usage or both. The RHT needs M % 16 == 0: both refuse others.
+    `matrix=False`: the default options only (both usages, 1x16 blocks, RNE, x's own amaxes)."""
     bad = []
     scheme = next(s for s in SCHEMES.values() if s.layout == layout)
     m = x.reshape(-1, x.shape[-1]).shape[0] if x.dim() > 1 else 1
     if layout == "nvfp4_rht" and m % 16 and m > 16:  # the RHT runs on the whole 16-token groups of x too
-        bad += compare_nvfp4(fn, layout, x.reshape(m, -1)[: m // 16 * 16], f"{what} (first {m // 16 * 16} rows)")
-    for two_d in ((False,) if layout == "nvfp4_rht" else (False, True)):
-        for sr in (False, True):
-            for given in (None, (torch.tensor([3.5]), torch.tensor([1e-30]))):
-                for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        bad += compare_nvfp4(fn, layout, x.reshape(m, -1)[: m // 16 * 16], f"{what} (first {m // 16 * 16} rows)",
+                             matrix=matrix)
+    for two_d in ((False,) if layout == "nvfp4_rht" or not matrix else (False, True)):
+        for sr in (False, True) if matrix else (False,):
+            for given in (None, (torch.tensor([3.5]), torch.tensor([1e-30]))) if matrix else (None,):
+                for rowwise, columnwise in ((True, True), (True, False), (False, True)) if matrix else ((True, True),):
                     counters = [torch.tensor([2**40 + 7, 2**32 - 100]) if sr else None for _ in range(2)]
                     opts = dict(rowwise=rowwise, columnwise=columnwise, two_d=two_d,
                                 amax=None if given is None else given[0], amax_t=None if given is None else given[1])
@@ -257,7 +259,16 @@ def _worker() -> None:
     for (op, layout, device), entry in registry.KERNELS.items():
         if device == "cuda":
             assert entry.backend == "triton"
-            out["-".join((op, layout, device))] = compare_entry(op, layout, functools.partial(entry.fn, triton_kernels))
+            fn = functools.partial(entry.fn, triton_kernels)
+            if layout in NVFP4_LAYOUTS:  # interpreted NVFP4 costs ~0.3 s a call: every option on a small input, the
+                # defaults on each dtype's edge input (tests/test_triton_nvfp4.py has the targeted edge cases)
+                key = "-".join((op, layout, device))
+                out[key] = compare_nvfp4(fn, layout, edge_inputs(torch.bfloat16)["one-row"], "bf16 one-row")
+                for dtype in DTYPES:
+                    out[key] += compare_nvfp4(fn, layout, edge_inputs(dtype)["random+edges"], f"{dtype} random+edges",
+                                              matrix=False)
+                continue
+            out["-".join((op, layout, device))] = compare_entry(op, layout, fn)
     print(json.dumps(out))
 
 

@@ -506,6 +506,14 @@ def _compile_jobs() -> list[tuple[str, str, dict, dict]]:
                           M="i32", K="i32", stride_xm="i32", stride_xk="i32", rcp_bits="i32"),
                      dict(MAN_BITS=man, BIAS=bias, CODE_BITS=bits, EMAX=emax, FLOOR=floor, ROWWISE=rw,
                           COLUMNWISE=cw, BLOCK_M=64, BLOCK_K=128)))
+    for dt, two_d, sr in (("bf16", False, True), ("fp32", True, False), ("fp16", False, False)):
+        jobs.append(("nvfp4", "_nvfp4_kernel",
+                     dict(x_ptr=_PTR[dt], data_ptr="*u8", scale_ptr="*u8", amax_params_ptr="*fp32",
+                          counter_ptr="*i64" if sr else "*fp32", R="i32", C="i32", stride_xr="i32", stride_xc="i32",
+                          index_base="i64"),
+                     dict(TWO_D=two_d, STOCHASTIC=sr, BLOCK_R=64, BLOCK_C=128)))
+    jobs.append(("nvfp4", "_rht_kernel", dict(x_ptr="*bf16", h_ptr="*fp32", y_ptr="*i16", M="i32", K="i32",
+                                               stride_xm="i32", stride_xk="i32"), dict(BLOCK_J=8, BLOCK_K=64)))
     for fmt in ((3, 4, 7, False), (2, 5, 15, True)):
         jobs.append(("convert", "_fp8_to_bf16_kernel", dict(in_ptr="*u8", out_ptr="*i16", n="i32"),
                      dict(zip(("MAN_BITS", "EXP_BITS", "BIAS", "IEEE_LIKE"), fmt), BLOCK=4096)))

@@ -9,7 +9,8 @@ transpose (its columnwise data). The three GEMMs of a linear layer are then:
 
 Each operand asks its storage for what op reads (`gemm_operand`); the implementation comes
 from `PAIRINGS`, keyed by the two operands' kinds - known from their schemes - and the
-device. A plain tensor is a legal operand (weight-only and unquantized operands): the
+device (on CUDA: per-tensor FP8 through `torch._scaled_mm`, MXFP8 / MXFP4 / NVFP4 pairs through its
+block-scaled form, `block_scaled`). A plain tensor is a legal operand (weight-only and unquantized operands): the
 quantized side is dequantized exactly and the GEMM runs in fp32. A pairing without an
 entry for CUDA runs the CPU emulation, with a warning.
 """
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from engine.gemm import cpu, cuda, mixed
+from engine.gemm import block_scaled, cpu, cuda, mixed
 from engine.gemm.operand import GemmOperand, as_matrix, gemm_operand, is_high_precision
 from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.storage import QuantizedTensorBase
@@ -37,12 +38,14 @@ PAIRINGS: dict[tuple[str, str, str], Impl] = {
     ("tensor", "tensor", "cpu"): cpu.per_tensor,
     ("tensor", "tensor", "cuda"): cuda.scaled_mm,
     ("pow2", "pow2", "cpu"): cpu.pow2_tiles,
+    ("pow2", "pow2", "cuda"): block_scaled.pow2_tiles,  # MXFP8 / MXFP4 on block-scaled _scaled_mm, else emulated
     ("block", "block", "cpu"): cpu.fp32_tiles,
     ("pow2", "block", "cpu"): cpu.fp32_tiles,
     ("block", "pow2", "cpu"): cpu.fp32_tiles,
     **{pair: mixed.tensor_by_tiles for tiles in ("pow2", "block")
        for pair in (("tensor", tiles, "cpu"), (tiles, "tensor", "cpu"))},
     ("nvfp4", "nvfp4", "cpu"): cpu.nvfp4,
+    ("nvfp4", "nvfp4", "cuda"): block_scaled.nvfp4,
 }
 
 Operand = QuantizedTensor | QuantizedTensorBase | torch.Tensor

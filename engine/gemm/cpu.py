@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from engine.gemm.operand import GemmOperand
-from engine.gemm.scales import split_scales, times_pow2
+from engine.gemm.scales import split_scales, times_nvfp4_factor, times_pow2
 from engine.ops import backend as ops_backend
 from engine.ops import quantize as ops
 from engine.ops import registry
@@ -68,23 +68,17 @@ def pow2_tiles(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: tor
     return exact_gemm_fn()(a.data, a.scale_inv, a.tile, b.data, b.scale_inv, b.tile, bias, out_dtype)
 
 
-NVFP4_FACTOR = torch.tensor(1.0 / (2688.0 * 2688.0), dtype=torch.float32)  # 1 / (6 * 448)^2, rounded to fp32
-
-
 def nvfp4(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """NVFP4 x NVFP4: each side decoded exactly to bf16 (an E2M1 value times an E4M3 scale has at most 6
     significant bits), one GEMM with fp32 accumulation, then amax_a * amax_b / 2688^2 as one scale.
 
-    That factor (TE's GEMM alpha) is applied as frexp mantissas times a power of two (`times_pow2`), so
-    tiny amaxes do not flush it to zero. Everything stays on the device: no host sync.
+    That factor (TE's GEMM alpha) is applied as frexp mantissas times a power of two (`times_nvfp4_factor`),
+    so tiny amaxes do not flush it to zero. Everything stays on the device: no host sync.
     """
     # E4M3 block scales are not powers of two, but each product has at most 6 significant bits: the exact
     # decode to bf16 holds; an fp32 GEMM (products of bf16 values are exact in fp32, fp32 accumulation)
     y = exact_gemm_fn()(a.data, a.tile_scales(), a.tile, b.data, b.tile_scales(), b.tile, None, torch.float32)
-    ma, ea = torch.frexp(a.amax.float().reshape(()))
-    mb, eb = torch.frexp(b.amax.float().reshape(()))
-    mc, ec = torch.frexp(NVFP4_FACTOR.to(y.device))
-    out = times_pow2(y * (ma * mb * mc), ea + eb + ec)
+    out = times_nvfp4_factor(y, a, b)
     if bias is not None:
         out += bias.float()
     return out.to(out_dtype)

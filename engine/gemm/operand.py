@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.formats import E2M1
+from engine.ops import mx_elements
 from engine.ops import quantize as ops
 from engine.ops import reference as ref
 from engine.schemes import ScaleEncoding, dims_2d
@@ -33,6 +35,19 @@ class GemmOperand:
     tile_cols: int = 1
     #: NVFP4: the usage's fp32 per-tensor amax (values are data * scale * amax / 2688)
     amax: torch.Tensor | None = None
+    #: E2M1 elements (MX e2m1, NVFP4): the stored codes, 2D, two per byte, element 2i in the low nibble: packed
+    #: along K (`[rows, ceil(K/2)]`), or along the rows when `stored_codes_along_rows` (MX columnwise data
+    #: kept in x's layout, `[K, ceil(rows/2)]`). `codes` gives them K-major; `data` holds their bf16 values.
+    stored_codes: torch.Tensor | None = None
+    stored_codes_along_rows: bool = False
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """E2M1 codes packed along K, `[rows, ceil(K/2)]` uint8 (what FP4 tensor cores read); None for others.
+        Repacked here (unpack, transpose, pack) when stored along the rows: only the FP4 GEMMs pay for it."""
+        if self.stored_codes is None or not self.stored_codes_along_rows:
+            return self.stored_codes
+        return mx_elements.pack(mx_elements.unpack(self.stored_codes, E2M1, self.rows).t(), E2M1)
 
     @property
     def rows(self) -> int:
@@ -85,10 +100,14 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
     nvfp4 = scheme.scale is ScaleEncoding.E4M3
+    codes = None
     if nvfp4:  # NVFP4 codes: columnwise data is [K, M] (packed along M); exact bf16 values
         m, k = dims_2d(st.shape)
+        codes = data if transposed else ref.as_2d(data)
         data = ops.elements_to_bf16(data, scheme, cols=m if transposed else k)
     elif scheme.coded:  # MX E2M1/E2M3/E3M2 codes (both usages in x's shape): exact bf16 values, read as FP8 data
+        if scheme.element is E2M1:
+            codes = ref.as_2d(data)
         data = ops.elements_to_bf16(data, scheme, cols=st.shape[-1] if len(st.shape) else 1)
     block = scheme.stored_block(transposed)
     data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
@@ -96,10 +115,11 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
     if nvfp4:
         return GemmOperand(data2d, scale_inv, False, scheme.scale, 1, block.cols,
-                           st.amax_columnwise if transposed else st.amax_rowwise)
+                           st.amax_columnwise if transposed else st.amax_rowwise, stored_codes=codes)
     if block.is_tensor:
         return GemmOperand(data2d, scale_inv, True, scheme.scale)
-    return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape))
+    return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape), stored_codes=codes,
+                       stored_codes_along_rows=codes is not None and transposed)
 
 
 def as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transposed: bool, dtype: torch.dtype,

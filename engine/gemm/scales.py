@@ -42,3 +42,20 @@ def split_scales(a: GemmOperand, b: GemmOperand) -> tuple[torch.Tensor, torch.Te
     ma, ea = torch.frexp(a.scale_inv.float().reshape(()))
     mb, eb = torch.frexp(b.scale_inv.float().reshape(()))
     return ma, mb, ea + eb
+
+
+#: 1 / (6 * 448)^2 rounded to fp32: NVFP4's per-tensor factor is amax_a * amax_b * NVFP4_FACTOR (TE's GEMM alpha)
+NVFP4_FACTOR = 1.0 / (2688.0 * 2688.0)
+
+
+def times_nvfp4_factor(y: torch.Tensor, a: GemmOperand, b: GemmOperand) -> torch.Tensor:
+    """y * amax_a * amax_b / 2688^2 for the fp32 result y of an NVFP4 GEMM on block-scaled values, without underflow.
+
+    The three factors are split into frexp mantissas (their fp32 product is in [1/8, 1): exact enough and
+    normal) and one power of two applied by `times_pow2`, so tiny amaxes do not flush the factor to zero.
+    No host sync.
+    """
+    ma, ea = torch.frexp(a.amax.float().reshape(()))
+    mb, eb = torch.frexp(b.amax.float().reshape(()))
+    mc, ec = torch.frexp(torch.tensor(NVFP4_FACTOR, dtype=torch.float32, device=y.device))
+    return times_pow2(y * (ma * mb * mc), ea + eb + ec)

@@ -288,8 +288,9 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
     ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
     # no Triton entry: its 1-row kernel holds a whole tile (here a whole row) in registers
     ("quantize", "axiswise", "cpu"): Kernel("native", quantize_per_row),
-    # NVFP4 (the RHT layout's columnwise usage fused in); no Triton kernel yet: CUDA runs the reference
-    **{("quantize", layout, "cpu"): Kernel("native", quantize_nvfp4) for layout in NVFP4_LAYOUTS},
+    # NVFP4 (the RHT layout's columnwise usage fused in on the CPU; a separate RHT kernel in Triton)
+    **{("quantize", layout, device): Kernel(name, quantize_nvfp4) for layout in NVFP4_LAYOUTS
+       for device, name in (("cpu", "native"), ("cuda", "triton"))},
 }
 REFERENCE: dict[str, Callable] = {
     "quantize": quantize_reference,

@@ -1,7 +1,7 @@
 """NVFP4Quantizer (TE's name): NVFP4 with TE's per-tensor options, making `NVFP4Tensor`s.
 
-The numerics are `engine.ops.nvfp4`; the registry's kernel runs them (the C++ kernel on the CPU; elsewhere
-the reference, with a one-time warning). Options as TE's
+The numerics are `engine.ops.nvfp4`; the registry's kernel runs them (the C++ kernel on the CPU,
+the Triton one on CUDA; elsewhere the reference, with a one-time warning). Options as TE's
 quantizer has them: `with_rht` (columnwise data from the 16-point RHT of the transpose: inputs
 and output gradients), `with_2d_quantization` (16x16 tiles: weights), `stochastic_rounding`
 (gradients). Stochastic rounding draws its bits from `rng_counter`, an int64 `[2]` tensor
@@ -11,9 +11,6 @@ amax is all-reduced (max) over the group before the scales are made, as current 
 """
 
 from __future__ import annotations
-
-import functools
-import warnings
 
 from typing import Any, Callable
 
@@ -76,11 +73,8 @@ class NVFP4Rule(ScaleRule):
 
 
 def _kernel(layout: str, device_type: str) -> Callable[..., registry.Result]:
-    """The registry's NVFP4 quantize for the device; the reference (warned once) where there is none (CUDA, or
-    ENGINE_BACKEND=triton: no Triton NVFP4 kernel yet)."""
-    if ("quantize", layout, device_type) not in registry.KERNELS or backend.forced_backend() == "triton":
-        _warn_reference_once(device_type)
-        return registry.REFERENCE["quantize"]
+    """The registry's NVFP4 quantize for the device: the C++ kernel on the CPU, the Triton one on CUDA (the
+    reference, with the registry's one-time warning, on a device with neither)."""
     return registry.kernel("quantize", layout, device_type)
 
 
@@ -120,10 +114,3 @@ class NVFP4Quantizer(Quantizer):
 
     def config(self) -> dict[str, Any]:
         return {"with_rht": self.with_rht, **self.rule.config()}
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_reference_once(device_type: str) -> None:
-    """No NVFP4 kernel on this device (yet): its quantization is the plain-PyTorch reference (about 4x slower steps)."""
-    warnings.warn(f"engine: NVFP4 quantization on {device_type} runs the plain-PyTorch reference (no kernel for "
-                  "this device yet; slow)", RuntimeWarning, stacklevel=7)
