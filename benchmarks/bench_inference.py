@@ -83,9 +83,18 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; expected names of {','.join(known)}")
-    if not args.wall:
-        torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message="engine: NVFP4 quantization")
+    previous = torch.get_num_threads()  # restored after: callers (and tests) in this process keep theirs
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="engine: NVFP4 quantization")
+            if not args.wall:
+                torch.set_num_threads(1)
+            return _measure(args, names, ms)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _measure(args: argparse.Namespace, names: list[str], ms: str) -> list[list[str]]:
     rows = []
     for shape in args.shapes.split(","):
         k, n = parse_shape(shape)

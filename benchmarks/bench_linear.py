@@ -93,7 +93,16 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
 
 
 def cpu_time_rows(args: argparse.Namespace) -> list[list[str]]:
+    """The --cpu-time table, on one thread (this process's thread setting given back after)."""
+    previous = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _cpu_time_rows(args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _cpu_time_rows(args: argparse.Namespace) -> list[list[str]]:
     rows = []
     for shape in args.shapes.split(","):
         m, k, n = parse_shape(shape)

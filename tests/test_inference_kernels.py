@@ -243,6 +243,8 @@ def test_the_benchmark_runs(capsys) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_inference
 
+    threads = torch.get_num_threads()
     rows = bench_inference.main(["--shapes", "128x48", "--ms", "1,3", "--blocks", "1",
                                  "--configs", "int8wo,int4wo-g32,int8dq,torch-int8pack,torch-int4pack-g128"])
     assert len(rows) == 2 * 6 and "speed-up vs bf16" in capsys.readouterr().out
+    assert torch.get_num_threads() == threads  # measured on one thread, this process's setting given back
