@@ -66,6 +66,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         result = {f"foreach={f}": _step(f, rank) for f in (True, False)}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -65,6 +65,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, save: bool
         types = {n: type(p._local_tensor).__name__ for n, p in model.named_parameters()}
         torch.save({"values": values(model), "types": types, "keys": sorted(state)},
                    os.path.join(out_dir, f"{'save' if save else 'load'}{rank}.pt"))
+        dist.barrier()  # no rank tears its connections down while another still reads from them
     finally:
         dist.destroy_process_group()
 

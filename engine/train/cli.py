@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"processes: {nproc} ({nproc // args.tp} data-parallel (FSDP2) x {args.tp} tensor-parallel)")
     results = [_run_one(cfg, corpus, out_dir, args) for cfg in configs]
     if _under_torchrun():
+        dist.barrier()  # no rank tears its connections down while another still reads from them
         dist.destroy_process_group()
     if not leader:
         return 0

@@ -131,6 +131,7 @@ def _rank_main(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: t
     init_from_environment()
     try:
         fn(*args)
+        dist.barrier()  # no rank tears its connections down while another still reads from them
     finally:
         dist.destroy_process_group()
 
