@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine.train.model import GPT
+from engine.train.model import GPT, GPTConfig
 
 
 def world() -> tuple[int, int]:
@@ -34,7 +34,7 @@ def world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def check_layout(nproc: int, tp: int, model: Any) -> None:
+def check_layout(nproc: int, tp: int, model: GPTConfig) -> None:
     """Refuse, naming the argument, a tensor-parallel degree that does not divide the ranks or the model."""
     if nproc % tp:
         raise ValueError(f"--tp: must divide the number of processes ({nproc}), got {tp}")
@@ -46,7 +46,7 @@ def check_layout(nproc: int, tp: int, model: Any) -> None:
 
 def parallelize(model: GPT, tp: int) -> tuple[int, int]:
     """Shard `model` in place over the initialised world; returns (data-parallel rank, data-parallel size)."""
-    rank, size = world()
+    size = world()[1]
     if size == 1:
         return 0, 1
     check_layout(size, tp, model.cfg)
