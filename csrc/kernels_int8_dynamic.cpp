@@ -24,6 +24,8 @@
 #define ENGINE_I8D_CLONES
 #endif
 
+#include "native_glue.h"
+
 namespace engine_native {
 namespace int8_dynamic {
 namespace {
@@ -33,26 +35,9 @@ using at::Tensor;
 constexpr float kInt8Max = 127.0f;
 constexpr float kFp32Tiny = 1.17549435e-38f;  // fp32's smallest normal: the least scale
 
-struct DefaultFpEnv {
-#ifdef ENGINE_I8D_X86
-  unsigned saved;
-  DefaultFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8000u | 0x6000u | 0x0040u)); }
-  ~DefaultFpEnv() { _mm_setcsr(saved); }
-#endif
-};
-
-struct NoPythonDispatch {
-  c10::impl::ExcludeDispatchKeyGuard guard{c10::python_ks};
-};
-
-void check_plain(const Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.defined(), name, ": expected a tensor, got an undefined tensor");
-  TORCH_CHECK_TYPE(!t.unsafeGetTensorImpl()->is_python_dispatch(), name,
-                   ": expected a plain tensor, got a tensor subclass, whose data the native kernels cannot read");
-  TORCH_CHECK_TYPE(t.layout() == at::kStrided && !t.is_nested() && t.has_storage(), name,
-                   ": expected a dense (strided) tensor with storage");
-  TORCH_CHECK_TYPE(t.device().is_cpu(), name, ": the native kernels take CPU tensors, got a tensor on ", t.device());
-}
+using glue::check_plain;
+using glue::DefaultFpEnv;
+using glue::NoPythonDispatch;
 
 template <typename F>
 void parallel_rows(int64_t rows, int64_t work, const F& f) {

@@ -23,6 +23,8 @@
 #define MX_SMALL_NAMESPACE mx_small_portable
 #include "mx_small_kernels.h"
 
+#include "native_glue.h"
+
 namespace engine_native {
 namespace mx_small_glue {
 namespace {
@@ -40,27 +42,9 @@ bool cpu_has_avx512() {
 #endif
 }
 
-// Round-to-nearest and no flush-to-zero while a thread runs the kernels (torch.set_flush_denormal may set them).
-struct DefaultFpEnv {
-#ifdef ENGINE_MX_X86
-  unsigned saved;
-  DefaultFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8000u | 0x6000u | 0x0040u)); }
-  ~DefaultFpEnv() { _mm_setcsr(saved); }
-#endif
-};
-
-void check_plain(const Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.defined(), name, ": expected a tensor, got an undefined tensor");
-  TORCH_CHECK_TYPE(!t.unsafeGetTensorImpl()->is_python_dispatch(), name,
-                   ": expected a plain tensor, got a tensor subclass, whose data the native kernels cannot read");
-  TORCH_CHECK_TYPE(t.layout() == at::kStrided && !t.is_nested() && t.has_storage(), name,
-                   ": expected a dense (strided) tensor with storage");
-  TORCH_CHECK_TYPE(t.device().is_cpu(), name, ": the native kernels take CPU tensors, got a tensor on ", t.device());
-}
-
-struct NoPythonDispatch {
-  c10::impl::ExcludeDispatchKeyGuard guard{c10::python_ks};
-};
+using glue::check_plain;
+using glue::DefaultFpEnv;
+using glue::NoPythonDispatch;
 
 void check_kind(int64_t kind) {
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "element kind: expected 0 (E2M1), 1 (E2M3) or 2 (E3M2), got ", kind);

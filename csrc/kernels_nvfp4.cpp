@@ -24,6 +24,8 @@
 #define NVFP4_NAMESPACE nvfp4_portable
 #include "nvfp4_kernels.h"
 
+#include "native_glue.h"
+
 namespace engine_native {
 namespace nvfp4_glue {
 namespace {
@@ -41,26 +43,9 @@ bool cpu_has_avx512() {
 #endif
 }
 
-struct DefaultFpEnv {
-#ifdef ENGINE_NVFP4_X86
-  unsigned saved;
-  DefaultFpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~(0x8000u | 0x6000u | 0x0040u)); }
-  ~DefaultFpEnv() { _mm_setcsr(saved); }
-#endif
-};
-
-struct NoPythonDispatch {
-  c10::impl::ExcludeDispatchKeyGuard guard{c10::python_ks};
-};
-
-void check_plain(const Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.defined(), name, ": expected a tensor, got an undefined tensor");
-  TORCH_CHECK_TYPE(!t.unsafeGetTensorImpl()->is_python_dispatch(), name,
-                   ": expected a plain tensor, got a tensor subclass, whose data the native kernels cannot read");
-  TORCH_CHECK_TYPE(t.layout() == at::kStrided && !t.is_nested() && t.has_storage(), name,
-                   ": expected a dense (strided) tensor with storage");
-  TORCH_CHECK_TYPE(t.device().is_cpu(), name, ": the native kernels take CPU tensors, got a tensor on ", t.device());
-}
+using glue::check_plain;
+using glue::DefaultFpEnv;
+using glue::NoPythonDispatch;
 
 // A given per-tensor amax: a 1-element fp32 tensor, read here.
 float given_amax(const Tensor& t, const char* name) {
