@@ -31,12 +31,10 @@ namespace {
 
 using at::Tensor;
 
+// The MX kernels also use VBMI's byte permutes.
 bool cpu_has_avx512() {
 #if defined(ENGINE_MX_X86) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vbmi");
+  return glue::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
 #else
   return false;
 #endif

@@ -33,15 +33,7 @@ namespace {
 using at::Tensor;
 using c10::optional;
 
-bool cpu_has_avx512() {
-#if defined(ENGINE_NVFP4_X86) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-#else
-  return false;
-#endif
-}
+using glue::cpu_has_avx512;
 
 using glue::check_plain;
 using glue::DefaultFpEnv;

@@ -89,15 +89,7 @@ namespace {
 
 using at::Tensor;
 
-bool cpu_has_avx512() {
-#if defined(ENGINE_WO_X86) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-#else
-  return false;
-#endif
-}
+using glue::cpu_has_avx512;
 
 bool cpu_has_avx512_bf16() {
 #if defined(ENGINE_WO_X86) && (defined(__GNUC__) || defined(__clang__))

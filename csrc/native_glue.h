@@ -12,6 +12,17 @@
 namespace engine_native {
 namespace glue {
 
+// The AVX-512 subsets the AVX-512 kernel builds are compiled for (F, BW, DQ, VL), read from CPUID.
+inline bool cpu_has_avx512() {
+#if defined(ENGINE_GLUE_X86) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
 // Round-to-nearest and no flush-to-zero / denormals-are-zero while a thread runs the kernels
 // (torch.set_flush_denormal may have set them in MXCSR); the caller's state comes back after.
 struct DefaultFpEnv {
