@@ -59,7 +59,7 @@ void parallel_rows(int64_t rows, int64_t work, const F& f) {
 
 // One row: its scale and codes. Cloned for x86-64-v4 (AVX-512) and the baseline, chosen by the loader (the same
 // fp32 operations either way).
-ENGINE_I8D_CLONES void quantize_row(const float* __restrict row, int64_t K, int8_t* __restrict out,
+ENGINE_I8D_CLONES void quantize_row(const float* __restrict row, int64_t K, uint8_t flip, uint8_t* __restrict out,
                                     float* __restrict scale) {
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
   uint32_t key = 0;  // max |x| bits: orders as |x| does, a NaN above every number
@@ -79,11 +79,13 @@ ENGINE_I8D_CLONES void quantize_row(const float* __restrict row, int64_t K, int8
     v = v < -128.0f ? -128.0f : (v > 128.0f ? 128.0f : v);
     v = (v + 12582912.0f) - 12582912.0f;
     v = v < -kInt8Max ? -kInt8Max : (v > kInt8Max ? kInt8Max : v);
-    out[k] = static_cast<int8_t>(static_cast<int32_t>(v == v ? v : 0.0f));
+    // the code's two's-complement byte; `flip` 0x80 adds 128 (the uint8 code of oneDNN's u8 x with zero point 128)
+    out[k] = static_cast<uint8_t>(static_cast<int32_t>(v == v ? v : 0.0f)) ^ flip;
   }
 }
 
-ENGINE_I8D_CLONES void rescale_row(const int32_t* __restrict acc, float sx, const float* __restrict sw, int64_t N,
+template <typename Acc>
+inline __attribute__((always_inline)) void rescale_row(const Acc* __restrict acc, float sx, const float* __restrict sw, int64_t N,
                                    float* __restrict yf, uint16_t* __restrict yb) {
   for (int64_t n = 0; n < N; ++n) {
     const float v = static_cast<float>(acc[n]) * sx * sw[n];
@@ -98,9 +100,19 @@ ENGINE_I8D_CLONES void rescale_row(const int32_t* __restrict acc, float sx, cons
   }
 }
 
+// The int32 sums (torch._int_mm) or their fp32 values (oneDNN's u8 x s8 GEMM, exact int32 sums converted once).
+ENGINE_I8D_CLONES void rescale_row_i32(const int32_t* __restrict acc, float sx, const float* __restrict sw, int64_t N,
+                                       float* __restrict yf, uint16_t* __restrict yb) {
+  rescale_row(acc, sx, sw, N, yf, yb);
+}
+ENGINE_I8D_CLONES void rescale_row_f32(const float* __restrict acc, float sx, const float* __restrict sw, int64_t N,
+                                       float* __restrict yf, uint16_t* __restrict yb) {
+  rescale_row(acc, sx, sw, N, yf, yb);
+}
+
 // (q int8 [M, K], scale fp32 [M]): scale = max(amax / 127, fp32 tiny) per row (NaN if the row has one), q =
 // round-half-even(x / scale) clamped to [-127, 127] (NaN quotients give 0).
-std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x_in) {
+std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x_in, bool biased) {
   NoPythonDispatch no_python;
   check_plain(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected a 2D tensor [M, K], got ", x_in.dim(), " dims");
@@ -109,14 +121,15 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x_in) {
                    "x: expected dtype float32, bfloat16 or float16, got ", dt);
   const Tensor x = x_in.to(at::kFloat).contiguous();  // exact
   const int64_t M = x.size(0), K = x.size(1);
-  Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  Tensor q = at::empty({M, K}, x.options().dtype(biased ? at::kByte : at::kChar));
   Tensor scale = at::empty({M}, x.options());
   const float* src = x.data_ptr<float>();
-  int8_t* dst = q.data_ptr<int8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(q.data_ptr());
+  const uint8_t flip = biased ? 0x80 : 0;
   float* sc = scale.data_ptr<float>();
   parallel_rows(M, M * K, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row(src + r * K, K, dst + r * K, sc + r);
+      quantize_row(src + r * K, K, flip, dst + r * K, sc + r);
     }
   });
   return {q, scale};
@@ -129,7 +142,8 @@ Tensor rescale(const Tensor& acc, const Tensor& sx, const Tensor& sw, at::Scalar
   check_plain(acc, "acc");
   check_plain(sx, "sx");
   check_plain(sw, "sw");
-  TORCH_CHECK_TYPE(acc.scalar_type() == at::kInt, "acc: expected int32, got ", acc.scalar_type());
+  TORCH_CHECK_TYPE(acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat,
+                   "acc: expected int32 or float32, got ", acc.scalar_type());
   TORCH_CHECK_VALUE(acc.dim() == 2, "acc: expected a 2D tensor [M, N], got ", acc.dim(), " dims");
   const int64_t M = acc.size(0), N = acc.size(1);
   TORCH_CHECK_TYPE(sx.scalar_type() == at::kFloat, "sx: expected float32, got ", sx.scalar_type());
@@ -141,15 +155,21 @@ Tensor rescale(const Tensor& acc, const Tensor& sx, const Tensor& sw, at::Scalar
   const Tensor a = acc.contiguous(), x_scale = sx.contiguous(), w_scale = sw.contiguous();
   const bool bf16 = dtype == at::kBFloat16;
   Tensor y = at::empty({bf16 ? 0 : M, bf16 ? 0 : N}, a.options().dtype(at::kFloat));
-  const int32_t* src = a.data_ptr<int32_t>();
   const float* xs = x_scale.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
   Tensor out = bf16 ? at::empty({M, N}, a.options().dtype(at::kBFloat16)) : y;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   parallel_rows(M, M * N, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rescale_row(src + r * N, xs[r], ws, N, yf ? yf + r * N : nullptr,
-                                                   yb ? yb + r * N : nullptr);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* yf_r = yf ? yf + r * N : nullptr;
+      uint16_t* yb_r = yb ? yb + r * N : nullptr;
+      if (a.scalar_type() == at::kInt) {
+        rescale_row_i32(a.data_ptr<int32_t>() + r * N, xs[r], ws, N, yf_r, yb_r);
+      } else {
+        rescale_row_f32(a.data_ptr<float>() + r * N, xs[r], ws, N, yf_r, yb_r);
+      }
+    }
   });
   return dtype == at::kHalf ? y.to(at::kHalf) : out;
 }
@@ -159,10 +179,11 @@ Tensor rescale(const Tensor& acc, const Tensor& sx, const Tensor& sw, at::Scalar
 
 void register_int8_dynamic(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("int8_quantize_rows", &int8_dynamic::quantize_rows, py::arg("x"),
-        "per-row symmetric int8 of x [M, K]: (q int8 [M, K], scale fp32 [M]), as int_formats.rowwise_int8");
+  m.def("int8_quantize_rows", &int8_dynamic::quantize_rows, py::arg("x"), py::arg("biased"),
+        "per-row symmetric int8 of x [M, K]: (q [M, K], scale fp32 [M]), as int_formats.rowwise_int8; q is int8, "
+        "or uint8 q + 128 when biased");
   m.def("int8_rescale", &int8_dynamic::rescale, py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("dtype"),
-        "(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass");
+        "(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass (acc int32, or float32)");
 }
 
 }  // namespace engine_native

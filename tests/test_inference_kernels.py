@@ -210,11 +210,16 @@ def test_int8_dynamic_glue_is_bit_exact(dtype: torch.dtype) -> None:
     keep[3] = False  # NaN -> int8 is undefined for torch; the kernel writes 0
     assert torch.equal(q[keep], q_ref[keep]) and torch.equal(sx.isnan(), sx_ref.isnan())
     assert torch.equal(sx[keep], sx_ref[keep]) and bool((q[3] == 0).all())
+    qb, sxb = native.int8_quantize_rows(x, biased=True)  # oneDNN's u8 codes: q + 128
+    assert qb.dtype == torch.uint8 and torch.equal(qb.long() - 128, q.long())
+    torch.testing.assert_close(sxb, sx, rtol=0, atol=0, equal_nan=True)
+    assert int(qb.min()) >= 1 and torch.equal(qb[3][~x[3].isnan()].long() - 128, q_ref[3][~x[3].isnan()].long())
     acc = torch.randint(-2 ** 26, 2 ** 26, (9, 33), generator=gen, dtype=torch.int32)
     sw = torch.rand(33, generator=gen) * 0.01
-    y = native.int8_rescale(acc, sx_ref, sw, dtype)
     ref = (acc.float() * sx_ref.unsqueeze(1) * sw.unsqueeze(0)).to(dtype)
-    assert torch.equal(y[keep], ref[keep]) and bool(y[3].isnan().all())
+    for sums in (acc, acc.float()):  # torch._int_mm's int32, or oneDNN's fp32 of the same sums
+        y = native.int8_rescale(sums, sx_ref, sw, dtype)
+        assert torch.equal(y[keep], ref[keep]) and bool(y[3].isnan().all())
 
 
 def test_int8_dynamic_glue_bad_arguments() -> None:
@@ -223,8 +228,10 @@ def test_int8_dynamic_glue_bad_arguments() -> None:
     with pytest.raises(ValueError, match="x: expected a 2D"):
         native.int8_quantize_rows(torch.zeros(3))
     acc = torch.zeros(2, 3, dtype=torch.int32)
-    with pytest.raises(TypeError, match="acc: expected int32"):
-        native.int8_rescale(acc.float(), torch.ones(2), torch.ones(3), torch.float32)
+    with pytest.raises(TypeError, match="acc: expected int32 or float32"):
+        native.int8_rescale(acc.double(), torch.ones(2), torch.ones(3), torch.float32)
+    with pytest.raises(TypeError, match="biased: expected a bool"):
+        native.int8_quantize_rows(torch.zeros(2, 3), biased=1)
     with pytest.raises(ValueError, match="sx: expected shape"):
         native.int8_rescale(acc, torch.ones(3), torch.ones(3), torch.float32)
     with pytest.raises(ValueError, match="sw: expected shape"):
@@ -233,6 +240,61 @@ def test_int8_dynamic_glue_bad_arguments() -> None:
         native.int8_rescale(acc, torch.ones(2), torch.ones(3, dtype=torch.float64), torch.float32)
     with pytest.raises(TypeError, match="dtype: expected"):
         native.int8_rescale(acc, torch.ones(2), torch.ones(3), torch.int8)
+
+
+@pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
+@pytest.mark.parametrize("m", [0, 1, 5, 17, 64])
+def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int) -> None:
+    """The weight is held in oneDNN's prepacked layout and the layer's bits are those of torch._int_mm's int32
+    sums through the written-out formula, with sums past 2^24 (their fp32 values round) and odd N and K."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 37, 3000
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        signs = torch.randn(n, k, generator=gen).sign()
+        signs[: n // 2] = 1.0  # these rows' sums with the positive x reach ~127 * 120 * K
+        lin.weight.copy_(signs * (1 + 0.05 * torch.rand(n, k, generator=gen)))
+    x = (1 + 0.05 * torch.rand(m, k, generator=gen)).bfloat16()
+    engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
+    w = lin.weight
+    assert w.parts["data"].is_mkldnn
+    plain = w.plain_parts()
+    q_ref, sw_ref = int_formats.rowwise_int8(lin.weight.dequantize(torch.float32))  # re-derived from the values
+    assert torch.equal(plain["data"], q_ref) and plain["data"].is_contiguous()
+    xq, sx = int_formats.rowwise_int8(x)
+    acc = torch._int_mm(torch.cat([xq, xq.new_zeros(17, k)]), plain["data"].t())[:m]  # torch's op wants M > 16
+    assert m == 0 or int(acc.abs().max()) > 2 ** 24
+    ref = (acc.float() * sx.unsqueeze(1) * plain["scale"].unsqueeze(0)).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(lin(x), ref)
+
+
+@pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
+def test_onednn_weights_copy_clone_and_load() -> None:
+    """copy_ of a plain or quantized weight, clone, deepcopy and an assigning load keep the prepacked layout and
+    the values."""
+    import copy
+
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.nn.Linear(64, 24), torch.nn.Linear(64, 24)
+    source_weight = a.weight.detach().clone()
+    for lin in (a, b):
+        engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
+    x = torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        b.load_state_dict(a.state_dict())
+        assert torch.equal(b(x), a(x)) and b.weight.parts["data"].is_mkldnn
+        c = torch.nn.Linear(64, 24)
+        engine.quantize_(c, engine.Int8DynamicActivationInt8Weight())
+        c.weight.copy_(source_weight)  # a plain tensor: quantized as it is copied in
+        c.bias.copy_(a.bias)
+        assert torch.equal(c(x), a(x))
+        assert torch.equal(copy.deepcopy(a)(x), a(x))
+        assert torch.equal(a.weight.clone().plain_parts()["data"], a.weight.plain_parts()["data"])
+        d = torch.nn.Linear(64, 24)
+        engine.quantize_(d, engine.Int8DynamicActivationInt8Weight())
+        d.load_state_dict(a.state_dict(), assign=True)
+        assert torch.equal(d(x), a(x)) and d.weight.parts["data"].is_mkldnn
 
 
 def test_the_benchmark_runs(capsys) -> None:

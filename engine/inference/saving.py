@@ -43,7 +43,7 @@ def part_key(key: str, part: str) -> str:
 
 def to_plain_tensors(key: str, w: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The state-dict entries of a quantized weight saved under `key` (no two share memory)."""
-    out = {part_key(key, name): t.detach().contiguous() for name, t in w.parts.items()}
+    out = {part_key(key, name): t.detach().contiguous() for name, t in w.plain_parts().items()}
     header = {"config": w.config.to_plain(), "shape": list(w.weight_shape),
               "dtype": str(w.dtype).removeprefix("torch."), "parts": list(w.parts)}
     out[key + RECORD_SUFFIX] = encode_record(MAGIC, VERSION, header, {})

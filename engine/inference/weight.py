@@ -10,6 +10,7 @@ call `.dequantize()` for a plain tensor. Inference only: the weight takes no gra
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -37,11 +38,12 @@ class QuantizedWeight(torch.Tensor):
 
     def __init__(self, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],
                  dtype: torch.dtype, transposed: bool = False, fmt: Any = None) -> None:
-        self.parts = parts
         self.config = config
         self.weight_shape = (int(shape[0]), int(shape[1]))
         self.transposed = transposed
         self.fmt = format_of(config) if fmt is None else fmt
+        # the parts as the GEMM reads them (a format may hold one in a kernel's own layout; `plain_parts` undoes it)
+        self.parts = self.fmt.prepare(parts) if hasattr(self.fmt, "prepare") else parts
 
     # ------------------------------------------------------------------ making and reading
     @classmethod
@@ -64,6 +66,10 @@ class QuantizedWeight(torch.Tensor):
         """The high-precision value the GEMMs compute with (in the nominal dtype unless `dtype`)."""
         w = self.fmt.dequantize(self.parts, self.weight_shape, self.dtype if dtype is None else dtype)
         return w.t() if self.transposed else w
+
+    def plain_parts(self) -> dict[str, torch.Tensor]:
+        """The parts as saved: plain dense tensors (`parts` may hold one in a kernel's layout)."""
+        return self.fmt.plain(self.parts) if hasattr(self.fmt, "plain") else self.parts
 
     def nbytes_quantized(self) -> int:
         """Bytes of the parts (what the weight costs in memory)."""
@@ -123,6 +129,8 @@ class QuantizedWeight(torch.Tensor):
                 return b._with(transposed=False).linear(a)
         if func is torch.Tensor.to:
             return _to(args[0], *args[1:], **kwargs)
+        if func is torch.Tensor.__deepcopy__:
+            return _deepcopy(args[0], args[1])
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -177,6 +185,18 @@ def _to(w: QuantizedWeight, *args: Any, **kwargs: Any) -> QuantizedWeight:
     return w._with(dtype=dtype)
 
 
+def _deepcopy(w: QuantizedWeight, memo: dict) -> QuantizedWeight:
+    """Cloned parts (torch's deepcopy of the parts dict cannot copy a kernel's opaque layout) and deep copies of
+    the rest (the format, `_is_param` when the weight is a module's Parameter)."""
+    out = QuantizedWeight({k: v.clone() for k, v in w.parts.items()}, w.config, w.weight_shape, w.dtype,
+                          w.transposed, copy.deepcopy(w.fmt, memo))
+    for name, value in w.__dict__.items():
+        if name not in out.__dict__:
+            out.__dict__[name] = copy.deepcopy(value, memo)
+    memo[id(w)] = out
+    return out
+
+
 def _copy_into(dst: QuantizedWeight, src: torch.Tensor) -> QuantizedWeight:
     """dst's parts take src's (a QuantizedWeight of the same config and shape), or src quantized (a plain tensor)."""
     if not isinstance(dst, QuantizedWeight):
@@ -191,11 +211,14 @@ def _copy_into(dst: QuantizedWeight, src: torch.Tensor) -> QuantizedWeight:
         parts = QuantizedWeight.from_float(plain.to(dst.dtype), dst.config, "src").parts
     for name, t in parts.items():
         mine = dst.parts.get(name)
-        if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
+        if mine is None or mine.shape != t.shape or mine.dtype != t.dtype or mine.is_mkldnn != t.is_mkldnn:
             raise ValueError(f"src: part {name!r} is {t.dtype} {list(t.shape)}, expected "
                              f"{None if mine is None else (mine.dtype, list(mine.shape))}")
     for name, t in parts.items():
-        dst.parts[name].copy_(t)
+        if t.is_mkldnn:  # a kernel's opaque layout: no copy_ into it; the weight (and its views) take a copy
+            dst.parts[name] = t.clone()
+        else:
+            dst.parts[name].copy_(t)
     return dst
 
 

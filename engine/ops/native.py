@@ -646,17 +646,20 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> tor
     return ext.int8_linear(x, data, scale, ext.isa())
 
 
-def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_quantize_rows(x: torch.Tensor, biased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of x [M, K] in one pass: (q int8 [M, K], scale fp32 [M]), the bits of
     `engine.inference.int_formats.rowwise_int8` (scale = max(amax / 127, fp32 tiny), q = round-half-even(x /
-    scale) clamped to [-127, 127]); a row with a NaN gets a NaN scale and q = 0 where x / scale is NaN."""
+    scale) clamped to [-127, 127]); a row with a NaN gets a NaN scale and q = 0 where x / scale is NaN.
+    `biased`: q + 128 as uint8 instead (oneDNN's u8 activations with zero point 128)."""
     _wo_input(x)
-    return _ext().int8_quantize_rows(x)
+    if not isinstance(biased, bool):
+        raise TypeError(f"biased: expected a bool, got {type(biased).__name__}")
+    return _ext().int8_quantize_rows(x, biased)
 
 
 def int8_rescale(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass, bit for bit: acc int32 [M, N], sx and sw
-    float32 [M] and [N], dtype float32, bfloat16 or float16."""
+    """(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass, bit for bit: acc int32 (or float32) [M, N],
+    sx and sw float32 [M] and [N], dtype float32, bfloat16 or float16."""
     for t, name in ((acc, "acc"), (sx, "sx"), (sw, "sw")):
         check_cpu_tensor(t, name)
     if dtype not in WO_DTYPES:
