@@ -8,6 +8,10 @@ orientations of an MLP). Default timing: one thread, the calling thread's CPU ti
 disturbed of `--blocks` interleaved blocks (`common.least_disturbed_cpu_seconds`), which is what a quiet
 machine shows; `--wall`: wall-time medians with torch's default threads (both cores). Every config is
 timed against bf16 `x @ w.t()` in the same run. Weight bytes are the quantized parts' (bf16: N*K*2).
+Each call reads its weight from memory, as a layer of a model does: every variant cycles through copies
+of its weight, at least `--cold-mib` (default 128, four times this machine's 32 MiB L3) of them in all,
+so no call finds its weight in the cache (`--cold-mib 0`: one weight, cache-warm after the first call,
+which flatters M = 1 for weights that fit the L3).
 `torch-int8pack` / `torch-int4pack-g128` time torch's own weight-only CPU kernels on the same weights
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), for comparison. `--quick`: the int configs only,
 M = 1 and 16 (a minute or two).
@@ -16,6 +20,7 @@ M = 1 and 16 (a minute or two).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import warnings
 from collections.abc import Callable
@@ -53,17 +58,28 @@ def parse_shape(text: str) -> tuple[int, int]:
     return k, n
 
 
-def torch_kernel(name: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
-    """(x -> x @ W^T by torch's own weight-only CPU op, weight bytes) for `name` of TORCH_KERNELS."""
+def torch_kernel(name: str, w: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
+    """(f(x, *weight) = x @ W^T by torch's own weight-only CPU op, weight tensors) for `name` of TORCH_KERNELS."""
     if name == "torch-int8pack":
-        q, scale = int_formats.rowwise_int8(w, torch.bfloat16)
-        return (lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)), q.numel() + scale.numel() * 2
+        return torch.ops.aten._weight_int8pack_mm, int_formats.rowwise_int8(w, torch.bfloat16)
     fmt = int_formats.Int4Format(engine.Int4WeightOnly(group_size=128))
     q, scale, zero = fmt.codes_and_params(w)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     sz = torch.stack([scale.t(), zero.t()], dim=2).contiguous()
-    return ((lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 128, sz)),
-            packed.numel() + sz.numel() * 2)
+    return (lambda x, p, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 128, s)), (packed, sz)
+
+
+def cycling(x: torch.Tensor, f: Callable[..., torch.Tensor], weights: list[tuple]) -> Callable[[], torch.Tensor]:
+    """A call of f(x, *weight) on the next of `weights` each time."""
+    turn = itertools.cycle(weights)
+    return lambda: f(x, *next(turn))
+
+
+def copies(weight: tuple[torch.Tensor, ...], cold_bytes: int) -> list[tuple]:
+    """`weight` and clones of it, together at least cold_bytes."""
+    size = sum(t.nbytes_quantized() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+               for t in weight)
+    return [weight] + [tuple(t.clone() for t in weight) for _ in range(-(-cold_bytes // size) - 1)]
 
 
 def main(argv: list[str] | None = None) -> list[list[str]]:
@@ -75,6 +91,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks (CPU-time mode)")
     parser.add_argument("--wall", action="store_true", help="wall-time medians with torch's threads")
     parser.add_argument("--quick", action="store_true", help=f"--configs {QUICK_CONFIGS} --ms 1,16 (unless given)")
+    parser.add_argument("--cold-mib", type=int, default=128,
+                        help="each variant cycles through copies of its weight, this many MiB in all (0: one copy)")
     args = parser.parse_args(argv)
     known = (*CONFIGS, *TORCH_KERNELS)
     configs = args.configs or (QUICK_CONFIGS if args.quick else ",".join(known))
@@ -100,27 +118,30 @@ def _measure(args: argparse.Namespace, names: list[str], ms: str) -> list[list[s
         k, n = parse_shape(shape)
         torch.manual_seed(0)
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
-        weights = {name: QuantizedWeight.from_float(w, CONFIGS[name]) for name in names if name in CONFIGS}
-        kernels = {name: torch_kernel(name, w) for name in names if name in TORCH_KERNELS}
-        sizes = {name: q.nbytes_quantized() for name, q in weights.items()}
-        sizes.update({name: size for name, (_, size) in kernels.items()})
+        cold = args.cold_mib * 2**20
+        variants = {"bf16": (torch.nn.functional.linear, copies((w,), cold))}
+        for name in names:
+            f, weight = ((torch.nn.functional.linear, (QuantizedWeight.from_float(w, CONFIGS[name]),))
+                         if name in CONFIGS else torch_kernel(name, w))
+            variants[name] = (f, copies(weight, cold))
+        sizes = {name: sum(t.nbytes_quantized() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+                           for t in ws[0]) for name, (_, ws) in variants.items()}
         for m in (int(v) for v in ms.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            fns = {"bf16": lambda x=x: x @ w.t()}
-            fns.update({name: (lambda q=q, x=x: torch.nn.functional.linear(x, q)) for name, q in weights.items()})
-            fns.update({name: (lambda f=f, x=x: f(x)) for name, (f, _) in kernels.items()})
+            fns = {name: cycling(x, f, ws) for name, (f, ws) in variants.items()}
             if args.wall:
                 times = {name: median_seconds(fn, repeat=5, warmup=1, min_time=0.02) for name, fn in fns.items()}
             else:
                 calls = 8 if m * k * n < 2**26 else 1
                 times = least_disturbed_cpu_seconds(fns, blocks=args.blocks, calls=calls, warmup=1)
             base = times["bf16"]
-            rows.append([f"{m}x{k}x{n}", "bf16 x @ w.t()", f"{base * 1e3:.3f}", "1.00", f"{n * k * 2 / 2**20:.1f}"])
+            rows.append([f"{m}x{k}x{n}", "bf16 x @ w.t()", f"{base * 1e3:.3f}", "1.00", f"{sizes['bf16'] / 2**20:.1f}"])
             for name in names:
                 rows.append([f"{m}x{k}x{n}", name, f"{times[name] * 1e3:.3f}", f"{base / times[name]:.2f}",
                              f"{sizes[name] / 2**20:.1f}"])
     how = "wall-time medians" if args.wall else "thread CPU time, 1 thread, least disturbed of interleaved blocks"
-    print(f"Inference Linear forward, bf16 activations ({how})")
+    cache = f"weights cycled through {args.cold_mib} MiB of copies" if args.cold_mib else "one weight, cache-warm"
+    print(f"Inference Linear forward, bf16 activations ({how}; {cache})")
     print_table(["MxKxN", "config", "ms", "speed-up vs bf16", "weight MiB"], rows)
     return rows
 

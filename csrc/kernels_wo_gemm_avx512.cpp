@@ -38,6 +38,11 @@ inline uint32_t bf16_of_small_int(int v) {
   return u >> 16;
 }
 
+// A tile reads NR weight rows as NR streams at once; fetching this far ahead of each (past a row's end: the next
+// tile's rows) keeps memory busy where the hardware prefetcher ramps up too slowly for short rows (M = 1 on weights
+// not in the cache: int4 4096x4096 went from 2.5x to 3.5x bf16's speed). Measured best of 1, 4, 8 and 16 KiB.
+constexpr int64_t kPrefetchBytes = 8192;
+
 template <int MB, int NR>
 void int4_tile(const WoInt4Job& job, int64_t m0, int64_t n0) {
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f,
@@ -61,6 +66,7 @@ void int4_tile(const WoInt4Job& job, int64_t m0, int64_t n0) {
       const int64_t k0 = (g * steps + c) * kWoChunk;
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k0 / 2 + kPrefetchBytes), _MM_HINT_T0);
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k0 / 2)));
         const __m512 we = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, table), s[r], z[r]);
         const __m512 wo = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), s[r], z[r]);
@@ -90,6 +96,7 @@ void int8_tile(const WoInt8Job& job, int64_t m0, int64_t n0) {
   for (int64_t k = 0; k < full; k += 16) {
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + kPrefetchBytes), _MM_HINT_T0);
       const __m512 wv =
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k))));
 #pragma GCC unroll 8
@@ -229,6 +236,11 @@ void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   }
+  if ((n0 & 15) == 0) {  // a group's scales of 16 rows share a line, a line per group: fetch the next 16 rows'
+    for (int64_t g = 0; g < groups; ++g) {
+      _mm_prefetch(reinterpret_cast<const char*>(job.sz + g * job.sz_ld + n0 + 16), _MM_HINT_T0);
+    }
+  }
   for (int64_t g = 0; g < blocks; ++g) {
     __m512 t[MB][NR], u[MB][NR];
     for (int m = 0; m < MB; ++m) {
@@ -238,6 +250,7 @@ void int4_tile_bf16(const WoInt4Job& job, int64_t m0, int64_t n0) {
       const int64_t k0 = (g * steps + c) * kStep;
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k0 / 2 + kPrefetchBytes), _MM_HINT_T0);
         const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k0 / 2)));
         const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, table);
         const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);

@@ -244,9 +244,10 @@ def test_int8_dynamic_glue_bad_arguments() -> None:
 
 @pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
 @pytest.mark.parametrize("m", [0, 1, 5, 17, 64])
-def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int) -> None:
+def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, monkeypatch) -> None:
     """The weight is held in oneDNN's prepacked layout and the layer's bits are those of torch._int_mm's int32
     sums through the written-out formula, with sums past 2^24 (their fp32 values round) and odd N and K."""
+    monkeypatch.setattr(int_formats.Int8DynamicFormat, "onednn_min_elements", 1)
     gen = torch.Generator().manual_seed(3)
     n, k = 37, 3000
     lin = torch.nn.Linear(k, n, bias=False)
@@ -270,11 +271,12 @@ def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int) -> None:
 
 
 @pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
-def test_onednn_weights_copy_clone_and_load() -> None:
+def test_onednn_weights_copy_clone_and_load(monkeypatch) -> None:
     """copy_ of a plain or quantized weight, clone, deepcopy and an assigning load keep the prepacked layout and
     the values."""
     import copy
 
+    monkeypatch.setattr(int_formats.Int8DynamicFormat, "onednn_min_elements", 1)
     gen = torch.Generator().manual_seed(4)
     a, b = torch.nn.Linear(64, 24), torch.nn.Linear(64, 24)
     source_weight = a.weight.detach().clone()
@@ -295,6 +297,15 @@ def test_onednn_weights_copy_clone_and_load() -> None:
         engine.quantize_(d, engine.Int8DynamicActivationInt8Weight())
         d.load_state_dict(a.state_dict(), assign=True)
         assert torch.equal(d(x), a(x)) and d.weight.parts["data"].is_mkldnn
+
+
+def test_int8_dynamic_layout_follows_the_weight_size() -> None:
+    """Small weights stay plain (torch._int_mm); from onednn_min_elements on they are prepacked where oneDNN is."""
+    small, large = torch.nn.Linear(64, 32), torch.nn.Linear(2048, 1024)
+    for lin in (small, large):
+        engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
+    assert not small.weight.parts["data"].is_mkldnn
+    assert large.weight.parts["data"].is_mkldnn == int_formats.onednn_available()
 
 
 def test_the_benchmark_runs(capsys) -> None:

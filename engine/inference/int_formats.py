@@ -72,11 +72,16 @@ class Int8DynamicFormat:
     """Per-token int8 x (scale amax/127 per row, fp32) times per-channel int8 W, accumulated exactly in int32,
     then * sx * sw in fp32, rounded once to x.dtype, + bias.
 
-    The int32 GEMM: where torch has oneDNN, oneDNN's u8 x s8 GEMM on the weight in its prepacked layout (x as
-    q + 128 with zero point 128: the same int32 sums, returned as their fp32 values); it is 1.2x (M = 256) to
-    5x (M = 1) faster than `torch._int_mm`, which repacks the weight on every call. Elsewhere `torch._int_mm`
-    (the values of `out_dtype(aten.mm, int32, ...)`). Either way the bits are those of the formula above.
+    The int32 GEMM: for weights of at least `onednn_min_elements` where torch has oneDNN, oneDNN's u8 x s8 GEMM
+    on the weight in its prepacked layout (x as q + 128 with zero point 128: the same int32 sums, returned as
+    their fp32 values); at 4096x4096 it is 1.2x (M = 256) to 3-5x (M = 2-16) faster than `torch._int_mm`, which
+    repacks the weight on every call, and 0.65x at M = 1. Otherwise `torch._int_mm` (the values of
+    `out_dtype(aten.mm, int32, ...)`), faster on small weights (oneDNN's call costs ~25 us more). Either way
+    the bits are those of the formula above.
     """
+
+    #: the least N * K held prepacked for oneDNN (measured: 1024x1024 ties at M >= 16 and loses at M = 1)
+    onednn_min_elements = 1 << 21
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale = rowwise_int8(w)
@@ -90,7 +95,7 @@ class Int8DynamicFormat:
         """The parts the weight holds: "data" in oneDNN's prepacked layout (an opaque [K, N] tensor) where
         torch has oneDNN, else as saved. `plain` undoes it."""
         data = parts["data"]
-        if data.is_mkldnn or not onednn_available() or data.numel() == 0:
+        if data.is_mkldnn or data.numel() < self.onednn_min_elements or not onednn_available():
             return parts
         return {**parts, "data": torch.ops.onednn.qlinear_prepack(data, None)}
 
