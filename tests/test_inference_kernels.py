@@ -308,6 +308,14 @@ def test_int8_dynamic_layout_follows_the_weight_size() -> None:
     assert large.weight.parts["data"].is_mkldnn == int_formats.onednn_available()
 
 
+@pytest.mark.parametrize("width", [64, 2048])  # plain, and prepacked where oneDNN is
+def test_compiling_a_quantized_model_is_a_clear_error(width: int) -> None:
+    lin = torch.nn.Linear(width, 1024)
+    engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
+    with pytest.raises(Exception, match="torch.compile of a model quantized by engine.quantize_ is not supported"):
+        torch.compile(lin, backend="eager", fullgraph=True)(torch.randn(2, width))
+
+
 def test_the_benchmark_runs(capsys) -> None:
     """benchmarks/bench_inference.py on a tiny shape: every int config and torch's kernels, a row each."""
     import sys

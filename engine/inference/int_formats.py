@@ -95,8 +95,9 @@ class Int8DynamicFormat:
         """The parts the weight holds: "data" in oneDNN's prepacked layout (an opaque [K, N] tensor) where
         torch has oneDNN, else as saved. `plain` undoes it."""
         data = parts["data"]
-        if data.is_mkldnn or data.numel() < self.onednn_min_elements or not onednn_available():
-            return parts
+        if type(data) is not torch.Tensor or data.is_mkldnn or data.numel() < self.onednn_min_elements \
+                or not onednn_available():
+            return parts  # already prepacked, small, or not a plain tensor (a FakeTensor while tracing)
         return {**parts, "data": torch.ops.onednn.qlinear_prepack(data, None)}
 
     def plain(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.inference.configs import InferenceConfig
 from engine.inference.formats import format_of
@@ -101,6 +102,9 @@ class QuantizedWeight(torch.Tensor):
         if self.transposed:
             raise ValueError("linear: expected the [N, K] weight, got its transposed view; call .t() first")
         n, k = self.weight_shape
+        if torch.compiler.is_compiling() or isinstance(x, FakeTensor):
+            raise NotImplementedError("QuantizedWeight: torch.compile of a model quantized by engine.quantize_ is not "
+                                      "supported; run it eager")
         if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedWeight):
             raise TypeError(f"input: expected a plain torch.Tensor, got {type(x).__name__}")
         if x.dtype not in HIGH_PRECISION:
