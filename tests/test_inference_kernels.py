@@ -244,7 +244,8 @@ def test_int8_dynamic_glue_bad_arguments() -> None:
 
 @pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
 @pytest.mark.parametrize("m", [0, 1, 5, 17, 64])
-def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, dtype: torch.dtype, monkeypatch) -> None:
     """The weight is held in oneDNN's prepacked layout and the layer's bits are those of torch._int_mm's int32
     sums through the written-out formula, with sums past 2^24 (their fp32 values round) and odd N and K."""
     monkeypatch.setattr(int_formats.Int8DynamicFormat, "onednn_min_elements", 1)
@@ -255,7 +256,7 @@ def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, monkeypatch) -> Non
         signs = torch.randn(n, k, generator=gen).sign()
         signs[: n // 2] = 1.0  # these rows' sums with the positive x reach ~127 * 120 * K
         lin.weight.copy_(signs * (1 + 0.05 * torch.rand(n, k, generator=gen)))
-    x = (1 + 0.05 * torch.rand(m, k, generator=gen)).bfloat16()
+    x = (1 + 0.05 * torch.rand(m, k, generator=gen)).to(dtype)
     engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
     w = lin.weight
     assert w.parts["data"].is_mkldnn
@@ -265,7 +266,7 @@ def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, monkeypatch) -> Non
     xq, sx = int_formats.rowwise_int8(x)
     acc = torch._int_mm(torch.cat([xq, xq.new_zeros(17, k)]), plain["data"].t())[:m]  # torch's op wants M > 16
     assert m == 0 or int(acc.abs().max()) > 2 ** 24
-    ref = (acc.float() * sx.unsqueeze(1) * plain["scale"].unsqueeze(0)).bfloat16()
+    ref = (acc.float() * sx.unsqueeze(1) * plain["scale"].unsqueeze(0)).to(dtype)
     with torch.no_grad():
         assert torch.equal(lin(x), ref)
 

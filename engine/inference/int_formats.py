@@ -14,6 +14,8 @@ on the shape (and x's dtype) only, never on an error.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from engine.inference.configs import Int4WeightOnly
@@ -129,9 +131,10 @@ class Int8DynamicFormat:
 
 
 def onednn_available() -> bool:
-    """Whether this torch has oneDNN's int8 linear (`torch.ops.onednn.qlinear_prepack`) and the C++ glue is built."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack") \
-        and native.available()
+    """Whether this is an x86 torch with oneDNN's int8 linear (`torch.ops.onednn.qlinear_prepack`; the
+    path is measured and tested on x86 only) and the C++ glue is built."""
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available() \
+        and hasattr(torch.ops.onednn, "qlinear_prepack") and native.available()
 
 
 def int32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
