@@ -110,6 +110,33 @@ def test_int4_weight_only(group_size: int) -> None:
     assert torch.equal(m(x[:1]), m(x)[:1])  # M = 1 (the GEMV) computes the same rows
 
 
+@pytest.mark.parametrize("k", [100, 96])
+def test_int4_pads_k_to_the_group(k: int) -> None:
+    """K not a multiple of the group: the weight gets zero columns up to one (the last group's scale and zero
+    see them), x zeros at run time; dequantize and the output are those of the padded weight, cut back to K."""
+    m = layer(torch.nn.Linear, k, 40)
+    w = torch.nn.functional.pad(m.weight.detach().double(), (0, 128 - k))
+    engine.quantize_(m, engine.Int4WeightOnly(group_size=64))
+    parts = m.weight.parts
+    assert parts["data"].shape == (48, 64) and parts["scale_and_zero"].shape == (2, 48, 2)
+    g = w.reshape(40, 2, 64)
+    scale = ((g.amax(2) - g.amin(2)) / 15).float().bfloat16().double()
+    zero = (g.amin(2) + 8 * scale).float().bfloat16().double()
+    q = torch.clamp(torch.round(((g.float() - zero[..., None].float()) / scale[..., None].float()).double()) + 8, 0, 15)
+    deq = ((q - 8) * scale[..., None] + zero[..., None]).reshape(40, 128)[:, :k]
+    assert torch.equal(m.weight.dequantize(torch.float64), deq.float().double())
+    for rows in (1, 300):  # the C++ kernel and, above its M, the fp32 formula
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        y = m(x).double() - m.bias.double()
+        ref = fp64_linear(x, deq)
+        bound = rounding_bound(x, deq, ref, torch.bfloat16) + BF16_U * (ref.abs() + m.bias.double().abs()) * 2.02
+        assert_within(y, ref, bound, f"int4, K = {k}, M = {rows}")
+    other = layer(torch.nn.Linear, k, 40, seed=1)
+    engine.quantize_(other, engine.Int4WeightOnly(group_size=64))
+    other.load_state_dict(m.state_dict())  # the padded parts' shapes are checked at load
+    assert torch.equal(other(x), m(x))
+
+
 def test_int4_large_m_is_the_fp32_formula() -> None:
     """Above the native kernel's M: (x @ ((q - 8) * scale + zero)^T) in fp32, rounded once (bit for bit)."""
     m = layer(torch.nn.Linear, 64, 32, bias=False)
@@ -285,9 +312,6 @@ def test_bad_input_is_named() -> None:
         engine.quantize_(m, "int8")
     with pytest.raises(TypeError, match="module_filter"):
         engine.quantize_(m, engine.Int8WeightOnly(), module_filter=3)
-    with pytest.raises(ValueError, match="group_size: 64 does not divide .*in_features 96"):
-        engine.quantize_(m, engine.Int4WeightOnly(group_size=64))
-    assert type(m.weight) is torch.nn.Parameter  # nothing changed
     with pytest.raises(TypeError, match="weight: expected a float32, bfloat16 or float16"):
         QuantizedWeight.from_float(torch.ones(4, 4, dtype=torch.float64), engine.Int8WeightOnly())
     with pytest.raises(ValueError, match="weight: expected a 2D"):

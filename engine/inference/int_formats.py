@@ -148,8 +148,10 @@ class Int4Format:
     Per group of g along K: scale = (max - min)/15 (at least bf16's smallest normal), zero = min + 8 * scale,
     both rounded to bf16; q = clamp(round((w - zero)/scale) + 8, 0, 15) with the stored values; the value is
     (q - 8) * scale + zero in fp32. Parts: "data" uint8 [N16, K/2], byte [n, i] = q[n, 2i] | q[n, 2i+1] << 4
-    (the low nibble first, as engine's packed E2M1), and "scale_and_zero" bf16 [K/g, N16, 2]; N is padded to
-    N16, a multiple of 16 (padded rows are zero and cut from the output). K must be a multiple of g.
+    (the low nibble first, as engine's packed E2M1), and "scale_and_zero" bf16 [Kg/g, N16, 2]. N is padded to
+    N16, a multiple of 16 (padded rows are zero and cut from the output); K to Kg, a multiple of g, with zero
+    columns (the last group's scale and zero see them; x gets zero columns at run time, so they add nothing,
+    and dequantize cuts them).
     """
 
     N_UNIT = 16
@@ -164,10 +166,8 @@ class Int4Format:
     def padded_n(self, n: int) -> int:
         return -(-n // self.N_UNIT) * self.N_UNIT
 
-    def check_shape(self, shape: tuple[int, int], name: str) -> None:
-        if shape[1] % self.group_size:
-            raise ValueError(f"group_size: {self.group_size} does not divide {name}'s in_features {shape[1]} "
-                             f"(weight shape {tuple(shape)}); {_divisors(shape[1])}leave this layer out with module_filter")
+    def padded_k(self, k: int) -> int:
+        return -(-k // self.group_size) * self.group_size
 
     def codes_and_params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q uint8 [N, K] in [0, 15], scale bf16 [N, K/g], zero bf16 [N, K/g])."""
@@ -180,8 +180,7 @@ class Int4Format:
         return q.clamp_(0.0, 15.0).to(torch.uint8).reshape(n, k), scale, zero
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        self.check_shape(tuple(w.shape), "weight")
-        q, scale, zero = self.codes_and_params(w)
+        q, scale, zero = self.codes_and_params(torch.nn.functional.pad(w, (0, self.padded_k(w.shape[1]) - w.shape[1])))
         n, pad = w.shape[0], self.padded_n(w.shape[0]) - w.shape[0]
         if pad:
             q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])  # (8 - 8) * 1 + 0 = 0
@@ -190,7 +189,7 @@ class Int4Format:
         return {"data": pack_int4(q), "scale_and_zero": torch.stack([scale.t(), zero.t()], dim=2).contiguous()}
 
     def part_specs(self, shape: tuple[int, int]) -> PartSpecs:
-        n, k = shape
+        n, k = shape[0], self.padded_k(shape[1])
         npad = self.padded_n(n)
         return {"data": ((npad, k // 2), (torch.uint8,)),
                 "scale_and_zero": ((k // self.group_size, npad, 2), (torch.bfloat16,))}
@@ -201,11 +200,14 @@ class Int4Format:
         q = unpack_int4(parts["data"][:n]).float()
         scale = sz[:, :n, 0].float().t().repeat_interleave(self.group_size, dim=1)
         zero = sz[:, :n, 1].float().t().repeat_interleave(self.group_size, dim=1)
-        return ((q - 8.0) * scale + zero).to(dtype)
+        return ((q - 8.0) * scale + zero)[:, :k].to(dtype)
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
         limit = self.native_max_m_bf16 if x.dtype == torch.bfloat16 else self.native_max_m
+        if x.shape[1] % self.group_size:  # the weight's zero columns
+            x = torch.nn.functional.pad(x, (0, self.padded_k(x.shape[1]) - x.shape[1]))
+            shape = (shape[0], x.shape[1])
         if x.shape[0] <= limit and native.available():
             out = native.int4_linear(x, parts["data"], parts["scale_and_zero"], self.group_size, shape[0])
         else:
@@ -222,10 +224,3 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [R, K/2] -> codes uint8 [R, K] (`pack_int4` undone)."""
     return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)
-
-
-def _divisors(k: int) -> str:
-    from engine.inference.configs import INT4_GROUP_SIZES
-
-    fits = [g for g in INT4_GROUP_SIZES if k % g == 0]
-    return f"choose a group_size of {fits} or " if fits else ""

@@ -52,8 +52,6 @@ class QuantizedWeight(torch.Tensor):
         """`weight` [N, K] (float32, bfloat16 or float16) quantized under `config`."""
         check_weight(weight, name)
         fmt = format_of(config)
-        if hasattr(fmt, "check_shape"):
-            fmt.check_shape(tuple(weight.shape), name)
         with torch.no_grad():
             parts = fmt.quantize(weight.detach())
         return cls(parts, config, tuple(weight.shape), weight.dtype, fmt=fmt)
