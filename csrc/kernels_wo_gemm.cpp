@@ -18,6 +18,7 @@
 #define ENGINE_WO_X86 1
 #endif
 
+#include "fp8_scalar.h"
 #include "wo_gemm.h"
 
 #include "native_glue.h"
@@ -76,7 +77,10 @@ void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1) {
   std::vector<float> row(static_cast<size_t>(K));
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = job.w + n * K;
-    for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(w[k]);
+    for (int64_t k = 0; k < K; ++k) {
+      row[k] = job.e4m3 ? bf16_to_f32(fp8_to_bf16_bits(static_cast<uint8_t>(w[k]), Fp8Kind::E4M3))
+                        : static_cast<float>(w[k]);
+    }
     for (int64_t m = 0; m < job.M; ++m) job.y[m * job.ldy + n] = dot(job.x + m * K, row.data(), K) * job.scale[n];
   }
 }
@@ -251,14 +255,19 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_a
 
 // x [M, K] @ (data * scale[:, None])^T for int8 data [N, K] and a float32 / bfloat16 scale [N] -> [M, N] in x's
 // dtype (the scale multiplies each fp32 sum).
-Tensor int8_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_in, const std::string& isa) {
+Tensor byte_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_in, const std::string& isa, bool e4m3) {
   NoPythonDispatch no_python;
   const bool avx512 = use_avx512(isa);
   const Tensor x = input_fp32(x_in);
   check_plain(data, "data");
   check_plain(scale_in, "scale");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK_TYPE(data.scalar_type() == at::kChar, "data: expected int8, got ", data.scalar_type());
+  if (e4m3) {
+    TORCH_CHECK_TYPE(data.scalar_type() == at::kByte || data.scalar_type() == at::kFloat8_e4m3fn,
+                     "data: expected float8_e4m3fn or its uint8 bytes, got ", data.scalar_type());
+  } else {
+    TORCH_CHECK_TYPE(data.scalar_type() == at::kChar, "data: expected int8, got ", data.scalar_type());
+  }
   TORCH_CHECK_VALUE(data.dim() == 2 && data.size(1) == K, "data: expected shape [N, ", K, "], got ", data.sizes());
   check_contiguous(data, "data");
   const int64_t N = data.size(0);
@@ -268,8 +277,8 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_i
                     scale_in.sizes());
   const Tensor scale = scale_in.to(at::kFloat).contiguous();
   Tensor y = at::empty({M, N}, x.options());
-  const WoInt8Job job{x.data_ptr<float>(), M, K, data.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                      y.data_ptr<float>(), N};
+  const WoInt8Job job{x.data_ptr<float>(), M, K, static_cast<const int8_t*>(data.data_ptr()), scale.data_ptr<float>(),
+                      y.data_ptr<float>(), N, e4m3};
   if (M > 0 && K > 0) {
     parallel_rows(M * N * K / 4 + N * K, N, [&](int64_t n0, int64_t n1) {
       if (avx512) {
@@ -292,8 +301,9 @@ void register_wo_gemm(pybind11::module_& m) {
   m.def("int4_linear", &wo_glue::int4_linear, py::arg("x"), py::arg("data"), py::arg("scale_and_zero"),
         py::arg("group_size"), py::arg("n"), py::arg("isa"),
         "x [M, K] @ W^T for groupwise int4 W (two codes a byte, low nibble first): [M, n] in x's dtype");
-  m.def("int8_linear", &wo_glue::int8_linear, py::arg("x"), py::arg("data"), py::arg("scale"), py::arg("isa"),
-        "x [M, K] @ (data * scale)^T for per-channel int8 data [N, K]: [M, N] in x's dtype");
+  m.def("int8_linear", &wo_glue::byte_linear, py::arg("x"), py::arg("data"), py::arg("scale"), py::arg("isa"),
+        py::arg("e4m3") = false,
+        "x [M, K] @ (data * scale)^T for per-channel int8 (or, e4m3=True, E4M3) data [N, K]: [M, N] in x's dtype");
 }
 
 }  // namespace engine_native

@@ -83,7 +83,22 @@ void int4_tile(const WoInt4Job& job, int64_t m0, int64_t n0) {
   }
 }
 
-template <int MB, int NR>
+// 16 weight bytes as fp32: int8 values, or E4M3 codes decoded exactly (the code's magnitude bits placed in an
+// fp32's exponent and mantissa and scaled by 2^120, the bias difference: subnormal codes land on fp32 denormals,
+// exact too, since the threads run without DAZ; the NaN codes S.1111.111 become a quiet NaN).
+template <bool E4M3>
+WO_INLINE __m512 weight_bytes(__m128i bytes) {
+  if (!E4M3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  const __m512i b = _mm512_cvtepu8_epi32(bytes);
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_slli_epi32(mag, 20));
+  const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.329227995784916e36f));  // 2^120
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                            _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+template <int MB, int NR, bool E4M3>
 void int8_tile(const WoInt8Job& job, int64_t m0, int64_t n0) {
   const int64_t K = job.K, full = K / 16 * 16;
   const int8_t* w[NR];
@@ -97,8 +112,7 @@ void int8_tile(const WoInt8Job& job, int64_t m0, int64_t n0) {
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + kPrefetchBytes), _MM_HINT_T0);
-      const __m512 wv =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k))));
+      const __m512 wv = weight_bytes<E4M3>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k)));
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), wv, acc[m][r]);
     }
@@ -106,7 +120,7 @@ void int8_tile(const WoInt8Job& job, int64_t m0, int64_t n0) {
   if (full < K) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - full)) - 1u);
     for (int r = 0; r < NR; ++r) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[r] + full)));
+      const __m512 wv = weight_bytes<E4M3>(_mm_maskz_loadu_epi8(mask, w[r] + full));
       for (int m = 0; m < MB; ++m) {
         acc[m][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + full), wv, acc[m][r]);
       }
@@ -170,16 +184,19 @@ void int4_panel(const WoInt4Job& job, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) all_m<1>(job, n, int4_tile<8, 1>, int4_tile<4, 1>, int4_tile<2, 1>, int4_tile<1, 1>);
 }
 
-void int8_panel(const WoInt8Job& job, int64_t n0, int64_t n1) {
+template <bool E4M3>
+void byte_panel(const WoInt8Job& job, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (job.M == 1) {
-    for (; n + 4 <= n1; n += 4) int8_tile<1, 4>(job, 0, n);
+    for (; n + 4 <= n1; n += 4) int8_tile<1, 4, E4M3>(job, 0, n);
   } else {
     for (; n + 2 <= n1; n += 2) {
-      all_m<2>(job, n, int8_tile<8, 2>, int8_tile<4, 2>, int8_tile<2, 2>, int8_tile<1, 2>);
+      all_m<2>(job, n, int8_tile<8, 2, E4M3>, int8_tile<4, 2, E4M3>, int8_tile<2, 2, E4M3>, int8_tile<1, 2, E4M3>);
     }
   }
-  for (; n < n1; ++n) all_m<1>(job, n, int8_tile<8, 1>, int8_tile<4, 1>, int8_tile<2, 1>, int8_tile<1, 1>);
+  for (; n < n1; ++n) {
+    all_m<1>(job, n, int8_tile<8, 1, E4M3>, int8_tile<4, 1, E4M3>, int8_tile<2, 1, E4M3>, int8_tile<1, 1, E4M3>);
+  }
 }
 }  // namespace
 
@@ -188,7 +205,8 @@ void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1) {
 }
 
 void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1) {
-  by_panels(job, n0, n1, job.K * 4, 0, int8_panel);
+  if (job.e4m3) return by_panels(job, n0, n1, job.K * 4, 0, byte_panel<true>);
+  by_panels(job, n0, n1, job.K * 4, 0, byte_panel<false>);
 }
 
 }  // namespace wo_avx512

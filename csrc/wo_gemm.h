@@ -1,4 +1,4 @@
-// Weight-only integer GEMMs at small M (int4 groupwise, int8 per channel): the jobs the torch glue
+// Weight-only GEMMs at small M (int4 groupwise, int8 and FP8 E4M3 per channel): the jobs the torch glue
 // (kernels_wo_gemm.cpp) hands the kernels, and their two builds, portable (kernels_wo_gemm.cpp) and AVX-512
 // (kernels_wo_gemm_avx512.cpp, chosen at run time). No torch here.
 //
@@ -30,13 +30,15 @@ struct WoInt4Job {
   int64_t ldy;
 };
 
+// A byte per weight, one scale per row: int8 (Int8WeightOnly) or E4M3 codes (Float8WeightOnly, power-of-2 scales).
 struct WoInt8Job {
   const float* x;      // [M, K] fp32, row-major
   int64_t M, K;
-  const int8_t* w;     // [N, K] int8, row-major
+  const int8_t* w;     // [N, K] int8 (or E4M3 bytes), row-major
   const float* scale;  // [N]: y = sum * scale
   float* y;            // [M, ldy] fp32
   int64_t ldy;
+  bool e4m3;           // w holds E4M3 codes: each decodes to its exact value (NaN codes to a quiet NaN)
 };
 
 // Rows [n0, n1) of y, every m.

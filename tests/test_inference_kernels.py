@@ -89,6 +89,33 @@ def test_int8_within_the_fp32_bound(isa: str, dtype: torch.dtype) -> None:
                     check(native.int8_linear(x, data, scale), x, data.float(), scale.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_within_the_fp32_bound(isa: str, dtype: torch.dtype) -> None:
+    """E4M3 bytes decoded in the kernel (every code: zero, subnormals, normals, +-448; the NaN codes give NaN
+    outputs) against torch's own E4M3 cast, times the row scale, within the fp32 bound; the tail K % 16."""
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    for k in (1, 15, 16, 17, 100, 254):
+        for n in (1, 18):
+            data = finite[torch.randint(0, finite.numel(), (n, k), generator=gen)]
+            if k == 254:
+                data[0] = finite[:k]  # every finite code, in a row
+            values = data.view(torch.float8_e4m3fn).float()
+            scale = torch.exp2(torch.randint(-12, 4, (n,), generator=gen).float())
+            for m in (1, 3, 16, 17):
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                check(native.fp8_linear(x, data, scale), x, values, scale)
+    data = torch.full((3, 20), 0x38, dtype=torch.uint8)  # 1.0
+    data[1, 4], data[2, 19] = 0x7F, 0xFF  # NaN codes (the second in the tail)
+    y = native.fp8_linear(torch.ones(2, 20), data, torch.ones(3))
+    assert torch.equal(y[:, 0], torch.full((2,), 20.0)) and bool(y[:, 1:].isnan().all())
+    assert torch.equal(native.fp8_linear(torch.ones(1, 20), data.view(torch.float8_e4m3fn), torch.ones(3))[:, 0],
+                       torch.tensor([20.0]))
+    with pytest.raises(TypeError, match="data: expected float8_e4m3fn or its uint8 bytes"):
+        native.fp8_linear(torch.ones(1, 20), data.view(torch.int8), torch.ones(3))
+
+
 def test_a_row_does_not_depend_on_m(isa: str) -> None:
     """The GEMV (M = 1) and every row block of the GEMM sum in the same order: the same bits."""
     data, sz, _, _ = int4_weight(32, 256, 64, seed=3)

@@ -5,7 +5,9 @@ kept as its storage's plain buffers ("data", "scale_inv", and NVFP4's "amax"); F
 its bytes (uint8), as MX and NVFP4 codes are, so a checkpoint's `weight` key is never an FP8 tensor
 without engine's own component keys (engine.Linear refuses those).
 
-Weight-only GEMMs decode the weight exactly into the compute dtype and run one high-precision GEMM:
+Per-row FP8 weight-only runs engine's C++ GEMV/GEMM at small M (`native.fp8_linear`: E4M3 decoded in registers,
+fp32 sums, times the row's power-of-2 scale, rounded once; + bias). Otherwise the weight-only GEMMs decode the
+weight exactly into the compute dtype and run one high-precision GEMM:
 E4M3 times a power of two and MX elements times E8M0 are exact in bf16, so bf16 activations compute
 in bf16 (fp32 accumulation); NVFP4's per-tensor factor amax/2688 is not a power of two, so NVFP4
 computes in fp32. fp16 activations compute in fp32 (bf16 values need not fit fp16).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.gemm import general_gemm
+from engine.ops import native
 from engine.ops import quantize as qops
 from engine.ops import reference as ref
 from engine.inference.configs import Float8DynamicActivationFloat8Weight, MXWeightOnly
@@ -100,8 +103,15 @@ class EngineWeightFormat:
     def compute_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
         return x_dtype if x_dtype == torch.float32 or (x_dtype == torch.bfloat16 and self.exact_bf16) else torch.float32
 
+    #: the largest M at which per-row E4M3 weights (Float8WeightOnly) run engine's C++ GEMV/GEMM (E4M3 decoded in
+    #: registers, fp32 sums times the row scale); above it the decode-then-one-GEMM path is faster
+    native_max_m = 32
+
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
+        if self.scheme.layout == "axiswise" and x.shape[0] <= self.native_max_m and native.available():
+            out = native.fp8_linear(x, parts["data"], parts["scale_inv"].view(-1))
+            return out if bias is None else out + bias.to(out.dtype)
         dtype = self.compute_dtype(x.dtype)
         w = self.dequantize(parts, shape, dtype)
         out = torch.nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))

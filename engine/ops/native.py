@@ -643,7 +643,18 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> tor
     check_cpu_tensor(data, "data")
     check_cpu_tensor(scale, "scale")
     ext = _ext()
-    return ext.int8_linear(x, data, scale, ext.isa())
+    return ext.int8_linear(x, data, scale, ext.isa(), False)
+
+
+def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (decode(data) * scale[:, None])^T -> [M, N] in x's dtype for E4M3 data [N, K] (float8_e4m3fn or
+    its uint8 bytes) and a float32 scale [N]: fp32 sums of x times the exact E4M3 values (a NaN code is a NaN),
+    times the scale. The same as the fp32 reference up to the order of the fp32 additions."""
+    _wo_input(x)
+    check_cpu_tensor(data, "data")
+    check_cpu_tensor(scale, "scale")
+    ext = _ext()
+    return ext.int8_linear(x, data, scale, ext.isa(), True)
 
 
 def int8_quantize_rows(x: torch.Tensor, biased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
