@@ -92,12 +92,11 @@ ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vf e, Vf o) {
   return _mm512_or_si512(lo, hi);
 }
 
-// Nibble k of word w <- the code c (with the sign of v) of row k (0-7) of a column block.
-template <int K>
-ENGINE_INLINE Vi nibble(Vi w, Vi c, Vf v) {
-  const Vi code = K ? _mm512_slli_epi32(c, 4 * K) : c;
-  const Vi sign = K < 7 ? _mm512_srli_epi32(bits(v), 28 - 4 * K) : bits(v);
-  return or_and(or_and(w, code, u32(7u << (4 * K))), sign, u32(8u << (4 * K)));
+// w shifted up a nibble, the code c with the sign of v (bit 3) in the low one: rows fed 7..0 leave row k in
+// nibble k.
+ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vf v, Vi low3) {
+  const Vi n = _mm512_ternarylogic_epi32(low3, c, _mm512_srli_epi32(bits(v), 28), 0xCA);  // low3 ? c : v >> 28
+  return _mm512_or_si512(_mm512_slli_epi32(w, 4), n);
 }
 
 template <int... I, typename F>
@@ -331,27 +330,59 @@ ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc
   _mm512_store_ps(enc, _mm512_i32gather_ps(c, sc.enc, 4));
 }
 
-// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer, strip k.
-ENGINE_INLINE void band_cols(FastTile& s, Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines, int64_t k) {
+// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its
+// strip's qword of the group's first column).
+ENGINE_INLINE void band_cols(FastTile& s, Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines) {
   _mm512_store_si512(s.words + 0, _mm512_unpacklo_epi32(lo_e, hi_e));
   _mm512_store_si512(s.words + 8, _mm512_unpackhi_epi32(lo_e, hi_e));
   _mm512_store_si512(s.words + 16, _mm512_unpacklo_epi32(lo_o, hi_o));
   _mm512_store_si512(s.words + 24, _mm512_unpackhi_epi32(lo_o, hi_o));
-  for (int c = 0; c < 32; ++c) lines[c * kNvfp4BandStrips + k] = s.words[kTables.col_slot[c]];
+  for (int c = 0; c < 32; ++c) lines[c * kNvfp4BandStrips] = s.words[kTables.col_slot[c]];
+}
+
+// The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
+// rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
+template <bool BF16, bool ROWS, bool COLS, bool RHT>
+void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
+  const Vi magic = table(kTables.magic), low3 = u32(7);
+  const Vi pick0 = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                    2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g);
+  const Vi pick1 = _mm512_add_epi32(pick0, u32(8));
+  const Vf enc_e = _mm512_load_ps(s.col_enc[g][0]), enc_o = _mm512_load_ps(s.col_enc[g][1]);
+  Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+  unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
+    constexpr int i = 15 - decltype(ic)::value;  // rows 15..0: the nibbles of the columnwise words
+    Vf e, o;
+    const bool valid = i < b.rows;
+    load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
+    if (ROWS) {
+      const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
+      const Vi ce = e2m1_code3(_mm512_mul_ps(e, enc), magic), co = e2m1_code3(_mm512_mul_ps(o, enc), magic);
+      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, e, o)));
+    }
+    if (COLS) {
+      const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
+      const Vi ce = e2m1_code3(_mm512_mul_ps(ye, enc_e), magic), co = e2m1_code3(_mm512_mul_ps(yo, enc_o), magic);
+      w[i / 8][0] = push_nibble(w[i / 8][0], ce, ye, low3);
+      w[i / 8][1] = push_nibble(w[i / 8][1], co, yo, low3);
+    }
+  });
+  if (COLS) band_cols(s, w[0][0], w[1][0], w[0][1], w[1][1], lines);
 }
 
 // Both usages of one tile, round to nearest even, 1x16 blocks; false (nothing written) if it holds an inf or
 // NaN (those take quantize_tile).
-template <bool BF16>
+template <bool BF16, bool ROWS, bool COLS, bool RHT>
 bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, const Scales& row_sc,
                const Scales& col_sc) {
   Vi col_key[4][2];
   if (!x_keys<BF16>(job, b, s, col_key)) return false;
-  const bool rows = job.row_data != nullptr, cols = job.col_data != nullptr, rht = cols && job.rht;
   const int64_t k = b.r0 / kB - band.first;  // the strip within the band
-  if (rht) rht_keys<BF16>(job, b, s, col_key);
+  if (RHT) rht_keys<BF16>(job, b, s, col_key);
   const int64_t blocks = (b.w + kB - 1) / kB;
-  if (rows) {
+  if (ROWS) {
     const int64_t nbk = (job.K + kB - 1) / kB;
     for (int p = 0; p < 8; ++p) {
       scales16(_mm512_load_si512(s.row_code[p]), row_sc, s.row_code[p], s.row_enc[p]);
@@ -367,8 +398,7 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
       }
     }
   }
-  const int64_t M = job.M, nbm = (M + kB - 1) / kB, mp = (M + 1) / 2, kp = (job.K + 1) / 2;
-  if (cols) {
+  if (COLS) {
     alignas(64) uint8_t codes[kT];
     for (int g = 0; g < 4; ++g) {
       for (int q = 0; q < 2; ++q) scales16(col_key[g][q], col_sc, s.col_code[g][q], s.col_enc[g][q]);
@@ -379,74 +409,144 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
     }
     for (int64_t c = 0; c < b.w; ++c) band.scales[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
   }
-  const Vi magic = table(kTables.magic);
-  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
-  const int64_t row_bytes = job.ld * (BF16 ? 2 : 4);
-  const size_t col_bytes = static_cast<size_t>((b.rows + 1) / 2);
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
-    const int64_t n = b.w - 32 * g;
-    const Vi pick0 = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
-                                      2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g);
-    const Vi pick1 = _mm512_add_epi32(pick0, u32(8));
-    const Vf enc_e = _mm512_load_ps(s.col_enc[g][0]), enc_o = _mm512_load_ps(s.col_enc[g][1]);
-    Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
-    unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
-      constexpr int i = decltype(ic)::value;
-      if (i >= b.rows) return;
-      Vf e, o;
-      load_pair<BF16>(base + i * row_bytes, g, n, e, o);
-      if (rows) {
-        const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
-        const Vi ce = e2m1_code3(_mm512_mul_ps(e, enc), magic), co = e2m1_code3(_mm512_mul_ps(o, enc), magic);
-        const __m128i packed = _mm512_cvtepi32_epi8(pair_bytes(ce, co, e, o));
-        uint8_t* dst = job.row_data + (b.r0 + i) * kp + b.c0 / 2 + 16 * g;
-        if (b.w == kT) {
-          _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), packed);
-        } else if (n >= 32) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
-        } else {
-          _mm_mask_storeu_epi8(dst, first16((n + 1) / 2), packed);
-        }
-      }
-      if (cols) {
-        const Vf ye = rht ? s.y[i][g][0] : e, yo = rht ? s.y[i][g][1] : o;
-        const Vi ce = e2m1_code3(_mm512_mul_ps(ye, enc_e), magic), co = e2m1_code3(_mm512_mul_ps(yo, enc_o), magic);
-        w[i / 8][0] = nibble<i % 8>(w[i / 8][0], ce, ye);
-        w[i / 8][1] = nibble<i % 8>(w[i / 8][1], co, yo);
-      }
-    });
-    if (cols) band_cols(s, w[0][0], w[1][0], w[0][1], w[1][1], band.lines.data() + (b.c0 + 32 * g) * kNvfp4BandStrips, k);
+    quantize_group<BF16, ROWS, COLS, RHT>(job, b, s, g, band.lines.data() + (b.c0 + 32 * g) * kNvfp4BandStrips + k);
   }
-  if (rows && b.w == kT) {
+  if (ROWS) {
+    const int64_t kp = (job.K + 1) / 2;
     for (int64_t i = 0; i < b.rows; ++i) {
       uint8_t* dst = job.row_data + (b.r0 + i) * kp + b.c0 / 2;
       const Vi line = _mm512_load_si512(s.row_lines[i]);
-      if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+      if (b.w == kT && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
       } else {
-        _mm512_storeu_si512(dst, line);
+        _mm512_mask_storeu_epi8(dst, first64((b.w + 1) / 2), line);
       }
     }
   }
   return true;
 }
 
+// Asks for tile b's rows of x (into L1), a tile or two ahead of their use: the tiles walk 16 rows at a time,
+// more streams than the hardware prefetchers follow.
 template <bool BF16>
+ENGINE_INLINE void prefetch_tile(const Nvfp4Job& job, const TileBox& b) {
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  const int64_t bytes = b.w * (BF16 ? 2 : 4), row_bytes = job.ld * (BF16 ? 2 : 4);
+  for (int64_t i = 0; i < b.rows; ++i) {
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(base + i * row_bytes + l, _MM_HINT_T0);
+  }
+}
+
+// ------------------------------------------------------------------------------ the amax pass
+// Max |x| bits over rows [r0, r1) x columns [c0, c1), row by row (a whole strip of a range: one contiguous read).
+template <bool BF16>
+uint32_t x_key_rows(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const int64_t n = c1 - c0;
+  Vi m[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int64_t r = r0; r < r1; ++r) {
+    if (BF16) {
+      const uint16_t* p = static_cast<const uint16_t*>(job.x) + r * job.ld + c0;
+      const Vi abs = _mm512_set1_epi16(0x7FFF);
+      int64_t i = 0;
+      for (; i + 128 <= n; i += 128) {
+        for (int k = 0; k < 4; ++k) m[k] = _mm512_max_epu16(m[k], _mm512_and_si512(_mm512_loadu_si512(p + i + 32 * k), abs));
+      }
+      for (; i < n; i += 32) m[0] = _mm512_max_epu16(m[0], _mm512_and_si512(_mm512_maskz_loadu_epi16(first32(n - i), p + i), abs));
+    } else {
+      const float* p = static_cast<const float*>(job.x) + r * job.ld + c0;
+      const Vi abs = u32(0x7FFFFFFFu);
+      int64_t i = 0;
+      for (; i + 64 <= n; i += 64) {
+        for (int k = 0; k < 4; ++k) m[k] = _mm512_max_epu32(m[k], _mm512_and_si512(_mm512_loadu_si512(p + i + 16 * k), abs));
+      }
+      for (; i < n; i += 16) m[0] = _mm512_max_epu32(m[0], _mm512_and_si512(_mm512_maskz_loadu_epi32(first16(n - i), p + i), abs));
+    }
+  }
+  if (BF16) {
+    const Vi f = _mm512_max_epu16(_mm512_max_epu16(m[0], m[1]), _mm512_max_epu16(m[2], m[3]));
+    const Vi wide = _mm512_max_epu32(_mm512_slli_epi32(f, 16), _mm512_and_si512(f, u32(0xFFFF0000u)));
+    return static_cast<uint32_t>(_mm512_reduce_max_epu32(wide));
+  }
+  return static_cast<uint32_t>(
+      _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_max_epu32(m[0], m[1]), _mm512_max_epu32(m[2], m[3]))));
+}
+
+// Raises m (lane-wise |RHT output| bits before the bf16 rounding, which is monotonic: the caller rounds the max)
+// to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 15
+// sums and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
+// most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the tensor's
+// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip.
+template <bool BF16>
+ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m) {
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  const int64_t row_bytes = job.ld * (BF16 ? 2 : 4);
+  for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
+    Vf e[16], o[16];
+    Vf sum_e = _mm512_setzero_ps(), sum_o = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      load_pair<BF16>(base + (i < b.rows ? i : 0) * row_bytes, g, i < b.rows ? b.w - 32 * g : 0, e[i], o[i]);
+      sum_e = _mm512_add_ps(sum_e, _mm512_abs_ps(e[i]));
+      sum_o = _mm512_add_ps(sum_o, _mm512_abs_ps(o[i]));
+    }
+    const Vi top = _mm512_set1_epi32(static_cast<int>(_mm512_reduce_max_epu32(m)));
+    for (int half = 0; half < 2; ++half) {
+      const Vf* v = half ? o : e;
+      const Vf bound = _mm512_add_ps(_mm512_mul_ps(half ? sum_o : sum_e, _mm512_set1_ps(0.25f * 1.01f)),
+                                     _mm512_set1_ps(0x1p-140f));
+      if (_mm512_cmp_epu32_mask(bits(bound), top, _MM_CMPINT_NLT) == 0) continue;
+      Vf acc[16];
+      rht16([&](int i) __attribute__((always_inline)) { return _mm512_mul_ps(v[i], _mm512_set1_ps(0.25f)); }, acc);
+      for (int k = 0; k < 16; ++k) m = _mm512_max_epu32(m, _mm512_and_si512(bits(acc[k]), u32(0x7FFFFFFFu)));
+    }
+  }
+  return m;
+}
+
+template <bool BF16>
+void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
+  const int64_t col_tiles = (job.K + kT - 1) / kT;
+  uint32_t xk = 0;
+  Vi ym = _mm512_setzero_si512();
+  for (int64_t u = u0; u < u1;) {  // one strip's run of tiles at a time
+    const int64_t strip = u / col_tiles, end = (strip + 1) * col_tiles < u1 ? (strip + 1) * col_tiles : u1;
+    const TileBox first = tile_box(job, u), last = tile_box(job, end - 1);
+    if (x_key) {
+      const uint32_t k = x_key_rows<BF16>(job, first.r0, first.r0 + first.rows, first.c0, last.c0 + last.w);
+      xk = xk > k ? xk : k;
+    }
+    if (rht_key) {
+      for (int64_t v = u; v < end; ++v) {
+        if (!x_key && v + 2 < u1) prefetch_tile<BF16>(job, tile_box(job, v + 2));
+        ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
+      }
+    }
+    u = end;
+  }
+  if (x_key) *x_key = xk;
+  if (rht_key) {
+    const uint32_t k = static_cast<uint32_t>(_mm512_reduce_max_epu32(ym));
+    *rht_key = k > 0x7F800000u ? 0x7FC00000u : (k + 0x7FFFu + ((k >> 16) & 1u)) & 0xFFFF0000u;  // bf16_round
+  }
+}
+
+template <bool BF16, bool ROWS, bool COLS, bool RHT>
 void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) FastTile s;
   alignas(64) float t[kB][kT];
   alignas(64) float y[kB][kT];
-  const bool cols = job.col_data != nullptr;
+  const bool cols = COLS;
   Band band(job);
   const Scales row_sc(job.row_amax), col_sc(job.col_amax);
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
+    if (u + 2 < u1) prefetch_tile<BF16>(job, tile_box(job, u + 2));
     const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
     if (cols && first != band.first) {
       band.flush(job);
       band.first = first;
     }
-    if (fast_tile<BF16>(job, b, s, band, row_sc, col_sc)) {
+    if (fast_tile<BF16, ROWS, COLS, RHT>(job, b, s, band, row_sc, col_sc)) {
       if (cols) band.filled[static_cast<size_t>(b.c0 / kT)] |= 1u << (strip - first);
     } else {
       quantize_tile<BF16, false>(job, b, t, y, 0);
@@ -456,15 +556,24 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   _mm_sfence();  // the streamed lines are visible before the threads join
 }
 
+template <bool BF16>
+void quantize_fast_usages(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (!job.col_data) return quantize_fast<BF16, true, false, false>(job, u0, u1);
+  if (!job.row_data) {
+    return job.rht ? quantize_fast<BF16, false, true, true>(job, u0, u1) : quantize_fast<BF16, false, true, false>(job, u0, u1);
+  }
+  return job.rht ? quantize_fast<BF16, true, true, true>(job, u0, u1) : quantize_fast<BF16, true, true, false>(job, u0, u1);
+}
+
 }  // namespace
 
 void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
-  if (job.bf16) return amax_tiles<true>(job, u0, u1, x_key, rht_key);
-  return amax_tiles<false>(job, u0, u1, x_key, rht_key);
+  if (job.bf16) return amax_fast<true>(job, u0, u1, x_key, rht_key);
+  return amax_fast<false>(job, u0, u1, x_key, rht_key);
 }
 
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
-  if (!job.sr && !job.two_d) return job.bf16 ? quantize_fast<true>(job, u0, u1) : quantize_fast<false>(job, u0, u1);
+  if (!job.sr && !job.two_d) return job.bf16 ? quantize_fast_usages<true>(job, u0, u1) : quantize_fast_usages<false>(job, u0, u1);
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
   return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
 }
