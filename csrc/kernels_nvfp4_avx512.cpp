@@ -427,17 +427,6 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
   return true;
 }
 
-// Asks for tile b's rows of x (into L1), a tile or two ahead of their use: the tiles walk 16 rows at a time,
-// more streams than the hardware prefetchers follow.
-template <bool BF16>
-ENGINE_INLINE void prefetch_tile(const Nvfp4Job& job, const TileBox& b) {
-  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
-  const int64_t bytes = b.w * (BF16 ? 2 : 4), row_bytes = job.ld * (BF16 ? 2 : 4);
-  for (int64_t i = 0; i < b.rows; ++i) {
-    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(base + i * row_bytes + l, _MM_HINT_T0);
-  }
-}
-
 // ------------------------------------------------------------------------------ the amax pass
 // Max |x| bits over rows [r0, r1) x columns [c0, c1), row by row (a whole strip of a range: one contiguous read).
 template <bool BF16>
@@ -516,10 +505,7 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
       xk = xk > k ? xk : k;
     }
     if (rht_key) {
-      for (int64_t v = u; v < end; ++v) {
-        if (!x_key && v + 2 < u1) prefetch_tile<BF16>(job, tile_box(job, v + 2));
-        ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
-      }
+      for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
     }
     u = end;
   }
@@ -540,7 +526,6 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   const Scales row_sc(job.row_amax), col_sc(job.col_amax);
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
-    if (u + 2 < u1) prefetch_tile<BF16>(job, tile_box(job, u + 2));
     const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
     if (cols && first != band.first) {
       band.flush(job);
