@@ -311,7 +311,7 @@ void rht_keys(const Nvfp4Job& job, const TileBox& b, FastTile& s, Vi col_key[4][
 }
 
 // A usage's per-tensor factors and the element factor of each E4M3 code below 0x80 (block keys are |x| bits,
-// so their codes have no sign): one gather instead of a decode and a division per 16 blocks.
+// so their codes have no sign): a lookup instead of a decode and a division per 16 blocks.
 struct Scales {
   TensorScale ts;
   alignas(64) float enc[128];
@@ -323,11 +323,17 @@ struct Scales {
   }
 };
 
-// The E4M3 codes and factors of 16 block keys.
+// The E4M3 codes and factors of 16 block keys: the factor looked up by two-table permutes of the code's low 5
+// bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
 ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc) {
   const Vi c = (Vi)block_code<F16, U16>((U16)key, sc.ts);
   _mm512_store_si512(code, c);
-  _mm512_store_ps(enc, _mm512_i32gather_ps(c, sc.enc, 4));
+  Vf q[4];
+  for (int k = 0; k < 4; ++k)
+    q[k] = _mm512_permutex2var_ps(_mm512_load_ps(sc.enc + 32 * k), c, _mm512_load_ps(sc.enc + 32 * k + 16));
+  const __mmask16 bit5 = _mm512_test_epi32_mask(c, u32(32)), bit6 = _mm512_test_epi32_mask(c, u32(64));
+  const Vf lo = _mm512_mask_blend_ps(bit5, q[0], q[1]), hi = _mm512_mask_blend_ps(bit5, q[2], q[3]);
+  _mm512_store_ps(enc, _mm512_mask_blend_ps(bit6, lo, hi));
 }
 
 // Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its
