@@ -13,6 +13,7 @@
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -131,7 +132,7 @@ struct FastTile {
   alignas(64) float col_enc[4][2][16];
   Vf y[16][4][2];  // the RHT output: token k, group, even / odd
   alignas(64) uint64_t words[32];     // a group's column words (band_cols)
-  alignas(64) uint8_t row_lines[16][64];  // a full-width tile's packed rows
+  alignas(64) uint8_t row_lines[16][64];  // the tile's packed rows (64 bytes: 128 columns)
 };
 
 // The columnwise outputs of the band of kNvfp4BandStrips strips in progress, for every column tile: 8 bytes of
@@ -141,14 +142,15 @@ struct FastTile {
 // 8 bytes per line per strip); tiles the fallback wrote itself are holes in `filled`.
 struct Band {
   int64_t first = -1;  // the band's first strip (-1: none)
-  std::vector<uint64_t> lines;   // [column][strip]
-  std::vector<uint8_t> scales;   // [column][strip]
-  std::vector<uint32_t> filled;  // [column tile]
+  std::unique_ptr<uint64_t[]> lines;  // [column][strip] (read only where `filled`: left uninitialised)
+  std::unique_ptr<uint8_t[]> scales;  // [column][strip]
+  std::vector<uint32_t> filled;       // [column tile]
 
   explicit Band(const Nvfp4Job& job) {
     const int64_t col_tiles = (job.K + kT - 1) / kT;
-    lines.resize(static_cast<size_t>(col_tiles * kT * kNvfp4BandStrips));
-    scales.resize(lines.size());
+    const size_t n = static_cast<size_t>(col_tiles * kT * kNvfp4BandStrips);
+    lines.reset(new uint64_t[n]);
+    scales.reset(new uint8_t[n]);
     filled.assign(static_cast<size_t>(col_tiles), 0u);
   }
 
@@ -167,8 +169,8 @@ struct Band {
       const bool whole_lines = all && h == kNvfp4BandStrips && (first + h) * kB <= M &&
                                (reinterpret_cast<uintptr_t>(data) & 63) == 0 && mp % 64 == 0;
       for (int64_t c = 0; c < b.w; ++c) {
-        const uint64_t* line = lines.data() + (b.c0 + c) * kNvfp4BandStrips;
-        const uint8_t* scale = scales.data() + (b.c0 + c) * kNvfp4BandStrips;
+        const uint64_t* line = lines.get() + (b.c0 + c) * kNvfp4BandStrips;
+        const uint8_t* scale = scales.get() + (b.c0 + c) * kNvfp4BandStrips;
         if (whole_lines) {
           _mm512_stream_si512(reinterpret_cast<__m512i*>(data + c * mp), _mm512_loadu_si512(line));
         } else {
@@ -413,10 +415,10 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
         _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
     }
-    for (int64_t c = 0; c < b.w; ++c) band.scales[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
+    for (int64_t c = 0; c < b.w; ++c) band.scales.get()[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
-    quantize_group<BF16, ROWS, COLS, RHT>(job, b, s, g, band.lines.data() + (b.c0 + 32 * g) * kNvfp4BandStrips + k);
+    quantize_group<BF16, ROWS, COLS, RHT>(job, b, s, g, band.lines.get() + (b.c0 + 32 * g) * kNvfp4BandStrips + k);
   }
   if (ROWS) {
     const int64_t kp = (job.K + 1) / 2;
