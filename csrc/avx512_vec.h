@@ -8,7 +8,7 @@
 #pragma once
 
 #ifndef ENGINE_AVX512_KERNELS
-#error "avx512_vec.h is for kernels_avx512.cpp only"
+#error "avx512_vec.h is for the AVX-512 kernel files (kernels_avx512.cpp, kernels_nvfp4_avx512.cpp) only"
 #endif
 
 #include <immintrin.h>

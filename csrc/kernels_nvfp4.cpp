@@ -1,8 +1,9 @@
 // NVFP4 on the CPU, torch glue: argument checks, outputs, the per-tensor amaxes, the split over OpenMP threads
-// and the choice of the portable or AVX-512 build of the kernels (nvfp4_kernels.h, where the rules are). Two
-// passes over x: the amaxes (skipped for given ones), then both usages from 16-row tiles converted to fp32
-// once. Threads run with round-to-nearest and without flush-to-zero / denormals-are-zero (MXCSR set per
-// thread): the E4M3 scale decode and the element products meet fp32 subnormals.
+// and the choice of the portable or AVX-512 build of the kernels (nvfp4_kernels.h, where the rules are; the
+// AVX-512 build adds an intrinsics fast path, kernels_nvfp4_avx512.cpp). Two passes over x: the amaxes (skipped
+// for given ones), then both usages, 16 x 128 tiles at a time. Threads run with round-to-nearest and without
+// flush-to-zero / denormals-are-zero (MXCSR set per thread): the E4M3 scale decode and the element products
+// meet fp32 subnormals.
 #include <torch/extension.h>
 
 #include <omp.h>

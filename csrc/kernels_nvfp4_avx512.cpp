@@ -1,10 +1,26 @@
-// The NVFP4 kernels of nvfp4_kernels.h compiled for AVX-512 (F, BW, DQ, VL) by the target
-// pragma below, whatever flags the build uses; called only after a CPUID check (kernels_nvfp4.cpp).
+// The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL) by the target pragma below, whatever flags the build
+// uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
+// is compiled here too, for what the fast path below does not take: stochastic rounding, 2D tiles, and tiles
+// holding an inf or NaN. The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
+//   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
+//             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the 16 sums
+//             share their common prefixes, same operations in the same order) into an fp32 tile y;
+//   scales:   E4M3 codes and factors of 16 blocks at a time (block_code / block_encode of the header);
+//   elements: x re-read a 32-column group at a time, each 32-bit lane holding the bf16 pair (2j, 2j + 1) split
+//             into an even and an odd fp32 vector (fp32 inputs: two permutes); each product is rounded by the
+//             header's magic-number sum (e2m1_code3) for both usages, the rowwise nibble pairs leave as bytes
+//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15).
+// Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include "nvfp4.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))), apply_to = function)
 #else
@@ -12,8 +28,551 @@
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")
 #endif
 
+#define ENGINE_AVX512_KERNELS 1
+#include "avx512_vec.h"
+
 #define NVFP4_NAMESPACE nvfp4_avx512
+#define NVFP4_OWN_ENTRY 1
 #include "nvfp4_kernels.h"
+
+namespace engine_native {
+namespace nvfp4_avx512 {
+namespace {
+
+using Vf = __m512;
+using Vi = __m512i;
+
+ENGINE_INLINE Vi bits(Vf v) { return _mm512_castps_si512(v); }
+ENGINE_INLINE Vf flt(Vi v) { return _mm512_castsi512_ps(v); }
+ENGINE_INLINE Vi u32(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+ENGINE_INLINE Vi or_and(Vi a, Vi b, Vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }  // a | (b & c)
+
+// ------------------------------------------------------------------------------ tables
+struct Tables {
+  alignas(64) uint32_t magic[16];   // e2m1_code3: by the low 4 bits of the fp32 exponent field 125..129
+  alignas(64) uint32_t even[16], odd[16];  // vpermt2ps: the even / odd elements of 32 fp32 lanes
+  alignas(64) uint32_t block_order[16];    // the max tree's lane (4l + m: block 4m + l) of each block
+  alignas(64) uint32_t interleave[2][16];  // vpermt2d: (e, o) -> natural order, elements 0-15 and 16-31
+  int8_t col_slot[32];  // column 2j + parity of a group: its qword in the column-word buffer (see band_cols)
+  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, col_slot{} {
+    for (uint32_t f = 125; f <= 129; ++f) {
+      const uint32_t e = f < 127 ? 127 : f;  // nvfp4_kernels.h e2m1_magnitude: field max(f, 127)
+      magic[f & 15] = ((e + 22u) << 23) + ((e - 127u) << 1);
+    }
+    for (uint32_t j = 0; j < 16; ++j) {
+      even[j] = 2 * j;
+      odd[j] = 2 * j + 1;
+      block_order[j] = 4 * (j % 4) + j / 4;
+      interleave[0][j] = (j % 2 ? 16 : 0) + j / 2;
+      interleave[1][j] = (j % 2 ? 16 : 0) + 8 + j / 2;
+    }
+    for (int c = 0; c < 32; ++c) {  // unpacklo/hi_epi32(lo, hi) of lane j: qword 2 (j / 4) + j % 2 of lo / hi
+      const int j = c / 2, parity = c % 2, hi = (j % 4) >= 2;
+      col_slot[c] = static_cast<int8_t>(16 * parity + 8 * hi + 2 * (j / 4) + j % 2);
+    }
+  }
+};
+constexpr Tables kTables{};
+
+ENGINE_INLINE Vi table(const uint32_t* t) { return _mm512_load_si512(t); }
+
+// ------------------------------------------------------------------------------ element rules
+// e2m1_magnitude of min(|p|, 6) (p not NaN), in the low 3 bits of the result (bits 3-22 are zero, bits 23-30
+// hold an exponent): c = max(|p|, 0.25) changes no code (0.25 is the tie that rounds to 0) and leaves five
+// exponent fields 125..129, whose magic numbers one vpermd looks up.
+ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
+  const Vf c = _mm512_min_ps(_mm512_range_ps(p, _mm512_set1_ps(0.25f), 0x0B), _mm512_set1_ps(6.0f));  // max-abs, +
+  const Vi m = _mm512_permutexvar_epi32(_mm512_srli_epi32(bits(c), 23), magic);
+  return bits(_mm512_add_ps(c, flt(m)));
+}
+
+// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs, e in the low nibble.
+ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vf e, Vf o) {
+  const Vi lo = or_and(ce, _mm512_srli_epi32(bits(e), 28), u32(0x08));
+  const Vi hi = or_and(_mm512_slli_epi32(co, 4), _mm512_srli_epi32(bits(o), 24), u32(0x80));
+  return _mm512_or_si512(lo, hi);
+}
+
+// w shifted up a nibble, the code c with the sign of v (bit 3) in the low one: rows fed 7..0 leave row k in
+// nibble k.
+ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vf v, Vi low3) {
+  const Vi n = _mm512_ternarylogic_epi32(low3, c, _mm512_srli_epi32(bits(v), 28), 0xCA);  // low3 ? c : v >> 28
+  return _mm512_or_si512(_mm512_slli_epi32(w, 4), n);
+}
+
+template <int... I, typename F>
+ENGINE_INLINE void unroll(std::integer_sequence<int, I...>, F&& f) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+// ------------------------------------------------------------------------------ loads
+// Elements [32g, 32g + 32) of tile row i, valid ones n (<= 0: none; the rest read as +0), split into the even
+// and odd fp32 vectors (lane j: elements 2j and 2j + 1).
+template <bool BF16>
+ENGINE_INLINE void load_pair(const void* row, int64_t g, int64_t n, Vf& e, Vf& o) {
+  if (BF16) {
+    const uint16_t* p = static_cast<const uint16_t*>(row) + 32 * g;
+    const Vi raw = n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(first32(n), p);
+    e = flt(_mm512_slli_epi32(raw, 16));
+    o = flt(_mm512_and_si512(raw, u32(0xFFFF0000u)));
+  } else {
+    const float* p = static_cast<const float*>(row) + 32 * g;
+    const Vf a = n >= 32 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first16(n), p);
+    const Vf b = n >= 32 ? _mm512_loadu_ps(p + 16) : _mm512_maskz_loadu_ps(first16(n - 16), p + 16);
+    e = _mm512_permutex2var_ps(a, table(kTables.even), b);
+    o = _mm512_permutex2var_ps(a, table(kTables.odd), b);
+  }
+}
+
+// ------------------------------------------------------------------------------ one tile
+struct FastTile {
+  alignas(64) uint32_t row_code[8][16];  // row pair p: lanes 0-7 row 2p's blocks, 8-15 row 2p + 1's
+  alignas(64) float row_enc[8][16];
+  alignas(64) uint32_t col_code[4][2][16];  // group g, even / odd columns (lane j: column 32g + 2j + parity)
+  alignas(64) float col_enc[4][2][16];
+  Vf y[16][4][2];  // the RHT output: token k, group, even / odd
+  alignas(64) uint64_t words[32];     // a group's column words (band_cols)
+  alignas(64) uint8_t row_lines[16][64];  // the tile's packed rows (64 bytes: 128 columns)
+};
+
+// The columnwise outputs of the band of kNvfp4BandStrips strips in progress, for every column tile: 8 bytes of
+// packed data and one scale per column and strip, `filled[col_tile]` the strips held. Flushed when the tiles
+// move to the next band (or the thread's range ends): a column tile with all the band's strips leaves as one
+// 64-byte line per column written around the caches (no read for ownership of lines written once, instead of
+// 8 bytes per line per strip); tiles the fallback wrote itself are holes in `filled`.
+struct Band {
+  int64_t first = -1;  // the band's first strip (-1: none)
+  std::unique_ptr<uint64_t[]> lines;  // [column][strip] (read only where `filled`: left uninitialised)
+  std::unique_ptr<uint8_t[]> scales;  // [column][strip]
+  std::vector<uint32_t> filled;       // [column tile]
+
+  explicit Band(const Nvfp4Job& job) {
+    const int64_t col_tiles = (job.K + kT - 1) / kT;
+    const size_t n = static_cast<size_t>(col_tiles * kT * kNvfp4BandStrips);
+    lines.reset(new uint64_t[n]);
+    scales.reset(new uint8_t[n]);
+    filled.assign(static_cast<size_t>(col_tiles), 0u);
+  }
+
+  void flush(const Nvfp4Job& job) {
+    if (first < 0) return;
+    const int64_t M = job.M, mp = (M + 1) / 2, nbm = (M + kB - 1) / kB;
+    const int64_t h = nbm - first < kNvfp4BandStrips ? nbm - first : kNvfp4BandStrips;
+    for (size_t ct = 0; ct < filled.size(); ++ct) {
+      const uint32_t f = filled[ct];
+      if (f == 0) continue;
+      filled[ct] = 0;
+      const TileBox b = box_of(job, first, static_cast<int64_t>(ct));
+      const bool all = f == (1u << h) - 1;
+      uint8_t* data = job.col_data + b.c0 * mp + first * (kB / 2);
+      uint8_t* sc = job.col_scales + b.c0 * nbm + first;
+      const bool whole_lines = all && h == kNvfp4BandStrips && (first + h) * kB <= M &&
+                               (reinterpret_cast<uintptr_t>(data) & 63) == 0 && mp % 64 == 0;
+      for (int64_t c = 0; c < b.w; ++c) {
+        const uint64_t* line = lines.get() + (b.c0 + c) * kNvfp4BandStrips;
+        const uint8_t* scale = scales.get() + (b.c0 + c) * kNvfp4BandStrips;
+        if (whole_lines) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(data + c * mp), _mm512_loadu_si512(line));
+        } else {
+          for (int64_t k = 0; k < h; ++k) {
+            if (!(f >> k & 1)) continue;
+            const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
+            std::memcpy(data + c * mp + k * (kB / 2), line + k, static_cast<size_t>((rows + 1) / 2));
+          }
+        }
+        if (all) {
+          std::memcpy(sc + c * nbm, scale, static_cast<size_t>(h));
+        } else {
+          for (int64_t k = 0; k < h; ++k) {
+            if (f >> k & 1) sc[c * nbm + k] = scale[k];
+          }
+        }
+      }
+    }
+    first = -1;
+  }
+};
+
+// Rowwise block maxima and column maxima of the tile's x (fp32 keys); false if it holds an inf or NaN.
+template <bool BF16>
+bool x_keys(const Nvfp4Job& job, const TileBox& b, FastTile& s, Vi col_key[4][2]) {
+  const Vi abs16 = _mm512_set1_epi16(0x7FFF);
+  Vi colmax[4][2];
+  for (int g = 0; g < 4; ++g) colmax[g][0] = colmax[g][1] = _mm512_setzero_si512();
+  for (int p = 0; p < 8; ++p) {
+    Vi a[16];  // bf16: a[4h + g] = row 2p + h, group g (2 blocks); fp32: a[8h + 2g + q], one block each
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = 2 * p + h;
+      const bool valid = i < b.rows;
+      const char* row = static_cast<const char*>(job.x) +
+                        ((b.r0 + (valid ? i : 0)) * job.ld + b.c0) * (BF16 ? 2 : 4);
+      for (int g = 0; g < 4; ++g) {
+        const int64_t n = valid ? b.w - 32 * g : 0;
+        if (BF16) {
+          const uint16_t* q = reinterpret_cast<const uint16_t*>(row) + 32 * g;
+          const Vi raw = n >= 32 ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi16(first32(n), q);
+          a[4 * h + g] = _mm512_and_si512(raw, abs16);
+          colmax[g][0] = _mm512_max_epu16(colmax[g][0], a[4 * h + g]);
+        } else {
+          const float* q = reinterpret_cast<const float*>(row) + 32 * g;
+          for (int k = 0; k < 2; ++k) {
+            const int64_t m = n - 16 * k;
+            const Vi v = m >= 16 ? _mm512_loadu_si512(q + 16 * k) : _mm512_maskz_loadu_epi32(first16(m), q + 16 * k);
+            a[8 * h + 2 * g + k] = _mm512_and_si512(v, u32(0x7FFFFFFFu));
+            colmax[g][k] = _mm512_max_epu32(colmax[g][k], a[8 * h + 2 * g + k]);
+          }
+        }
+      }
+    }
+    Vi keys;
+    if (BF16) {  // a tree of 16-bit maxima: 8 vectors of 2 blocks -> 4 of 4 (128-bit lanes) -> 2 -> 1
+      Vi v[4], x[2];
+      for (int k = 0; k < 4; ++k)
+        v[k] = _mm512_max_epu16(_mm512_shuffle_i32x4(a[2 * k], a[2 * k + 1], 0x88),
+                                _mm512_shuffle_i32x4(a[2 * k], a[2 * k + 1], 0xDD));
+      for (int k = 0; k < 2; ++k)  // 128-bit lane l: blocks 8k + l, 8k + 4 + l (4 keys each)
+        x[k] = _mm512_max_epu16(_mm512_unpacklo_epi64(v[2 * k], v[2 * k + 1]),
+                                _mm512_unpackhi_epi64(v[2 * k], v[2 * k + 1]));
+      const Vf x0 = flt(x[0]), x1 = flt(x[1]);  // lane l, dword m: block 4m + l (2 keys)
+      const Vi z = _mm512_max_epu16(bits(_mm512_shuffle_ps(x0, x1, 0x88)), bits(_mm512_shuffle_ps(x0, x1, 0xDD)));
+      keys = _mm512_max_epu32(_mm512_slli_epi32(z, 16), _mm512_and_si512(z, u32(0xFFFF0000u)));
+      keys = _mm512_permutexvar_epi32(table(kTables.block_order), keys);
+    } else {
+      keys = reduce16<InType::F32>(a);
+    }
+    _mm512_store_si512(s.row_code[p], keys);
+  }
+  Vi any = _mm512_setzero_si512();
+  for (int g = 0; g < 4; ++g) {
+    if (BF16) {
+      any = _mm512_max_epu16(any, colmax[g][0]);
+      col_key[g][0] = _mm512_slli_epi32(colmax[g][0], 16);
+      col_key[g][1] = _mm512_and_si512(colmax[g][0], u32(0xFFFF0000u));
+    } else {
+      any = _mm512_max_epu32(any, _mm512_max_epu32(colmax[g][0], colmax[g][1]));
+      col_key[g][0] = _mm512_permutex2var_epi32(colmax[g][0], table(kTables.even), colmax[g][1]);
+      col_key[g][1] = _mm512_permutex2var_epi32(colmax[g][0], table(kTables.odd), colmax[g][1]);
+    }
+  }
+  if (BF16) return _mm512_cmpge_epu16_mask(any, _mm512_set1_epi16(0x7F80)) == 0;
+  return _mm512_cmpge_epu32_mask(any, u32(0x7F800000u)) == 0;
+}
+
+// y[k] = bf16(sum_i x_i H[i][k]) for the 16 tokens x_i of 16 columns, as rht_tile: after term i the partial
+// sums differ only by k & mask(i) (the bits H's signs of rows 0..i read), so each distinct one is computed once.
+constexpr int prefix_mask(int i) { return i == 0 ? 0 : i == 1 ? 1 : i < 4 ? 3 : i < 8 ? 7 : 15; }
+
+template <typename Load>
+ENGINE_INLINE void rht16(const Load& q_of, Vf acc[16]) {
+  acc[0] = h_positive(0, 0) ? q_of(0) : _mm512_sub_ps(_mm512_setzero_ps(), q_of(0));
+  unroll(std::make_integer_sequence<int, 15>{}, [&](auto ic) __attribute__((always_inline)) {
+    constexpr int i = decltype(ic)::value + 1;
+    const Vf q = q_of(i);
+    unroll(std::make_integer_sequence<int, prefix_mask(i) + 1>{}, [&](auto kc) __attribute__((always_inline)) {
+      constexpr int k = prefix_mask(i) - decltype(kc)::value;  // descending: parents (k & mask(i - 1) <= k) last
+      constexpr int parent = k & prefix_mask(i - 1);
+      acc[k] = h_positive(i, k) ? _mm512_add_ps(acc[parent], q) : _mm512_sub_ps(acc[parent], q);
+    });
+  });
+}
+
+// bf16_round of finite or infinite values.
+ENGINE_INLINE Vi bf16_rne(Vf v) {
+  const Vi u = bits(v);
+  const Vi lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), u32(1));
+  return _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, u32(0x7FFF)), lsb), u32(0xFFFF0000u));
+}
+
+// The RHT of the tile's columns into s.y (zero rows past b.rows), and their maxima as fp32 keys.
+template <bool BF16>
+void rht_keys(const Nvfp4Job& job, const TileBox& b, FastTile& s, Vi col_key[4][2]) {
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  const int64_t row_bytes = job.ld * (BF16 ? 2 : 4);
+  for (int g = 0; g < 4; ++g) {
+    if (32 * g >= b.w) {
+      for (int k = 0; k < 16; ++k) s.y[k][g][0] = s.y[k][g][1] = _mm512_setzero_ps();
+      col_key[g][0] = col_key[g][1] = _mm512_setzero_si512();
+      continue;
+    }
+    for (int half = 0; half < 2; ++half) {
+      Vf acc[16];
+      rht16([&](int i) __attribute__((always_inline)) {
+        Vf e, o;
+        load_pair<BF16>(base + (i < b.rows ? i : 0) * row_bytes, g, i < b.rows ? b.w - 32 * g : 0, e, o);
+        return _mm512_mul_ps(half ? o : e, _mm512_set1_ps(0.25f));
+      }, acc);
+      Vi m = _mm512_setzero_si512();
+      for (int k = 0; k < 16; ++k) {
+        const Vi r = bf16_rne(acc[k]);
+        s.y[k][g][half] = flt(r);
+        m = _mm512_max_epu32(m, _mm512_and_si512(r, u32(0x7FFFFFFFu)));
+      }
+      col_key[g][half] = m;
+    }
+  }
+}
+
+// A usage's per-tensor factors and the element factor of each E4M3 code below 0x80 (block keys are |x| bits,
+// so their codes have no sign): a lookup instead of a decode and a division per 16 blocks.
+struct Scales {
+  TensorScale ts;
+  alignas(64) float enc[128];
+  explicit Scales(float amax) : ts(tensor_scale(amax)) {
+    for (uint32_t c = 0; c < 128; c += 16) {
+      const U16 codes = U16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + c;
+      vstore(enc + c, block_encode<F16, U16>(codes, ts));
+    }
+  }
+};
+
+// The E4M3 codes and factors of 16 block keys: the factor looked up by two-table permutes of the code's low 5
+// bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
+ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc) {
+  const Vi c = (Vi)block_code<F16, U16>((U16)key, sc.ts);
+  _mm512_store_si512(code, c);
+  Vf q[4];
+  for (int k = 0; k < 4; ++k)
+    q[k] = _mm512_permutex2var_ps(_mm512_load_ps(sc.enc + 32 * k), c, _mm512_load_ps(sc.enc + 32 * k + 16));
+  const __mmask16 bit5 = _mm512_test_epi32_mask(c, u32(32)), bit6 = _mm512_test_epi32_mask(c, u32(64));
+  const Vf lo = _mm512_mask_blend_ps(bit5, q[0], q[1]), hi = _mm512_mask_blend_ps(bit5, q[2], q[3]);
+  _mm512_store_ps(enc, _mm512_mask_blend_ps(bit6, lo, hi));
+}
+
+// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its
+// strip's qword of the group's first column).
+ENGINE_INLINE void band_cols(FastTile& s, Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines) {
+  _mm512_store_si512(s.words + 0, _mm512_unpacklo_epi32(lo_e, hi_e));
+  _mm512_store_si512(s.words + 8, _mm512_unpackhi_epi32(lo_e, hi_e));
+  _mm512_store_si512(s.words + 16, _mm512_unpacklo_epi32(lo_o, hi_o));
+  _mm512_store_si512(s.words + 24, _mm512_unpackhi_epi32(lo_o, hi_o));
+  for (int c = 0; c < 32; ++c) lines[c * kNvfp4BandStrips] = s.words[kTables.col_slot[c]];
+}
+
+// The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
+// rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
+template <bool BF16, bool ROWS, bool COLS, bool RHT>
+void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
+  const Vi magic = table(kTables.magic), low3 = u32(7);
+  const Vi pick0 = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                    2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g);
+  const Vi pick1 = _mm512_add_epi32(pick0, u32(8));
+  const Vf enc_e = _mm512_load_ps(s.col_enc[g][0]), enc_o = _mm512_load_ps(s.col_enc[g][1]);
+  Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+  unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
+    constexpr int i = 15 - decltype(ic)::value;  // rows 15..0: the nibbles of the columnwise words
+    Vf e, o;
+    const bool valid = i < b.rows;
+    load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
+    if (ROWS) {
+      const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
+      const Vi ce = e2m1_code3(_mm512_mul_ps(e, enc), magic), co = e2m1_code3(_mm512_mul_ps(o, enc), magic);
+      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, e, o)));
+    }
+    if (COLS) {
+      const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
+      const Vi ce = e2m1_code3(_mm512_mul_ps(ye, enc_e), magic), co = e2m1_code3(_mm512_mul_ps(yo, enc_o), magic);
+      w[i / 8][0] = push_nibble(w[i / 8][0], ce, ye, low3);
+      w[i / 8][1] = push_nibble(w[i / 8][1], co, yo, low3);
+    }
+  });
+  if (COLS) band_cols(s, w[0][0], w[1][0], w[0][1], w[1][1], lines);
+}
+
+// Both usages of one tile, round to nearest even, 1x16 blocks; false (nothing written) if it holds an inf or
+// NaN (those take quantize_tile).
+template <bool BF16, bool ROWS, bool COLS, bool RHT>
+bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, const Scales& row_sc,
+               const Scales& col_sc) {
+  Vi col_key[4][2];
+  if (!x_keys<BF16>(job, b, s, col_key)) return false;
+  const int64_t k = b.r0 / kB - band.first;  // the strip within the band
+  if (RHT) rht_keys<BF16>(job, b, s, col_key);
+  const int64_t blocks = (b.w + kB - 1) / kB;
+  if (ROWS) {
+    const int64_t nbk = (job.K + kB - 1) / kB;
+    for (int p = 0; p < 8; ++p) {
+      scales16(_mm512_load_si512(s.row_code[p]), row_sc, s.row_code[p], s.row_enc[p]);
+      const __m128i c = _mm512_cvtepi32_epi8(_mm512_load_si512(s.row_code[p]));
+      for (int h = 0; h < 2 && 2 * p + h < b.rows; ++h) {
+        uint8_t* dst = job.row_scales + (b.r0 + 2 * p + h) * nbk + b.c0 / kB;
+        const __m128i v = h ? _mm_srli_si128(c, 8) : c;
+        if (blocks == 8) {
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), v);
+        } else {
+          _mm_mask_storeu_epi8(dst, static_cast<__mmask16>(first16(blocks)), v);
+        }
+      }
+    }
+  }
+  if (COLS) {
+    alignas(64) uint8_t codes[kT];
+    for (int g = 0; g < 4; ++g) {
+      for (int q = 0; q < 2; ++q) scales16(col_key[g][q], col_sc, s.col_code[g][q], s.col_enc[g][q]);
+      const Vi ce = _mm512_load_si512(s.col_code[g][0]), co = _mm512_load_si512(s.col_code[g][1]);
+      for (int h = 0; h < 2; ++h)
+        _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
+                        _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
+    }
+    for (int64_t c = 0; c < b.w; ++c) band.scales.get()[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
+  }
+  for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
+    quantize_group<BF16, ROWS, COLS, RHT>(job, b, s, g, band.lines.get() + (b.c0 + 32 * g) * kNvfp4BandStrips + k);
+  }
+  if (ROWS) {
+    const int64_t kp = (job.K + 1) / 2;
+    for (int64_t i = 0; i < b.rows; ++i) {
+      uint8_t* dst = job.row_data + (b.r0 + i) * kp + b.c0 / 2;
+      const Vi line = _mm512_load_si512(s.row_lines[i]);
+      if (b.w == kT && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
+      } else {
+        _mm512_mask_storeu_epi8(dst, first64((b.w + 1) / 2), line);
+      }
+    }
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------ the amax pass
+// Max |x| bits over rows [r0, r1) x columns [c0, c1), row by row (a whole strip of a range: one contiguous read).
+template <bool BF16>
+uint32_t x_key_rows(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const int64_t n = c1 - c0;
+  Vi m[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int64_t r = r0; r < r1; ++r) {
+    if (BF16) {
+      const uint16_t* p = static_cast<const uint16_t*>(job.x) + r * job.ld + c0;
+      const Vi abs = _mm512_set1_epi16(0x7FFF);
+      int64_t i = 0;
+      for (; i + 128 <= n; i += 128) {
+        for (int k = 0; k < 4; ++k) m[k] = _mm512_max_epu16(m[k], _mm512_and_si512(_mm512_loadu_si512(p + i + 32 * k), abs));
+      }
+      for (; i < n; i += 32) m[0] = _mm512_max_epu16(m[0], _mm512_and_si512(_mm512_maskz_loadu_epi16(first32(n - i), p + i), abs));
+    } else {
+      const float* p = static_cast<const float*>(job.x) + r * job.ld + c0;
+      const Vi abs = u32(0x7FFFFFFFu);
+      int64_t i = 0;
+      for (; i + 64 <= n; i += 64) {
+        for (int k = 0; k < 4; ++k) m[k] = _mm512_max_epu32(m[k], _mm512_and_si512(_mm512_loadu_si512(p + i + 16 * k), abs));
+      }
+      for (; i < n; i += 16) m[0] = _mm512_max_epu32(m[0], _mm512_and_si512(_mm512_maskz_loadu_epi32(first16(n - i), p + i), abs));
+    }
+  }
+  if (BF16) {
+    const Vi f = _mm512_max_epu16(_mm512_max_epu16(m[0], m[1]), _mm512_max_epu16(m[2], m[3]));
+    const Vi wide = _mm512_max_epu32(_mm512_slli_epi32(f, 16), _mm512_and_si512(f, u32(0xFFFF0000u)));
+    return static_cast<uint32_t>(_mm512_reduce_max_epu32(wide));
+  }
+  return static_cast<uint32_t>(
+      _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_max_epu32(m[0], m[1]), _mm512_max_epu32(m[2], m[3]))));
+}
+
+// Raises m (lane-wise |RHT output| bits before the bf16 rounding, which is monotonic: the caller rounds the max)
+// to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 15
+// sums and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
+// most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the tensor's
+// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip.
+template <bool BF16>
+ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m) {
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  const int64_t row_bytes = job.ld * (BF16 ? 2 : 4);
+  for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
+    Vf e[16], o[16];
+    Vf sum_e = _mm512_setzero_ps(), sum_o = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      load_pair<BF16>(base + (i < b.rows ? i : 0) * row_bytes, g, i < b.rows ? b.w - 32 * g : 0, e[i], o[i]);
+      sum_e = _mm512_add_ps(sum_e, _mm512_abs_ps(e[i]));
+      sum_o = _mm512_add_ps(sum_o, _mm512_abs_ps(o[i]));
+    }
+    const Vi top = _mm512_set1_epi32(static_cast<int>(_mm512_reduce_max_epu32(m)));
+    for (int half = 0; half < 2; ++half) {
+      const Vf* v = half ? o : e;
+      const Vf bound = _mm512_add_ps(_mm512_mul_ps(half ? sum_o : sum_e, _mm512_set1_ps(0.25f * 1.01f)),
+                                     _mm512_set1_ps(0x1p-140f));
+      if (_mm512_cmp_epu32_mask(bits(bound), top, _MM_CMPINT_NLT) == 0) continue;
+      Vf acc[16];
+      rht16([&](int i) __attribute__((always_inline)) { return _mm512_mul_ps(v[i], _mm512_set1_ps(0.25f)); }, acc);
+      for (int k = 0; k < 16; ++k) m = _mm512_max_epu32(m, _mm512_and_si512(bits(acc[k]), u32(0x7FFFFFFFu)));
+    }
+  }
+  return m;
+}
+
+template <bool BF16>
+void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
+  const int64_t col_tiles = (job.K + kT - 1) / kT;
+  uint32_t xk = 0;
+  Vi ym = _mm512_setzero_si512();
+  for (int64_t u = u0; u < u1;) {  // one strip's run of tiles at a time
+    const int64_t strip = u / col_tiles, end = (strip + 1) * col_tiles < u1 ? (strip + 1) * col_tiles : u1;
+    const TileBox first = tile_box(job, u), last = tile_box(job, end - 1);
+    if (x_key) {
+      const uint32_t k = x_key_rows<BF16>(job, first.r0, first.r0 + first.rows, first.c0, last.c0 + last.w);
+      xk = xk > k ? xk : k;
+    }
+    if (rht_key) {
+      for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
+    }
+    u = end;
+  }
+  if (x_key) *x_key = xk;
+  if (rht_key) {
+    const uint32_t k = static_cast<uint32_t>(_mm512_reduce_max_epu32(ym));
+    *rht_key = k > 0x7F800000u ? 0x7FC00000u : (k + 0x7FFFu + ((k >> 16) & 1u)) & 0xFFFF0000u;  // bf16_round
+  }
+}
+
+template <bool BF16, bool ROWS, bool COLS, bool RHT>
+void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  alignas(64) FastTile s;
+  alignas(64) float t[kB][kT];
+  alignas(64) float y[kB][kT];
+  const bool cols = COLS;
+  Band band(job);
+  const Scales row_sc(job.row_amax), col_sc(job.col_amax);
+  for (int64_t u = u0; u < u1; ++u) {
+    const TileBox b = tile_box(job, u);
+    const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
+    if (cols && first != band.first) {
+      band.flush(job);
+      band.first = first;
+    }
+    if (fast_tile<BF16, ROWS, COLS, RHT>(job, b, s, band, row_sc, col_sc)) {
+      if (cols) band.filled[static_cast<size_t>(b.c0 / kT)] |= 1u << (strip - first);
+    } else {
+      quantize_tile<BF16, false>(job, b, t, y, 0);
+    }
+  }
+  if (cols) band.flush(job);
+  _mm_sfence();  // the streamed lines are visible before the threads join
+}
+
+template <bool BF16>
+void quantize_fast_usages(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (!job.col_data) return quantize_fast<BF16, true, false, false>(job, u0, u1);
+  if (!job.row_data) {
+    return job.rht ? quantize_fast<BF16, false, true, true>(job, u0, u1) : quantize_fast<BF16, false, true, false>(job, u0, u1);
+  }
+  return job.rht ? quantize_fast<BF16, true, true, true>(job, u0, u1) : quantize_fast<BF16, true, true, false>(job, u0, u1);
+}
+
+}  // namespace
+
+void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
+  if (job.bf16) return amax_fast<true>(job, u0, u1, x_key, rht_key);
+  return amax_fast<false>(job, u0, u1, x_key, rht_key);
+}
+
+void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (!job.sr && !job.two_d) return job.bf16 ? quantize_fast_usages<true>(job, u0, u1) : quantize_fast_usages<false>(job, u0, u1);
+  if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
+  return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
+}
+
+}  // namespace nvfp4_avx512
+}  // namespace engine_native
 
 #if defined(__clang__)
 #pragma clang attribute pop

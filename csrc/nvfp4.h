@@ -25,6 +25,8 @@ struct Nvfp4Job {
 
 constexpr int64_t kNvfp4Block = 16;
 constexpr int64_t kNvfp4TileCols = 128;  // a multiple of 16; a tile is 16 rows x kNvfp4TileCols columns of x
+constexpr int64_t kNvfp4BandStrips = 8;  // the AVX-512 quantize pass writes the columnwise usage by bands of 8
+                                         // strips of 16 rows (a 64-byte line of each column's packed data)
 
 // Maxima over tiles [u0, u1) of the row-major grid ceil(M/16) x ceil(K/kNvfp4TileCols), as |value| bits (a
 // NaN above every number): of x (`x_key`, when set) and of the RHT output of x^T (`rht_key`, when set).

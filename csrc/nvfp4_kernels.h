@@ -249,10 +249,15 @@ struct TileBox {
   int64_t r0, rows, c0, w;
 };
 
+inline TileBox box_of(const Nvfp4Job& job, int64_t strip, int64_t col_tile) {
+  const int64_t r0 = strip * kB, c0 = col_tile * kT;
+  return {r0, (r0 + kB < job.M ? r0 + kB : job.M) - r0, c0, (c0 + kT < job.K ? c0 + kT : job.K) - c0};
+}
+
+// Tile u of the row-major grid ceil(M/16) x ceil(K/kT).
 inline TileBox tile_box(const Nvfp4Job& job, int64_t u) {
   const int64_t col_tiles = (job.K + kT - 1) / kT;
-  const int64_t r0 = (u / col_tiles) * kB, c0 = (u % col_tiles) * kT;
-  return {r0, (r0 + kB < job.M ? r0 + kB : job.M) - r0, c0, (c0 + kT < job.K ? c0 + kT : job.K) - c0};
+  return box_of(job, u / col_tiles, u % col_tiles);
 }
 
 // x[r0 + i, c0 + c] as fp32 into t[i][c], zero-padded to 16 x kT (zeros change no amax and get code 0).
@@ -498,28 +503,33 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
   }
 }
 
+// The asked usages of one tile, through the fp32 tile t (and y, for the RHT): any job, any tile.
+template <bool BF16, bool SR>
+void quantize_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT], float (*__restrict y)[kT],
+                   uint32_t rkey) {
+  alignas(64) uint32_t tile_keys[kT / kB];
+  load_tile<BF16>(job, b, t);
+  if (job.two_d) {
+    for (int64_t j = 0; j < kT / kB; ++j) tile_keys[j] = tile_key(t, j * kB, kB);
+  }
+  if (job.row_data) rowwise_tile<SR>(job, b, t, tile_keys, rkey);
+  if (job.col_data) {
+    if (job.rht) rht_tile(t, y);
+    columnwise_tile<SR>(job, b, job.rht ? y : t, tile_keys, rkey);
+  }
+}
+
 template <bool BF16, bool SR>
 void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) float t[kB][kT];
   alignas(64) float y[kB][kT];
-  alignas(64) uint32_t tile_keys[kT / kB];
   const uint32_t rkey = seed_key(job.seed);
-  for (int64_t u = u0; u < u1; ++u) {
-    const TileBox b = tile_box(job, u);
-    load_tile<BF16>(job, b, t);
-    if (job.two_d) {
-      for (int64_t j = 0; j < kT / kB; ++j) tile_keys[j] = tile_key(t, j * kB, kB);
-    }
-    if (job.row_data) rowwise_tile<SR>(job, b, t, tile_keys, rkey);
-    if (job.col_data) {
-      if (job.rht) rht_tile(t, y);
-      columnwise_tile<SR>(job, b, job.rht ? y : t, tile_keys, rkey);
-    }
-  }
+  for (int64_t u = u0; u < u1; ++u) quantize_tile<BF16, SR>(job, tile_box(job, u), t, y, rkey);
 }
 
 }  // namespace
 
+#ifndef NVFP4_OWN_ENTRY  // else the includer defines the entry points (its own fast paths first)
 void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
   if (job.bf16) return amax_tiles<true>(job, u0, u1, x_key, rht_key);
   return amax_tiles<false>(job, u0, u1, x_key, rht_key);
@@ -529,6 +539,7 @@ void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
   return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
 }
+#endif
 
 }  // namespace NVFP4_NAMESPACE
 }  // namespace engine_native

@@ -182,6 +182,51 @@ def test_ties_of_elements_and_scales_round_as_the_reference(isa, dtype):
     assert low.tolist() == [7, 2, 4, 6] and (out["rowwise_data"][0, :4] >> 4).tolist() == [0, 2, 4, 6]
 
 
+def _tiled(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """x's 2D view repeated to m x k."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2.repeat(-(-m // x2.shape[0]), -(-k // x2.shape[1]))[:m, :k].contiguous()
+
+
+# Whole 16 x 128 tiles, whole bands of 8 strips (M % 128 == 0: whole 64-byte lines of columnwise data) and their
+# partial edges (odd K, M not a multiple of 16)
+FAST_SHAPES = ((256, 260), (137, 257))
+FAST_OPTIONS = [opt for opt in OPTIONS if not (opt["sr"] or opt["two_d"])]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_whole_tiles_and_bands_match_the_reference_bitwise(isa, dtype):
+    """The AVX-512 kernel's fast path (round to nearest, 1x16 blocks, tiles without inf / NaN) on the edge cases
+    tiled to whole tiles and bands, next to tiles the fallback takes (inf, NaN), with the ties at their amaxes."""
+    bad = []
+    for name, x in cases(dtype).items():
+        for m, k in FAST_SHAPES if x.numel() else ():
+            big = _tiled(x, m, k)
+            bad += [f"{name} {m}x{k} {opt}: {b}" for opt in FAST_OPTIONS for b in compare(big, **opt)]
+    for x, amax in zip(ties(dtype), (2688.0, 448.0)):
+        big = _tiled(x, 256, 260)
+        bad += [f"ties {opt}: {b}" for opt in FAST_OPTIONS if opt["given"]
+                for b in compare(big, **opt, amaxes=(amax, amax))]
+    assert not bad, bad[:10]
+
+
+def test_fast_path_on_two_threads(isa):
+    """Two threads: a thread's range of tiles then starts inside a strip and inside a band."""
+    inputs = cases(torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    bad = []
+    try:
+        for name in ("random+outliers", "nan"):
+            for m, k in ((256, 260), (240, 260)):
+                big = _tiled(inputs[name], m, k)
+                bad += [f"{name} {m}x{k} {opt}: {b}" for opt in FAST_OPTIONS if opt["rowwise"] and opt["columnwise"]
+                        for b in compare(big, **opt)]
+    finally:
+        torch.set_num_threads(previous)
+    assert not bad, bad[:10]
+
+
 def test_large_tensor_spans_threads_and_tiles(isa):
     """More tiles than threads, rows and columns not multiples of the tile: every split gives the same bits."""
     g = torch.Generator().manual_seed(3)
