@@ -269,7 +269,7 @@ def test_int8_dynamic_glue_bad_arguments() -> None:
         native.int8_rescale(acc, torch.ones(2), torch.ones(3), torch.int8)
 
 
-@pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
+@pytest.mark.skipif(not int_formats.onednn_available(), reason="needs an x86 torch build with oneDNN's int8 linear (torch.ops.onednn.qlinear_prepack); other builds run torch._int_mm (tests/test_inference.py)")
 @pytest.mark.parametrize("m", [0, 1, 5, 17, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, dtype: torch.dtype, monkeypatch) -> None:
@@ -298,7 +298,7 @@ def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, dtype: torch.dtype,
         assert torch.equal(lin(x), ref)
 
 
-@pytest.mark.skipif(not int_formats.onednn_available(), reason="this torch has no oneDNN int8 linear")
+@pytest.mark.skipif(not int_formats.onednn_available(), reason="needs an x86 torch build with oneDNN's int8 linear (torch.ops.onednn.qlinear_prepack); other builds run torch._int_mm (tests/test_inference.py)")
 def test_onednn_weights_copy_clone_and_load(monkeypatch) -> None:
     """copy_ of a plain or quantized weight, clone, deepcopy and an assigning load keep the prepacked layout and
     the values."""

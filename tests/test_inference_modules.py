@@ -4,7 +4,6 @@ GELU); bit-exact checkpoints; clear errors inside fp8_autocast."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 import engine
 from engine.inference.weight import QuantizedWeight
 from test_inference import ALL_CONFIGS, BF16_U, FP32_U, assert_within, ids
+from test_inference_saving import torch_round_trip
 
 pytestmark = pytest.mark.filterwarnings("ignore:engine. NVFP4 quantization")
 
@@ -142,13 +142,6 @@ def model(seed: int) -> torch.nn.Module:
                                                                                   activation="swiglu")).bfloat16()
     randomize_norm(m[0])
     return m
-
-
-def torch_round_trip(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=ids)
