@@ -19,7 +19,7 @@ from engine.schemes import ScaleEncoding, dims_2d
 from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import QuantizedTensorBase
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built for every GEMM call: slots, and not frozen (a frozen init costs ~2 us more)
 class GemmOperand:
     """One K-major side of a GEMM: FP8 `data` [rows, K] and its scale_inv.
 

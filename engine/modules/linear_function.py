@@ -99,7 +99,7 @@ def save_for_backward(operand: GemmInput | None) -> tuple[list, Any]:
         return [], None
     if isinstance(operand, torch.Tensor):
         return [operand], "tensor"
-    return operand.replace(rowwise_data=None, rowwise_scale_inv=None).prepare_for_saving()
+    return operand.without_rowwise().prepare_for_saving()
 
 
 def restore(saved: list, how: Any) -> tuple[GemmInput | None, list]:

@@ -411,6 +411,13 @@ def delayed_update(
     _ext().delayed_update(amax_history, scale, float(fp8_max), margin, algo == "most_recent", slots)
 
 
+def delayed_update_unchecked(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int,
+                             most_recent: bool) -> None:
+    """`delayed_update` without the Python checks, for tensors checked when they were made (the C++ checks
+    dtypes, shapes and contiguity again)."""
+    _ext().delayed_update(amax_history, scale, fp8_max, margin, most_recent, [])
+
+
 def quantize_block(
     x2d: torch.Tensor,
     fp8_dtype: torch.dtype,

@@ -139,22 +139,16 @@ def quantize_per_tensor_fused(kernels: ModuleType, x: torch.Tensor, scheme: Sche
 
 def quantize_per_tile(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                       scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
-    """Float8 block scaling: a scale per tile (a square tile's columnwise form is the exact transpose)."""
+    """Float8 block scaling: a scale per tile, each usage quantized from x (rowwise) or its transposed view."""
     x2d, block = ref.as_2d(x), scheme.rowwise_block
     opts = {"tile_rows": block.rows, "tile_cols": block.cols, "force_pow_2_scales": scheme.scale.is_pow2,
             "amax_epsilon": amax_epsilon, "value_for_inf": ref.block_value_for_inf(x.dtype)}
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
-    if scheme.derivable:
-        data, scale_inv = kernels.quantize_block(x2d, scheme.element, **opts)
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = data.view(x.shape), scale_inv
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = data.t().contiguous(), scale_inv.t().contiguous()
-        return out, None
     if rowwise:
         data, out["rowwise_scale_inv"] = kernels.quantize_block(x2d, scheme.element, **opts)
         out["rowwise_data"] = data.view(x.shape)
-    if columnwise:  # the transposed tensor in the same 1 x cols tiles
+    if columnwise:  # the transposed tensor in the same tiles (square tiles: the rowwise data's exact transpose,
+        # from a second pass over the transposed view: cheaper than a byte transpose's copy)
         out["columnwise_data"], out["columnwise_scale_inv"] = kernels.quantize_block(x2d.t(), scheme.element, **opts)
     return out, None
 

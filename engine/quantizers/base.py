@@ -101,8 +101,7 @@ class Quantizer:
     def quantize_storage(self, x: torch.Tensor) -> QuantizedTensorBase:
         """x quantized, as a bare storage."""
         buffers = self._checked_buffers(x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
-        return QuantizedTensorBase(scheme=self.scheme, shape=x.shape, nominal_dtype=x.dtype, quantizer=self,
-                                   **buffers)
+        return QuantizedTensorBase.made(self.scheme, x.shape, x.dtype, self, buffers)
 
     def quantize(
         self, x: torch.Tensor, *, out: QuantizedTensor | QuantizedTensorBase | None = None

@@ -197,7 +197,7 @@ class DelayedScalingState(RecipeState):
         if history.is_cpu and recipe.scaling_factor_compute_algo is None and algo in ("max", "most_recent"):
             # the steps below in one native call (`engine.ops.quantize.delayed_update`), same bits; it
             # writes memory directly, so autograd's version counters do not move (see below)
-            qops.delayed_update(history, self.scale, self.fp8_max, recipe.margin, algo)
+            qops.delayed_update_state(history, self.scale, self.fp8_max, recipe.margin, algo)
             return
         held = history[0] < 0  # NOT_RECORDED (NaN compares False: a NaN batch was recorded)
         # a NaN/inf batch never reaches the max; older rows were cleaned at earlier updates (or checked at load)

@@ -65,6 +65,8 @@ class QuantizedTensorBase:
 
     #: the layouts a legacy subclass stands for (the base stands for all)
     layouts: ClassVar[tuple[str, ...]] = ()
+    #: fields a layout keeps beside the four buffers (NVFP4's per-usage amaxes)
+    extra_fields: ClassVar[tuple[str, ...]] = ()
     _by_layout: ClassVar[dict[str, type[QuantizedTensorBase]]] = {}
     _by_name: ClassVar[dict[str, type[QuantizedTensorBase]]] = {}
 
@@ -164,6 +166,24 @@ class QuantizedTensorBase:
     def replace(self, **changes: Any) -> QuantizedTensorBase:
         """A new storage with some fields changed (buffers are shared)."""
         return QuantizedTensorBase(**{**self.metadata(), **self.buffers(), **changes})
+
+    @classmethod
+    def made(cls, scheme: Scheme, shape: torch.Size, nominal_dtype: torch.dtype, quantizer: Any,
+             buffers: dict[str, torch.Tensor | None]) -> QuantizedTensorBase:
+        """A storage of buffers a quantizer has just made for `scheme` (so the constructor's argument checks are
+        skipped: this runs for every quantized operand). `shape` must be a torch.Size."""
+        cls = QuantizedTensorBase.class_for(scheme)
+        storage = object.__new__(cls)
+        fields = storage.__dict__
+        fields.update(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer)
+        fields.update(dict.fromkeys(cls.extra_fields))  # NVFP4's amaxes: None unless the buffers hold them
+        fields.update(buffers)
+        return storage
+
+    def without_rowwise(self) -> QuantizedTensorBase:
+        """A new storage without this one's rowwise data and scales (what backward reads of fprop's operands)."""
+        return QuantizedTensorBase.made(self.scheme, self.shape, self.nominal_dtype, self.quantizer,
+                                        {**self.buffers(), "rowwise_data": None, "rowwise_scale_inv": None})
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (a buffer shared by both usages counts once)."""
