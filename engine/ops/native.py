@@ -468,7 +468,7 @@ def quantize_mxfp8(
             raise ValueError("out_data: must be contiguous")
         out2d = out_data.view(x2d.shape)
     data, codes = _ext().quantize_mxfp8(x2d, kind, scale_mode == "rceil", columnwise, out2d, out_scale)
-    return (out_data if out_data is not None else data.view(x.shape)), codes
+    return (out_data if out_data is not None else data if x.dim() == 2 else data.view(x.shape)), codes
 
 
 def fp8_to_bf16(data: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
