@@ -43,6 +43,26 @@ def test_every_recipe_trains_and_the_outputs_are_written(tiny_run):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_speed_column_comes_from_the_interleaved_step_times(tiny_run):
+    results = json.loads((tiny_run / "results.json").read_text())
+    base = results[0]["interleaved_step_seconds"]
+    with (tiny_run / "results.csv").open() as f:
+        speeds = [row[5] for row in list(csv.reader(f))[1:]]
+    assert all(r["interleaved_step_seconds"] > 0 for r in results)
+    assert speeds == [f"{base / r['interleaved_step_seconds']:.2f}" for r in results]
+
+
+def test_without_speed_rounds_the_speed_column_compares_tokens_per_second(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--recipes", "bf16,current", "--speed-rounds", "0", "--out", str(out),
+                 *TINY]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert all("interleaved_step_seconds" not in r for r in results)
+    with (out / "results.csv").open() as f:
+        speed = list(csv.reader(f))[2][5]
+    assert speed == f"{results[1]['tokens_per_second'] / results[0]['tokens_per_second']:.2f}"
+
+
 def test_fp8_runs_save_fewer_activation_bytes_than_bf16(tiny_run):
     results = {r["recipe"]: r for r in json.loads((tiny_run / "results.json").read_text())}
     for name in DEFAULT_RUNS[1:]:

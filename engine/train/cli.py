@@ -16,7 +16,8 @@ from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
 from engine.train.report import format_table, write_outputs
-from engine.train.run import DEFAULT_RUNS, RUN_NAMES, RunConfig, make_recipe, train, train_to_file
+from engine.train.run import BASELINE, DEFAULT_RUNS, RUN_NAMES, RunConfig, make_recipe, train, train_to_file
+from engine.train.speed import interleaved_step_seconds
 
 
 def _recipe_list(text: str) -> list[str]:
@@ -66,6 +67,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile(fullgraph=True) the loss (the first steps compile; tokens/s skips them)")
+    p.add_argument("--speed-rounds", type=int, default=10,
+                   help="after the runs, time this many rounds of one step per run, interleaved, for the speed "
+                        "column (0: the column compares the runs' own tokens/s; default 10)")
     p.add_argument("--nproc", type=_positive, default=1,
                    help="train each run on N local processes (gloo on the CPU, NCCL on GPUs) with FSDP2 and --tp; "
                         "under torchrun leave it out: the ranks come from torchrun")
@@ -161,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     if not leader:
         return 0
+    if args.speed_rounds > 0 and nproc == 1 and len(configs) > 1 and any(c.recipe == BASELINE for c in configs):
+        print(f"\ntiming the runs' steps interleaved ({args.speed_rounds} rounds) for the speed column")
+        medians = interleaved_step_seconds(configs, corpus, args.speed_rounds)
+        for result in results:
+            result["interleaved_step_seconds"] = medians[result["recipe"]]
     print()
     print(format_table(results))
     paths = write_outputs(results, out_dir)

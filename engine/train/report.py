@@ -22,12 +22,20 @@ def columns(results: list[dict[str, Any]]) -> list[str]:
     return [*COLUMNS[:5], PER_RANK, *COLUMNS[5:]]
 
 
+def speed_vs(result: dict[str, Any], base: dict[str, Any]) -> float:
+    """Speed relative to `base`: from the interleaved step times when measured (`engine.train.speed`), else
+    from the runs' own tokens/s."""
+    if "interleaved_step_seconds" in result and "interleaved_step_seconds" in base:
+        return base["interleaved_step_seconds"] / result["interleaved_step_seconds"]
+    return result["tokens_per_second"] / base["tokens_per_second"]
+
+
 def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     base = next((r for r in results if r["recipe"] == BASELINE), None)
     rows = []
     for r in results:
         gap = "" if base is None else f"{100 * (r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2f}"
-        speed = "" if base is None else f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}"
+        speed = "" if base is None else f"{speed_vs(r, base):.2f}"
         act = "" if base is None else f"{r['saved_activation_bytes'] / base['saved_activation_bytes']:.2f}"
         per_rank = [f"{r['tokens_per_second'] / r.get('ranks', 1):.0f}"] if PER_RANK in columns(results) else []
         rows.append([r["recipe"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}", gap,

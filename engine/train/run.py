@@ -121,6 +121,24 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def train_step(model: GPT, optimizer: torch.optim.Optimizer, loss_fn: Callable[[torch.Tensor], torch.Tensor],
+               recipe: Recipe | None, tokens: torch.Tensor) -> torch.Tensor:
+    """One optimizer step as the demo takes it (forward in fp8_autocast, backward after it); returns the loss."""
+    with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        loss = loss_fn(tokens)
+    loss.backward()
+    clip_grad_norm_(list(model.parameters()), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def build_model(cfg: RunConfig, recipe: Recipe | None) -> GPT:
+    """The run's GPT, with FP8 primary weights if asked and the last block in bf16 if the run name says so."""
+    with engine.fp8_model_init(enabled=cfg.fp8_weights and recipe is not None, recipe=recipe):
+        return GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
+
+
 def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     """Train, evaluate, checkpoint; returns the run's numbers as plain data.
 
@@ -130,8 +148,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     recipe = make_recipe(cfg.recipe)
     torch.manual_seed(cfg.seed)
     rank, ranks = world()
-    with engine.fp8_model_init(enabled=cfg.fp8_weights and recipe is not None, recipe=recipe):
-        model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
+    model = build_model(cfg, recipe)
     start, checkpoint = 0, None
     if cfg.resume is not None:
         checkpoint = torch.load(cfg.resume, weights_only=True)
@@ -157,12 +174,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         tokens = batch_at(corpus.train, step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
         tokens = tokens.chunk(dp_size)[dp_rank]
         began = time.perf_counter()
-        with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = loss_fn(tokens)
-        loss.backward()
-        clip_grad_norm_(list(model.parameters()), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, loss_fn, recipe, tokens)
         step_times.append(time.perf_counter() - began)
         train_losses.append(mean_over_ranks(loss).item())
         if (step + 1) % cfg.eval_every == 0 or step + 1 == end:
