@@ -11,11 +11,13 @@ memory bandwidth drifts by up to 2x within minutes, and a copy repeated back to 
 (also printed) can be served partly from L3. Native outputs are preallocated and reused
 (`out_*=` arguments); the reference path allocates its outputs (it has no `out=`). The
 "module path" columns time the same work as the modules do it: the quantizer of that
-recipe called on x (`quantizer(x)`), which allocates fresh outputs on every call; each
+recipe called on x (`quantizer(x)`), which returns new outputs on every call; each
 row runs preallocated, copy_ and module path in turn, against the same copy_ baseline.
-Fresh outputs are fast only when freed memory is reused (`engine.memory`, opt-in; the
-header says whether it is on): run once as is and once with `ENGINE_MALLOC_TUNING=1`. The reference runs fewer times (`--reference-runs`; 0 skips it): it is
-40-100x slower. `main(argv)` is the entry point for `python -m engine bench`.
+New outputs of 4 MiB and more reuse the idle buffers of earlier calls
+(`engine.memory.output_buffer`); `--fresh-outputs` turns that off to show what fresh pages
+cost (glibc maps large blocks anew on every allocation unless `ENGINE_MALLOC_TUNING=1`).
+The reference runs fewer times (`--reference-runs`; 0 skips it): it is 40-100x slower.
+`main(argv)` is the entry point for `python -m engine bench`.
 """
 
 from __future__ import annotations
@@ -216,7 +218,8 @@ def format_table(rows: list[Row], back_to_back_gbs: float, header: str) -> str:
         "copy_ GB/s: y.copy_(x) into an existing buffer of x's size, bytes read + written, timed alternately "
         "with each scheme (same cache state); % of copy = GB/s / copy_ GB/s",
         "native: the kernels into preallocated outputs (out=); module path: the recipe's quantizer, quantizer(x), "
-        f"fresh outputs per call (malloc tuning: {memory.status()})",
+        f"new outputs per call ({'fresh pages' if memory.REUSED_OUTPUT_MIN_BYTES > 2**62 else 'idle buffers reused'}"
+        f"; malloc tuning: {memory.status()})",
         f"(copy_ run back to back instead: {back_to_back_gbs:.1f} GB/s; the 32 MB L3 can serve part of a repeat)",
     ]
     for i, line in enumerate(table):
@@ -235,17 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reference-runs", type=int, default=3)
     parser.add_argument("--isa", choices=("auto", "avx512", "portable"), default="auto")
+    parser.add_argument("--fresh-outputs", action="store_true",
+                        help="the module path without reusing idle output buffers (engine.memory.output_buffer)")
     args = parser.parse_args(argv)
+    reuse_from = memory.REUSED_OUTPUT_MIN_BYTES
+    if args.fresh_outputs:
+        memory.REUSED_OUTPUT_MIN_BYTES = 2**63  # given back below
     if not native.available():
         print(f"the C++ kernels are unavailable: {native.why_unavailable()}")
         return 1
     m, k = args.size
-    with native.use_isa(args.isa):
-        rows, back_to_back = run(m, k, DTYPES[args.dtype], FP8[args.fp8], args.runs, args.warmup,
-                                 args.reference_runs)
-        header = (f"quantize {m}x{k} {args.dtype} -> {args.fp8}, kernels: {native.isa()}, "
-                  f"threads: {torch.get_num_threads()}, median of {args.runs} runs")
-    print(format_table(rows, back_to_back, header))
+    try:
+        with native.use_isa(args.isa):
+            rows, back_to_back = run(m, k, DTYPES[args.dtype], FP8[args.fp8], args.runs, args.warmup,
+                                     args.reference_runs)
+            header = (f"quantize {m}x{k} {args.dtype} -> {args.fp8}, kernels: {native.isa()}, "
+                      f"threads: {torch.get_num_threads()}, median of {args.runs} runs")
+        print(format_table(rows, back_to_back, header))
+    finally:
+        memory.REUSED_OUTPUT_MIN_BYTES = reuse_from
     return 0
 
 

@@ -1,4 +1,8 @@
-"""glibc malloc settings that let large CPU tensors reuse freed memory instead of faulting in new pages.
+"""Large CPU tensors in memory that is already mapped, instead of fresh pages faulted in on every step.
+
+By default: quantize kernels write outputs of 4 MiB and more into this thread's idle buffers of
+the same shape (`output_buffer`, at the end), so the modules' per-step quantized tensors reuse
+the last step's pages. Below, for every large allocation, glibc's settings:
 
 Opt-in: with `ENGINE_MALLOC_TUNING=1` in the environment, `import engine` calls `tune_malloc()`
 (or call `engine.memory.tune_malloc(True)` early in a script). On Linux with glibc it makes two
@@ -33,9 +37,12 @@ library nothing changes.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
+
+import torch
 
 ENV_VAR = "ENGINE_MALLOC_TUNING"
 # mallopt parameter numbers from glibc's <malloc.h>
@@ -94,10 +101,66 @@ def status() -> str:
 
 
 def release_free_memory() -> bool:
-    """Return the free memory the allocator holds to the system (glibc `malloc_trim(0)`).
+    """Return the free memory the allocator holds to the system (glibc `malloc_trim(0)`), after dropping
+    this thread's idle quantize output buffers (`output_buffer`).
 
     For after a one-off peak (loading a checkpoint, evaluation at a larger batch): the next
     allocations of that size fault their pages in again. True if memory was released.
     """
+    _OUTPUTS.buffers.clear()
     libc = _glibc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+# ------------------------------------------------------------------ reused quantize outputs
+#: CPU quantize outputs of at least this many bytes come from `output_buffer`; smaller ones from malloc,
+#: whose small blocks are reused anyway (below glibc's mmap threshold, without the page faults)
+REUSED_OUTPUT_MIN_BYTES = 4 << 20
+
+
+class _Outputs(threading.local):
+    """This thread's large quantize output buffers by (shape, dtype): each one is either held by whatever
+    the quantizer returned (a storage, autograd's saved tensors, ...) or idle, waiting for the next call."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+
+_OUTPUTS = _Outputs()
+
+
+def output_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialized CPU tensor for a quantize kernel to write, or None for a small one (let the kernel
+    allocate it).
+
+    Large outputs are handed out again once nothing else refers to them, so each step's quantized
+    tensors land in the same pages as the last step's: a fresh 32 MiB block is mapped anew by glibc and
+    faulted in page by page (~10 ms here), which made quantizing with fresh outputs, as the modules
+    do, run at a quarter of the kernels' speed. A buffer counts as idle when this pool holds its only
+    reference: no Python reference to the tensor, no C++ one (autograd's saved tensors, DLPack), no
+    view of it and no other tensor on its storage. Idle buffers stay allocated until reused, the
+    thread ends, or `release_free_memory()`.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < REUSED_OUTPUT_MIN_BYTES:
+        return None
+    bucket = _OUTPUTS.buffers.setdefault((tuple(shape), dtype), [])
+    for i in range(len(bucket)):
+        if _idle(bucket, i):
+            return bucket[i]
+    fresh = torch.empty(shape, dtype=dtype)
+    bucket.append(fresh)
+    return fresh
+
+
+def _idle(bucket: list[torch.Tensor], i: int) -> bool:
+    """Whether bucket[i] is referred to by the bucket alone (see output_buffer)."""
+    t = bucket[i]
+    # the tensor: Python references from the bucket, `t` and getrefcount's argument; one C++ reference (its
+    # Python object's), so no view (a view holds its base) and nothing saved by autograd
+    if sys.getrefcount(t) != 3 or t._use_count() != 1:
+        return False
+    # the storage: C++ references from the tensor and from its one Python object (which getrefcount sees
+    # with 3 references when `storage` here is the only holder: no one kept `t.untyped_storage()`)
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage) == 3 and torch._C._storage_Use_Count(storage._cdata) == 2

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,8 +107,19 @@ def test_status_says_why_when_not_applied(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ no aliasing
+@pytest.fixture(params=["malloc", "reused_outputs"])
+def outputs(request, monkeypatch):
+    """Quantize outputs from malloc (small ones, the default below 4 MiB), or every one from
+    `memory.output_buffer` (its size threshold lowered to 0), so the tests below cover both."""
+    if request.param == "reused_outputs":
+        monkeypatch.setattr(memory, "REUSED_OUTPUT_MIN_BYTES", 0)
+    memory.release_free_memory()
+    yield request.param
+    memory.release_free_memory()
+
+
 @pytest.mark.parametrize("kind", ["delayed_e4m3", "current_e4m3", "block1d", "block2d", "mx_rceil"])
-def test_live_outputs_keep_their_values_while_later_quantizations_reuse_freed_memory(kind):
+def test_live_outputs_keep_their_values_while_later_quantizations_reuse_freed_memory(kind, outputs):
     q = make_quantizer(kind)
     shape = (256, 1024)  # 256 KiB FP8 buffers: above glibc's default mmap threshold
     kept = {}
@@ -128,7 +140,7 @@ def test_live_outputs_keep_their_values_while_later_quantizations_reuse_freed_me
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()],
                          ids=["current", "block", "mxfp8"])
-def test_two_steps_alive_at_once_give_the_gradients_of_each_step_alone(recipe):
+def test_two_steps_alive_at_once_give_the_gradients_of_each_step_alone(recipe, outputs):
     """Forward twice before either backward: the FP8 operands saved by the first step must survive the
     second step's allocations (which reuse whatever was freed in between). Stateless recipes only:
     under delayed scaling the order of steps changes the scales (the quantizer test covers it)."""
@@ -152,3 +164,73 @@ def test_two_steps_alive_at_once_give_the_gradients_of_each_step_alone(recipe):
         layer.zero_grad()
         losses[i].backward()
         assert torch.equal(xs[i].grad, alone[i][0]) and torch.equal(layer.weight.grad, alone[i][1])
+
+
+# ------------------------------------------------------------------------------------------ reused outputs
+@pytest.mark.parametrize("kind", ["current_e4m3", "block1d", "mx_rceil"])
+def test_a_large_output_nobody_holds_is_reused_and_a_held_one_never(kind):
+    memory.release_free_memory()
+    q = make_quantizer(kind)
+    x = make_input((2048, 2048), seed=0)  # 4 MiB FP8 outputs: at the threshold
+    first = storage_of(q(x)).rowwise_data
+    address = first.data_ptr()
+    again = storage_of(q(x)).rowwise_data
+    assert again.data_ptr() != address  # `first` is still held
+    del first, again
+    assert storage_of(q(x)).rowwise_data.data_ptr() == address  # idle: handed out again
+    memory.release_free_memory()
+    assert memory._OUTPUTS.buffers == {}
+
+
+@pytest.mark.parametrize("holder", ["view", "storage", "tensor on the storage", "autograd", "numpy"])
+def test_every_kind_of_reference_keeps_a_buffer_out_of_reuse(holder, monkeypatch):
+    monkeypatch.setattr(memory, "REUSED_OUTPUT_MIN_BYTES", 0)
+    memory.release_free_memory()
+    shape = (64, 64)
+    buffer = memory.output_buffer(shape, torch.float8_e4m3fn)
+    buffer.view(torch.uint8).fill_(7)
+    if holder == "view":
+        kept = buffer[1:]
+    elif holder == "storage":
+        kept = buffer.untyped_storage()
+    elif holder == "tensor on the storage":
+        kept = torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage())
+    elif holder == "autograd":
+        x = torch.ones(2, requires_grad=True)
+
+        class Save(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(buffer)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+
+        kept = Save.apply(x)  # the graph holds the buffer through its saved tensors
+    else:
+        kept = buffer.view(torch.uint8).numpy()
+    address = buffer.data_ptr()
+    del buffer
+    for _ in range(3):
+        assert memory.output_buffer(shape, torch.float8_e4m3fn).data_ptr() != address
+    del kept
+    assert memory.output_buffer(shape, torch.float8_e4m3fn).data_ptr() == address
+    memory.release_free_memory()
+
+
+def test_small_outputs_and_other_threads_do_not_share_buffers():
+    assert memory.output_buffer((16, 16), torch.float8_e4m3fn) is None  # below the threshold: malloc's
+    memory.release_free_memory()
+    mine = memory.output_buffer((2048, 2048), torch.float8_e4m3fn)
+    address = mine.data_ptr()
+    del mine
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(memory.output_buffer((2048, 2048), torch.float8_e4m3fn)
+                                                         .data_ptr()))
+    thread.start()
+    thread.join()
+    assert seen[0] != address  # that thread has its own buffers
+    assert memory.output_buffer((2048, 2048), torch.float8_e4m3fn).data_ptr() == address
+    memory.release_free_memory()

@@ -56,8 +56,10 @@ from types import ModuleType
 
 import torch
 
+from engine import memory
 from engine.formats import element_format, fp8_max
 from engine.ops import reference
+from engine.schemes import dims_2d
 from engine.ops.backend import PLAIN_TENSOR_TYPES, check_tensor
 
 try:
@@ -367,6 +369,10 @@ def quantize_per_tensor(
     if out_data is not None or out_data_t is not None or out_scale_inv is not None or out_amax is not None:
         _check_outputs((out_data, "out_data"), (out_data_t, "out_data_t"), (out_scale_inv, "out_scale_inv"),
                        (out_amax, "out_amax"))
+    elif x.numel() * 2 >= memory.REUSED_OUTPUT_MIN_BYTES:  # large: reuse idle buffers (engine.memory.output_buffer)
+        m, k = dims_2d(x.shape)
+        out_data = memory.output_buffer(tuple(x.shape), fp8_dtype) if rowwise else None
+        out_data_t = memory.output_buffer((k, m), fp8_dtype) if columnwise else None
     return _ext().quantize_per_tensor(x, _kind(fp8_dtype), rowwise, columnwise, scale, force_pow_2_scales,
                                       amax_epsilon, record_amax, out_data, out_data_t, out_scale_inv, out_amax)
 
@@ -439,6 +445,8 @@ def quantize_block(
     kind = _kind(fp8_dtype)
     if x2d.dtype not in reference.HIGH_PRECISION_DTYPES:
         x2d = x2d.float()  # the reference computes on x2d.float() too
+    if out_data is None and x2d.dim() == 2:  # a large output reuses an idle buffer (engine.memory.output_buffer)
+        out_data = memory.output_buffer(tuple(x2d.shape), fp8_dtype)
     return _ext().quantize_block(x2d, kind, int(tile_rows), int(tile_cols), bool(force_pow_2_scales),
                                  float(amax_epsilon), float(value_for_inf), out_data, out_scale_inv)
 
@@ -461,7 +469,9 @@ def quantize_mxfp8(
     kind = _kind(fp8_dtype)
     x2d = reference.as_2d(x)
     out2d = None
-    if out_data is not None:
+    if out_data is None and x2d.dim() == 2:  # a large output reuses an idle buffer (engine.memory.output_buffer)
+        out2d = memory.output_buffer(tuple(x2d.shape), fp8_dtype)
+    elif out_data is not None:
         if out_data.shape != x.shape:
             raise ValueError(f"out_data: expected shape {tuple(x.shape)}, got {tuple(out_data.shape)}")
         if not out_data.is_contiguous():
