@@ -234,3 +234,21 @@ def test_small_outputs_and_other_threads_do_not_share_buffers():
     assert seen[0] != address  # that thread has its own buffers
     assert memory.output_buffer((2048, 2048), torch.float8_e4m3fn).data_ptr() == address
     memory.release_free_memory()
+
+
+@pytest.mark.parametrize("element", ["e2m1", "e2m3", "e3m2"])
+def test_mx_small_outputs_reuse_idle_buffers_and_keep_held_ones(element, monkeypatch):
+    from engine.quantizers import MXQuantizer
+
+    q = MXQuantizer(element)
+    xs = [make_input((64, 96), seed=i) for i in range(3)]
+    fresh = [{name: getattr(storage_of(q(x)), name) for name in FIELDS} for x in xs]  # small: malloc's
+    monkeypatch.setattr(memory, "REUSED_OUTPUT_MIN_BYTES", 0)
+    memory.release_free_memory()
+    held = [q(x) for x in xs]  # all alive at once: three sets of buffers
+    for out, expected in zip(held, fresh):
+        assert_buffers_equal({name: getattr(storage_of(out), name) for name in FIELDS}, expected)
+    address = storage_of(held[0]).rowwise_data.data_ptr()
+    del held
+    assert storage_of(q(xs[0])).rowwise_data.data_ptr() == address
+    memory.release_free_memory()
