@@ -263,9 +263,10 @@ def delayed_update_state(amax_history: torch.Tensor, scale: torch.Tensor, fp8_ma
     """`delayed_update` of a DelayedScalingState's own tensors, checked when the state was built: the same
     kernel, without checking the arguments again at every update (~10 us a call, three calls a step)."""
     if scale.is_cpu and backend.forced_backend() in (None, "native") and not torch.compiler.is_compiling():
-        kernels, _ = backend.module("native")
-        if kernels is not None:
-            kernels.delayed_update_unchecked(amax_history, scale, fp8_max, margin, algo == "most_recent")
+        from engine.ops import native
+
+        if native.available():
+            native.delayed_update_unchecked(amax_history, scale, fp8_max, margin, algo == "most_recent")
             return
     delayed_update(amax_history, scale, fp8_max, margin, algo)
 
