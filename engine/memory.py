@@ -118,6 +118,10 @@ def release_free_memory() -> bool:
 REUSED_OUTPUT_MIN_BYTES = 4 << 20
 
 
+#: buffers are kept for this many shapes (the most recently used); a forgotten buffer stays with its holder
+REUSED_OUTPUT_SHAPES = 16
+
+
 class _Outputs(threading.local):
     """This thread's large quantize output buffers by (shape, dtype): each one is either held by whatever
     the quantizer returned (a storage, autograd's saved tensors, ...) or idle, waiting for the next call."""
@@ -139,12 +143,17 @@ def output_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | 
     do, run at a quarter of the kernels' speed. A buffer counts as idle when this pool holds its only
     reference: no Python reference to the tensor, no C++ one (autograd's saved tensors, DLPack), no
     view of it and no other tensor on its storage. Idle buffers stay allocated until reused, the
-    thread ends, or `release_free_memory()`.
+    thread ends, their shape is one of more than `REUSED_OUTPUT_SHAPES` newer ones, or
+    `release_free_memory()`.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < REUSED_OUTPUT_MIN_BYTES:
         return None
-    bucket = _OUTPUTS.buffers.setdefault((tuple(shape), dtype), [])
+    buffers, key = _OUTPUTS.buffers, (tuple(shape), dtype)
+    bucket = buffers.pop(key, [])
+    buffers[key] = bucket  # the most recently used shape last
+    if len(buffers) > REUSED_OUTPUT_SHAPES:  # many shapes (say, prompts of every length): forget the oldest
+        del buffers[next(iter(buffers))]
     for i in range(len(bucket)):
         if _idle(bucket, i):
             return bucket[i]

@@ -252,3 +252,15 @@ def test_mx_small_outputs_reuse_idle_buffers_and_keep_held_ones(element, monkeyp
     del held
     assert storage_of(q(xs[0])).rowwise_data.data_ptr() == address
     memory.release_free_memory()
+
+
+def test_buffers_are_kept_for_the_most_recent_shapes_only(monkeypatch):
+    monkeypatch.setattr(memory, "REUSED_OUTPUT_MIN_BYTES", 0)
+    memory.release_free_memory()
+    for rows in range(1, memory.REUSED_OUTPUT_SHAPES + 3):  # a new shape each call, as prompts of every length
+        memory.output_buffer((rows, 8), torch.uint8)
+    kept = [shape for shape, _ in memory._OUTPUTS.buffers]
+    assert kept == [(rows, 8) for rows in range(3, memory.REUSED_OUTPUT_SHAPES + 3)]
+    memory.output_buffer((3, 8), torch.uint8)  # used again: now the most recent
+    assert next(reversed(memory._OUTPUTS.buffers)) == ((3, 8), torch.uint8)
+    memory.release_free_memory()
