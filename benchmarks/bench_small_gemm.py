@@ -9,7 +9,7 @@ step, where addmm's caches are cold; that copy alone is measured too and subtrac
 of the least disturbed of many interleaved blocks (`common.least_disturbed_cpu_seconds`).
 
 The baseline's four torch calls from Python cost a few us more than the same calls made inside exact_gemm: rows
-where exact_gemm itself runs addmm (bf16 output above 3 * 2^20 MACs, fp32 with K > 512) show that difference.
+where exact_gemm itself runs addmm (bf16 output above 2^21 MACs, fp32 with K > 512) show that difference.
 """
 
 from __future__ import annotations

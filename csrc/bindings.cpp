@@ -659,14 +659,16 @@ Tensor decode_bf16(const Operand& op) {
 // 1 thread, 2 MiB of other memory traffic between calls as in a training step; time of decode + kernel vs decode +
 // addmm):
 // * bf16 output: addmm runs oneDNN's bf16 GEMM (vdpbf16ps, twice the fp32 FMA rate, but it flushes subnormals, so
-//   the kernel may not use it); below ~3M multiply-adds its per-call cost (primitive setup, allocations, cold caches)
-//   dominates: 1.0M MACs 0.59-0.66 (the 16x256x256 Linear GEMMs: 35 vs 58 us), 2.1M 0.85, 4.2M 1.06-1.15, 8.4M 1.43,
-//   100M+ (the demo's GEMMs) 1.8. So up to M * N * K = 3 * 2^20.
+//   the kernel may not use it); below ~2M multiply-adds its per-call cost (primitive setup, allocations, cold caches)
+//   dominates: 1.0M MACs 0.54-0.66 (the 16x256x256 Linear GEMMs: 35 vs 58-65 us), 2.1M 0.85, 4.2M 1.06-1.15, 8.4M
+//   1.43, 100M+ (the demo's GEMMs) 1.8 -- against a baseline that calls addmm from Python, a few us (7-13% at 4-8M
+//   MACs, where exact_gemm runs addmm too) slower than exact_gemm's own addmm: the crossover is near 2M. So up to
+//   M * N * K = 2^21.
 // * fp32 / fp16 output: addmm runs an fp32 GEMM, no faster per FMA than the kernel: 1.0M 0.59-0.76, 8.4M 0.83,
 //   16.8M-134M with K <= 512 0.86-0.94, 134M with K = 2048 1.65. So for every M and N up to K = 512: the choice then
 //   depends on K alone, and a GEMM on a slice of A's or B's rows (a tensor-parallel shard) takes the same path, and
 //   gives the same bits, as the whole one.
-constexpr int64_t kSmallGemmMaxMacsBf16 = int64_t{3} << 20;
+constexpr int64_t kSmallGemmMaxMacsBf16 = int64_t{1} << 21;
 constexpr int64_t kSmallGemmMaxKF32 = 512;
 
 // An exact bf16 decode as the kernel's operand: row-major or column-major storage (decode_bf16's transposed view).

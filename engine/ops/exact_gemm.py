@@ -21,7 +21,7 @@ The contract both implementations meet (tests/test_exact_gemm.py, tests/test_reg
   them (NaN bits unspecified). Subnormals are kept, whatever the caller's flush-to-zero state,
   by the native small kernel; oneDNN's bf16 GEMM (addmm with a bf16 output: this reference,
   the portable ISA, large native calls) flushes subnormal products and sums to zero.
-* The native small kernel (AVX-512; bf16 output up to M * N * K = 3 * 2^20, fp32 and fp16
+* The native small kernel (AVX-512; bf16 output up to M * N * K = 2^21, fp32 and fp16
   outputs for K <= 512 whatever M and N: csrc/bindings.cpp) sums each output as one fp32 fma
   chain over k = 0..K-1 (csrc/small_gemm.h): its order depends on K alone, so a GEMM on a slice
   of A's or B's rows gives the same bits as the matching slice of the whole GEMM (for fp32
