@@ -21,6 +21,7 @@
 
 #include "delayed_update.h"
 #include "kernels.h"
+#include "small_gemm.h"
 
 namespace engine_native {
 namespace {
@@ -566,7 +567,9 @@ Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
 // The CPU GEMMs of engine/gemm/cpu.py for per-tensor pairs and pairs with power-of-2 tile
 // scales, in one call: every FP8 value times a power of two is a bf16 value, so each operand
 // is decoded to bf16 exactly and one addmm (fp32 accumulation) runs, with the per-tensor
-// scale product as alpha. Same ATen calls as the Python path, without its per-call cost.
+// scale product as alpha: the Python path's ATen calls, without its per-call cost. Small
+// problems on AVX-512 run the kernel of small_gemm.h instead of addmm (see small_gemm below):
+// same decode, fp32 accumulation in its own order (numerics: engine/ops/exact_gemm.py).
 
 // One K-major operand: FP8 data [rows, K] (any strides) and its scale_inv: [1] (tile 0 x 0,
 // per tensor: not applied here) or one scale per tile_rows x tile_cols tile (fp32 powers of
@@ -651,6 +654,92 @@ Tensor decode_bf16(const Operand& op) {
   return transposed ? out.t() : out;
 }
 
+// ------------------------------------------------------------------ the small exact GEMM
+// When the AVX-512 kernel of small_gemm.h replaces addmm. Measured with benchmarks/bench_small_gemm.py (Zen 4 EPYC,
+// 1 thread, 2 MiB of other memory traffic between calls as in a training step; time of decode + kernel vs decode +
+// addmm):
+// * bf16 output: addmm runs oneDNN's bf16 GEMM (vdpbf16ps, twice the fp32 FMA rate, but it flushes subnormals, so
+//   the kernel may not use it); below ~2M multiply-adds its per-call cost (primitive setup, allocations, cold caches)
+//   dominates: 1.0M MACs 0.54-0.66 (the 16x256x256 Linear GEMMs: 35 vs 58-65 us), 2.1M 0.85, 4.2M 1.06-1.15, 8.4M
+//   1.43, 100M+ (the demo's GEMMs) 1.8 -- against a baseline that calls addmm from Python, a few us (7-13% at 4-8M
+//   MACs, where exact_gemm runs addmm too) slower than exact_gemm's own addmm: the crossover is near 2M. So up to
+//   M * N * K = 2^21.
+// * fp32 / fp16 output: addmm runs an fp32 GEMM, no faster per FMA than the kernel: 1.0M 0.59-0.76, 8.4M 0.83,
+//   16.8M-134M with K <= 512 0.86-0.94, 134M with K = 2048 1.65. So for every M and N up to K = 512: the choice then
+//   depends on K alone, and a GEMM on a slice of A's or B's rows (a tensor-parallel shard) takes the same path, and
+//   gives the same bits, as the whole one.
+constexpr int64_t kSmallGemmMaxMacsBf16 = int64_t{1} << 21;
+constexpr int64_t kSmallGemmMaxKF32 = 512;
+
+// An exact bf16 decode as the kernel's operand: row-major or column-major storage (decode_bf16's transposed view).
+optional<SgOperand> sg_operand(const Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const auto* data = static_cast<const uint16_t*>(x.data_ptr());
+  if (k == 1 || x.stride(1) == 1) return SgOperand{data, rows, rows == 1 ? k : x.stride(0), 1};
+  if (rows == 1 || x.stride(0) == 1) return SgOperand{data, rows, 1, x.stride(1)};
+  return c10::nullopt;
+}
+
+// Which operand the kernel packs as 16-wide k-major vectors (the other is broadcast): the one whose packing and
+// lane waste cost less, in zmm FMAs (1 cycle each) plus per-element costs measured on Zen 4: 0.2 cycles to transpose
+// an element into panels, 0.05 to widen one, 0.5 per output transposed back (s = B). Either way the bits are the same.
+bool sg_pack_a(const SgOperand& a, const SgOperand& b, int64_t K) {
+  const int64_t M = a.rows, N = b.rows, Mp = (M + 15) / 16 * 16, Np = (N + 15) / 16 * 16;
+  const double rows_cost = static_cast<double>(M) * (Np / 16) * K + 0.2 * N * K * (b.ks == 1) + 0.05 * M * K;
+  const double cols_cost = static_cast<double>(Mp / 16) * Np * K + 0.2 * M * K * (a.ks == 1) + 0.05 * N * K +
+                           0.5 * static_cast<double>(Mp) * Np;
+  return cols_cost < rows_cost;
+}
+
+// alpha * (lhs @ rhs^T) (+ bias) by the kernel of small_gemm.h (numerics there), or nullopt for addmm: a problem
+// above the threshold, the portable kernel set, a layout the kernel does not read.
+optional<Tensor> small_gemm(const Tensor& lhs, const Tensor& rhs, float alpha, const optional<Tensor>& bias,
+                            at::ScalarType gemm_dtype, at::ScalarType out_dtype) {
+  const int64_t M = lhs.size(0), N = rhs.size(0), K = lhs.size(1);
+  const bool small = gemm_dtype == at::kBFloat16 ? M * N * K <= kSmallGemmMaxMacsBf16 : K <= kSmallGemmMaxKF32;
+  if (!small || &kernels() != avx512_kernels() || !small_gemm_avx512::compiled()) {
+    return c10::nullopt;
+  }
+  const optional<SgOperand> a = sg_operand(lhs), b = sg_operand(rhs);
+  if (!a || !b) return c10::nullopt;
+  Tensor out = at::empty({M, N}, at::TensorOptions().dtype(out_dtype));
+  if (M * N == 0) return out;
+  std::vector<float> bias_f;
+  if (bias.has_value()) {  // rounded to the GEMM dtype first, as addmm's bias is
+    const Tensor bb = (bias->scalar_type() == gemm_dtype ? *bias : bias->to(gemm_dtype)).contiguous();
+    bias_f.resize(static_cast<size_t>(N));
+    if (gemm_dtype == at::kBFloat16) {
+      const auto* src = static_cast<const uint16_t*>(bb.data_ptr());
+      for (int64_t i = 0; i < N; ++i) bias_f[i] = bf16_to_f32(src[i]);
+    } else {
+      std::memcpy(bias_f.data(), bb.data_ptr<float>(), static_cast<size_t>(N) * sizeof(float));
+    }
+  }
+  SmallGemmJob job{};
+  job.K = K;
+  job.out_transposed = sg_pack_a(*a, *b, K);
+  job.s = job.out_transposed ? *b : *a;
+  job.v = job.out_transposed ? *a : *b;
+  job.alpha = alpha;
+  job.bias = bias.has_value() ? bias_f.data() : nullptr;
+  job.out_type = out_dtype == at::kFloat ? SgOut::F32 : out_dtype == at::kBFloat16 ? SgOut::BF16 : SgOut::F16;
+  job.out = out.data_ptr();
+  const int64_t v_floats = (job.v.rows + 15) / 16 * 16 * K;
+  Tensor scratch = at::empty({job.s.rows * K + v_floats}, at::TensorOptions().dtype(at::kFloat));
+  job.s_pack = scratch.data_ptr<float>();
+  job.v_pack = job.s_pack + job.s.rows * K;
+  namespace sg = small_gemm_avx512;
+  const int64_t s_len = job.s.rows * K / std::max<int64_t>(1, sg::s_units(job));
+  parallel_chunks(sg::s_units(job), std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, s_len)),
+                  [&](int64_t b0, int64_t e0, int) { sg::pack_s(job, b0, e0); });
+  parallel_chunks(sg::v_units(job), std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, 16 * K)),
+                  [&](int64_t b0, int64_t e0, int) { sg::pack_v(job, b0, e0); });
+  // a tile is 256 outputs: one thread per 2^20 multiply-adds at least
+  parallel_chunks(sg::tiles(job), std::max<int64_t>(1, (int64_t{1} << 20) / (256 * std::max<int64_t>(1, K))),
+                  [&](int64_t b0, int64_t e0, int) { sg::run_tiles(job, b0, e0); });
+  return out;
+}
+
 // out = decode(a) @ decode(b)^T * alpha (+ bias), in out_dtype; nullopt for a per-tensor pair
 // whose fp32 scale product is not a normal number (the caller rescales in Python).
 optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int64_t a_tile_rows, int64_t a_tile_cols,
@@ -679,11 +768,15 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
   }
   const at::ScalarType gemm_dtype = out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
   Tensor lhs = decode_bf16(a), rhs = decode_bf16(b);
+  if (optional<Tensor> small = small_gemm(lhs, rhs, static_cast<float>(alpha), bias, gemm_dtype, out_dtype)) {
+    return small;
+  }
   if (gemm_dtype != at::kBFloat16) {
     lhs = lhs.to(gemm_dtype);
     rhs = rhs.to(gemm_dtype);
   }
   Tensor result;
+  DefaultFpEnv env;  // the caller's flush-to-zero state must not reach oneDNN's fp32 GEMM on this thread
   if (bias.has_value()) {
     result = at::addmm(bias->to(gemm_dtype).expand({m, n}), lhs, rhs.t(), 1.0, alpha);
   } else {

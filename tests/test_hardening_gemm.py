@@ -10,7 +10,9 @@ order is not documented; this is the order that flushes tiny pairs). The GEMM it
 import pytest
 import torch
 
-from engine.gemm import cuda, scales
+import exact_gemm_bound
+
+from engine.gemm import cpu, cuda, scales
 from engine.gemm import gemm_operand, general_gemm
 from engine.quantizers import Float8CurrentScalingQuantizer
 
@@ -106,31 +108,32 @@ def test_scale_product_underflow_with_a_bias_and_a_normal_result():
     assert ((got.double() - want).abs() <= tol).all()
 
 
-def today(x, w, out_dtype, bias):
-    """The per-tensor CPU GEMM as it was: FP8 values upcast, one addmm with alpha = the fp32 scale product."""
-    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+def one_call(x, w, out_dtype, bias):
+    """The per-tensor CPU GEMM as it was before the rescaling: one exact GEMM call with alpha = the fp32 scale
+    product (native: addmm or its small kernel, whose fp32 summation orders differ: engine/ops/exact_gemm.py)."""
     xs, ws = x.qstorage, w.qstorage
-    alpha = float(xs.rowwise_scale_inv.float() * ws.rowwise_scale_inv.float())
-    lhs, rhs = xs.rowwise_data.to(torch.bfloat16).to(gemm_dtype), ws.rowwise_data.to(torch.bfloat16).to(gemm_dtype)
-    m, n = lhs.shape[0], rhs.shape[0]
-    if bias is None:
-        return torch.addmm(torch.zeros(m, n, dtype=gemm_dtype), lhs, rhs.t(), beta=0, alpha=alpha).to(out_dtype)
-    return torch.addmm(bias.to(gemm_dtype).expand(m, n), lhs, rhs.t(), alpha=alpha).to(out_dtype)
+    return cpu.exact_gemm_fn()(xs.rowwise_data, xs.rowwise_scale_inv, (0, 0), ws.rowwise_data, ws.rowwise_scale_inv,
+                               (0, 0), bias, out_dtype)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("m, n, k", [(8, 16, 24), (96, 160, 384), (257, 130, 515)])
 def test_normal_scale_products_keep_todays_bits(out_dtype, with_bias, m, n, k):
+    """Normal scale products take the one-call path (its bits exactly), which meets the GEMM's fp32 bound."""
     torch.manual_seed(m + n + k)
     qx, qw = Float8CurrentScalingQuantizer(E4M3), Float8CurrentScalingQuantizer(E4M3)
     for magnitude in (1e-3, 1.0, 3e4):
         x, w = qx(torch.randn(m, k) * magnitude), qw(torch.randn(n, k))
         bias = torch.randn(n).to(out_dtype) if with_bias else None
         assert (x.qstorage.rowwise_scale_inv * w.qstorage.rowwise_scale_inv).abs().item() >= FP32_TINY
-        got, want = general_gemm(x, w, out_dtype=out_dtype, bias=bias), today(x, w, out_dtype, bias)
+        got, want = general_gemm(x, w, out_dtype=out_dtype, bias=bias), one_call(x, w, out_dtype, bias)
         bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
         assert torch.equal(got.view(bits), want.view(bits))
+        xs, ws = x.qstorage, w.qstorage
+        why = exact_gemm_bound.check(got, xs.rowwise_data, xs.rowwise_scale_inv, (0, 0), ws.rowwise_data,
+                                     ws.rowwise_scale_inv, (0, 0), bias, out_dtype)
+        assert why is None, why
 
 
 # --- the CUDA branch, run on CPU tensors through `cublas_like`

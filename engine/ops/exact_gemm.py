@@ -6,7 +6,28 @@ fp32's exponent range). So a pair of per-tensor operands upcasts to bf16 and run
 tile scales (MXFP8's E8M0, block scaling's power-of-2 default) decodes each operand to
 bf16 exactly and runs one `addmm`. bf16 GEMMs accumulate in fp32 and round once; an fp32
 or fp16 output uses an fp32 GEMM. Decoded NaNs are 0x7FC0 (torch's own bf16 multiply
-gives other NaN bits in its vector loop), so both backends agree bit for bit.
+gives other NaN bits in its vector loop).
+
+The contract both implementations meet (tests/test_exact_gemm.py, tests/test_registry.py):
+
+* the decode is exact: bf16(value * tile scale), rounded once (only under/overflow rounds),
+  bit for bit on every FP8 code and E8M0 code (0, 254, 255: NaN), subnormals included;
+* every product of two decoded values is exact in fp32 (unless it underflows fp32);
+* the sum over K is fp32 in an unspecified order, so with alpha the fp32 scale product
+  (1 for tile pairs), S = sum_k |a_k b_k| and gamma_K = K 2^-24 / (1 - K 2^-24), the output
+  is within |alpha| (gamma_K S + K 2^-149) of alpha * sum_k a_k b_k computed exactly, plus one
+  fp32 rounding each for the alpha product and the bias add (the bias rounded to the GEMM
+  dtype first), plus the final rounding to out_dtype; NaN and inf as IEEE arithmetic gives
+  them (NaN bits unspecified). Subnormals are kept, whatever the caller's flush-to-zero state,
+  by the native small kernel; oneDNN's bf16 GEMM (addmm with a bf16 output: this reference,
+  the portable ISA, large native calls) flushes subnormal products and sums to zero.
+* The native small kernel (AVX-512; bf16 output up to M * N * K = 2^21, fp32 and fp16
+  outputs for K <= 512 whatever M and N: csrc/bindings.cpp) sums each output as one fp32 fma
+  chain over k = 0..K-1 (csrc/small_gemm.h): its order depends on K alone, so a GEMM on a slice
+  of A's or B's rows gives the same bits as the matching slice of the whole GEMM (for fp32
+  outputs always, as the choice itself depends on K alone). addmm (this reference, the portable
+  ISA, larger native calls) makes no such promise, nor does it match the small kernel's bits.
+* A per-tensor pair whose fp32 scale product is not a normal number returns None.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp", "kernels_mx_small.cpp",
            "kernels_mx_small_avx512.cpp", "kernels_nvfp4.cpp", "kernels_nvfp4_avx512.cpp", "kernels_wo_gemm.cpp",
-           "kernels_wo_gemm_avx512.cpp", "kernels_int8_dynamic.cpp")
+           "kernels_wo_gemm_avx512.cpp", "kernels_int8_dynamic.cpp", "kernels_small_gemm_avx512.cpp")
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -502,8 +502,9 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
     tensor: both must be, and the fp32 product of the two scale_inv is addmm's alpha; None
     when that product is not a normal fp32 number (the caller rescales). Otherwise each
     scale_inv has one power-of-2 scale (fp32, or uint8 E8M0 codes) per tile of that shape.
-    Each operand is decoded to bf16 exactly; an out_dtype other than bf16 runs an fp32 GEMM.
-    The C++ side checks every argument.
+    Each operand is decoded to bf16 exactly; an out_dtype other than bf16 runs an fp32 GEMM
+    (addmm, or below a size threshold on AVX-512 a small fp32-FMA kernel whose summation order
+    depends on K alone: numerics in engine/ops/exact_gemm.py). The C++ side checks every argument.
     """
     return _ext().exact_gemm(a, a_scale_inv, a_tile[0], a_tile[1], b, b_scale_inv, b_tile[0], b_tile[1], bias,
                              out_dtype)

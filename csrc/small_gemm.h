@@ -1,0 +1,52 @@
+// The small exact GEMM of bindings.cpp's exact_gemm: out = alpha * (A @ B^T) (+ bias) on the exact bf16 decodes of
+// two FP8 operands, for problems where addmm's per-call cost (oneDNN primitive setup, allocations) outweighs the
+// arithmetic. No torch here; the AVX-512 build is kernels_small_gemm_avx512.cpp (chosen at run time).
+//
+// Numerics (the contract of engine/ops/exact_gemm.py): every product of two bf16 values is exact in fp32 (unless it
+// underflows fp32), and each output is
+//     acc = +0;  for k = 0, 1, ..., K-1:  acc = fma(a[m, k], b[n, k], acc)        (fp32, round to nearest)
+//     y   = fp32(alpha * acc);  if bias: y = fp32(y + bias[n]);  out = round_to_nearest_even(y, out dtype)
+// with subnormals kept (the caller sets the default MXCSR). The order depends on K only: not on M, N, the output's
+// position, the register blocking or the thread count, so a GEMM on a slice of A's or B's rows gives the same bits
+// as the matching slice of the whole GEMM. NaN comes out as a NaN (bf16: 0x7FC0), +-inf as IEEE says.
+#pragma once
+
+#include <cstdint>
+
+namespace engine_native {
+
+// A bf16 operand: element (r, k) at x[r * rs + k * ks]; one of rs, ks is 1 (row- or column-major storage).
+struct SgOperand {
+  const uint16_t* x;
+  int64_t rows, rs, ks;
+};
+
+enum class SgOut : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// One GEMM. The kernels broadcast elements of one operand (the "s" side, rows i) against 16-wide vectors of the other
+// (the "v" side, rows j, packed k-major): out[i, j] when s = A (out_transposed false), out[j, i] when s = B.
+struct SmallGemmJob {
+  SgOperand s, v;
+  int64_t K;
+  bool out_transposed;
+  float alpha;
+  const float* bias;  // [N] fp32 (the caller's bias rounded to the GEMM dtype, then widened), or null
+  SgOut out_type;
+  void* out;          // [M, N] row-major, contiguous
+  float* s_pack;      // s widened to fp32 in its storage order: rows * K floats
+  float* v_pack;      // v as fp32 panels of 16 rows, k-major: [ceil(v.rows / 16)][K][16] floats
+};
+
+namespace small_gemm_avx512 {
+bool compiled();  // false where the compiler or architecture has no AVX-512 build
+// Packing: s rows (or storage rows) [r0, r1) of the `s_units(job)`, v panels [p0, p1) of `v_units(job)`.
+int64_t s_units(const SmallGemmJob& job);
+int64_t v_units(const SmallGemmJob& job);
+void pack_s(const SmallGemmJob& job, int64_t r0, int64_t r1);
+void pack_v(const SmallGemmJob& job, int64_t p0, int64_t p1);
+// Output tiles [u0, u1) of `tiles(job)`, after both packs are done.
+int64_t tiles(const SmallGemmJob& job);
+void run_tiles(const SmallGemmJob& job, int64_t u0, int64_t u1);
+}  // namespace small_gemm_avx512
+
+}  // namespace engine_native

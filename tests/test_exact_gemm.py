@@ -1,0 +1,145 @@
+"""The native exact GEMM against an independent fp64 reference (tests/exact_gemm_bound.py), on every ISA.
+
+Its contract (engine/ops/exact_gemm.py): the decode is exact, each product is exact, the fp32 accumulation order is
+unspecified but fixed by K alone. So: shapes with M, N and K tails and empty ones within the fp32 reassociation
+bound; subnormal products kept (vdpbf16ps would flush them); inf and NaN as IEEE says; and, for the AVX-512 kernel,
+a GEMM on a slice of B's (or A's) rows, on the other storage order or on more threads gives the same bits as the
+matching slice of the whole GEMM (tensor-parallel shards are compared bit for bit with one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from engine.ops import native
+from exact_gemm_bound import check
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the C++ kernels did not build")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+OUTS = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def isas() -> list[str]:
+    return native.available_isas() if native.available() else []
+
+
+def fp8(rows: int, k: int, g: torch.Generator, element=E4M3, scale: float = 8.0) -> torch.Tensor:
+    return (torch.randn(rows, k, generator=g) * scale).to(element)
+
+
+def gemm(a, sa, b, sb, bias=None, out_dtype=torch.bfloat16, a_tile=(0, 0), b_tile=(0, 0)):
+    return native.exact_gemm(a, sa, a_tile, b, sb, b_tile, bias, out_dtype)
+
+
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """The same values stored transposed (a column-major view, as a columnwise FP8 copy arrives)."""
+    return x.t().contiguous().t()
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_tails_and_layouts_within_the_fp32_bound(isa):
+    g, bad = torch.Generator().manual_seed(1), []
+    sa, sb = torch.tensor([0.37]), torch.tensor([1.9])
+    with native.use_isa(isa):
+        for m, n, k in ((1, 1, 1), (7, 15, 15), (16, 16, 17), (17, 33, 129), (3, 40, 16), (40, 3, 33), (16, 256, 64),
+                        (64, 48, 16)):
+            a, b = fp8(m, k, g), fp8(n, k, g, E5M2, 1000.0)
+            for a_view, b_view in ((a, b), (column_major(a), b), (a, column_major(b)), (column_major(a),
+                                                                                      column_major(b))):
+                for out_dtype in OUTS:
+                    for bias in (None, torch.randn(n, generator=g).mul(100).to(out_dtype)):
+                        args = (a_view, sa, (0, 0), b_view, sb, (0, 0), bias, out_dtype)
+                        why = check(native.exact_gemm(*args), *args)
+                        if why:
+                            bad.append(f"{m}x{n}x{k} {out_dtype} bias={bias is not None} "
+                                       f"a_col={a_view is not a} b_col={b_view is not b}: {why}")
+    assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_empty_shapes(isa):
+    g = torch.Generator().manual_seed(2)
+    with native.use_isa(isa):
+        for m, n, k in ((0, 5, 16), (5, 0, 16), (0, 0, 0)):
+            out = gemm(fp8(m, k, g), torch.ones(1), fp8(n, k, g), torch.ones(1))
+            assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        bias = torch.randn(6, generator=g)
+        out = gemm(fp8(4, 0, g), torch.ones(1), fp8(6, 0, g), torch.ones(1), bias, torch.float32)  # K = 0: the bias
+        assert torch.equal(out, bias.expand(4, 6))
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_subnormal_products_are_kept(isa):
+    """A decodes to 2^-127 (a bf16 subnormal), B to 2^-10: each product 2^-137 and the sum 2^-131 are fp32
+    subnormals (and bf16 ones), exact; flushing inputs or outputs (vdpbf16ps, FTZ/DAZ) would give 0. The caller's
+    flush-to-zero state does not reach the kernels. oneDNN's bf16 GEMM (addmm: the portable ISA, large problems)
+    flushes them whatever the state: there only the fp32 output is promised."""
+    a = torch.ones(3, 64).to(E4M3)
+    b = torch.ones(5, 64).to(E4M3)
+    sa = torch.zeros(3, 2, dtype=torch.uint8)  # E8M0 code 0: 2^-127
+    sb = torch.full((5, 2), 117, dtype=torch.uint8)  # 2^-10
+    for out_dtype in (torch.float32, torch.bfloat16) if isa == "avx512" else (torch.float32,):
+        with native.use_isa(isa), torch.no_grad():
+            torch.set_flush_denormal(True)
+            try:
+                out = gemm(a, sa, b, sb, None, out_dtype, (1, 32), (1, 32))
+            finally:
+                torch.set_flush_denormal(False)
+        assert torch.equal(out, torch.full((3, 5), 2.0**-131, dtype=out_dtype)), (out_dtype, out)
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_inf_and_nan_propagate(isa):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 40, generator=g).abs() * 100
+    b = torch.randn(6, 40, generator=g).abs() * 100 + 1  # positive: every product > 0
+    a[0, 5] = float("inf")
+    a[1, 39] = float("nan")  # the K tail
+    a[2, 3] = float("inf")
+    b[4, 3] = 0.0  # inf * 0 = NaN at [2, 4]
+    a, b = a.to(E5M2), b.to(E5M2)
+    with native.use_isa(isa):
+        out = gemm(a, torch.ones(1), b, torch.ones(1), None, torch.float32)
+        want = check(out, a, torch.ones(1), (0, 0), b, torch.ones(1), (0, 0), None, torch.float32)
+    assert want is None, want
+    assert out[0].eq(float("inf")).all() and out[1].isnan().all() and out[2, 4].isnan()
+    assert out[2, :4].eq(float("inf")).all() and out[3].isfinite().all()
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif("avx512" not in isas(), reason="needs the AVX-512 kernel set")
+@pytest.mark.parametrize("out_dtype", OUTS)
+def test_each_output_depends_on_k_only(out_dtype):
+    """Row slices of B (A) give column (row) slices of the whole GEMM bit for bit, whatever the storage order and
+    the thread count: tensor-parallel shards match one process."""
+    g = torch.Generator().manual_seed(4)
+    m, n = (40, 160) if out_dtype == torch.bfloat16 else (96, 256)  # bf16: within the kernel's 2^21 MACs
+    a, b = fp8(m, 300, g), fp8(n, 300, g, E5M2, 100.0)
+    sa, sb = torch.tensor([0.7]), torch.tensor([3.1])
+    bias = torch.randn(n, generator=g).to(out_dtype)
+    with native.use_isa("avx512"), threads(1):
+        whole = gemm(a, sa, b, sb, bias, out_dtype)
+        for i, j in ((0, 16), (16, 100), (100, 133), (133, n), (7, 8)):
+            part = gemm(a, sa, b[i:j], sb, bias[i:j], out_dtype)
+            assert torch.equal(part.view(torch.uint8), whole[:, i:j].contiguous().view(torch.uint8)), (i, j)
+        for i, j in ((0, 5), (5, 21), (21, m)):
+            part = gemm(a[i:j], sa, b, sb, bias, out_dtype)
+            assert torch.equal(part.view(torch.uint8), whole[i:j].contiguous().view(torch.uint8)), (i, j)
+        for a_view, b_view in ((column_major(a), b), (a, column_major(b)), (column_major(a), column_major(b))):
+            other = gemm(a_view, sa, b_view, sb, bias, out_dtype)
+            assert torch.equal(other.view(torch.uint8), whole.view(torch.uint8))
+    with native.use_isa("avx512"), threads(2):  # fp32/fp16: 7.4M MACs, split over 2 threads
+        assert torch.equal(gemm(a, sa, b, sb, bias, out_dtype).view(torch.uint8), whole.view(torch.uint8))
