@@ -11,6 +11,7 @@
 //             header's magic-number sum (e2m1_code3) for both usages, the rowwise nibble pairs leave as bytes
 //             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15).
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -79,9 +80,12 @@ ENGINE_INLINE Vi table(const uint32_t* t) { return _mm512_load_si512(t); }
 // ------------------------------------------------------------------------------ element rules
 // e2m1_magnitude of min(|p|, 6) (p not NaN), in the low 3 bits of the result (bits 3-22 are zero, bits 23-30
 // hold an exponent): c = max(|p|, 0.25) changes no code (0.25 is the tie that rounds to 0) and leaves five
-// exponent fields 125..129, whose magic numbers one vpermd looks up.
+// exponent fields 125..129, whose magic numbers one vpermd looks up. CLAMP false: the caller knows |p| < 7
+// (tile_needs_clamp), where the field-129 sum already rounds to at most 6 (code 7), so the min is left out.
+template <bool CLAMP = true>
 ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
-  const Vf c = _mm512_min_ps(_mm512_range_ps(p, _mm512_set1_ps(0.25f), 0x0B), _mm512_set1_ps(6.0f));  // max-abs, +
+  Vf c = _mm512_range_ps(p, _mm512_set1_ps(0.25f), 0x0B);  // max-abs, +
+  if (CLAMP) c = _mm512_min_ps(c, _mm512_set1_ps(6.0f));
   const Vi m = _mm512_permutexvar_epi32(_mm512_srli_epi32(bits(c), 23), magic);
   return bits(_mm512_add_ps(c, flt(m)));
 }
@@ -314,16 +318,39 @@ void rht_keys(const Nvfp4Job& job, const TileBox& b, FastTile& s, Vi col_key[4][
 
 // A usage's per-tensor factors and the element factor of each E4M3 code below 0x80 (block keys are |x| bits,
 // so their codes have no sign): a lookup instead of a decode and a division per 16 blocks.
+//
+// `clamp_free_key`: blocks whose key is at most this and whose scale code is normal (>= 8) have |x * enc| < 7,
+// so their elements need no clamp at 6 (0 when no key qualifies). Why: with amax in [2^-90, 2^90], S_enc,
+// S_dec, float(s_b) * S_dec and enc are normal fp32 and enc is not capped; v = key * mult <= 464 means s_b is
+// v rounded to E4M3 (448 covers v up to 464), a normal s_b is within a factor 1 + 2^-4 of v (3 mantissa
+// bits), so |x| * enc <= key * enc ~ 6 * v / s_b <= 6.375, times (1 + 8 * 2^-24) for the fp32 roundings.
 struct Scales {
   TensorScale ts;
+  uint32_t clamp_free_key = 0;
   alignas(64) float enc[128];
   explicit Scales(float amax) : ts(tensor_scale(amax)) {
     for (uint32_t c = 0; c < 128; c += 16) {
       const U16 codes = U16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + c;
       vstore(enc + c, block_encode<F16, U16>(codes, ts));
     }
+    if (amax >= 0x1p-90f && amax <= 0x1p90f) {  // false for NaN
+      float f = 464.0f / ts.mult;
+      while (f > 0.0f && f * ts.mult > 464.0f) f = std::nextafter(f, 0.0f);
+      std::memcpy(&clamp_free_key, &f, 4);
+    }
   }
 };
+
+// True unless every block of the tile (keys and their scale codes, 16 per vector) has a normal scale and a key
+// at most sc.clamp_free_key (see Scales); zero-padded blocks (code 0) and partial tiles take the clamp.
+ENGINE_INLINE bool blocks_need_clamp(const Vi* keys, const Vi* codes, int n, const Scales& sc) {
+  Vi kmax = _mm512_setzero_si512(), cmin = _mm512_set1_epi32(0x7F);
+  for (int v = 0; v < n; ++v) {
+    kmax = _mm512_max_epu32(kmax, keys[v]);
+    cmin = _mm512_min_epu32(cmin, codes[v]);
+  }
+  return _mm512_cmpgt_epu32_mask(kmax, u32(sc.clamp_free_key)) != 0 || _mm512_cmplt_epu32_mask(cmin, u32(8)) != 0;
+}
 
 // The E4M3 codes and factors of 16 block keys: the factor looked up by two-table permutes of the code's low 5
 // bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
@@ -350,8 +377,8 @@ ENGINE_INLINE void band_cols(FastTile& s, Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, ui
 
 // The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
 // rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
-template <bool BF16, bool ROWS, bool COLS, bool RHT>
-void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP>
+ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
   const Vi magic = table(kTables.magic), low3 = u32(7);
@@ -367,12 +394,13 @@ void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, u
     load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
     if (ROWS) {
       const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
-      const Vi ce = e2m1_code3(_mm512_mul_ps(e, enc), magic), co = e2m1_code3(_mm512_mul_ps(o, enc), magic);
+      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic), co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
       _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, e, o)));
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
-      const Vi ce = e2m1_code3(_mm512_mul_ps(ye, enc_e), magic), co = e2m1_code3(_mm512_mul_ps(yo, enc_o), magic);
+      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic),
+               co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
       w[i / 8][0] = push_nibble(w[i / 8][0], ce, ye, low3);
       w[i / 8][1] = push_nibble(w[i / 8][1], co, yo, low3);
     }
@@ -390,10 +418,13 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
   const int64_t k = b.r0 / kB - band.first;  // the strip within the band
   if (RHT) rht_keys<BF16>(job, b, s, col_key);
   const int64_t blocks = (b.w + kB - 1) / kB;
+  bool clamp = false;
   if (ROWS) {
     const int64_t nbk = (job.K + kB - 1) / kB;
+    Vi keys[8];
+    for (int p = 0; p < 8; ++p) keys[p] = _mm512_load_si512(s.row_code[p]);
     for (int p = 0; p < 8; ++p) {
-      scales16(_mm512_load_si512(s.row_code[p]), row_sc, s.row_code[p], s.row_enc[p]);
+      scales16(keys[p], row_sc, s.row_code[p], s.row_enc[p]);
       const __m128i c = _mm512_cvtepi32_epi8(_mm512_load_si512(s.row_code[p]));
       for (int h = 0; h < 2 && 2 * p + h < b.rows; ++h) {
         uint8_t* dst = job.row_scales + (b.r0 + 2 * p + h) * nbk + b.c0 / kB;
@@ -405,20 +436,34 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
         }
       }
     }
+    Vi codes[8];
+    for (int p = 0; p < 8; ++p) codes[p] = _mm512_load_si512(s.row_code[p]);
+    clamp = blocks_need_clamp(keys, codes, 8, row_sc);
   }
   if (COLS) {
     alignas(64) uint8_t codes[kT];
+    Vi keys[8], col_codes[8];
     for (int g = 0; g < 4; ++g) {
-      for (int q = 0; q < 2; ++q) scales16(col_key[g][q], col_sc, s.col_code[g][q], s.col_enc[g][q]);
+      for (int q = 0; q < 2; ++q) {
+        scales16(col_key[g][q], col_sc, s.col_code[g][q], s.col_enc[g][q]);
+        keys[2 * g + q] = col_key[g][q];
+        col_codes[2 * g + q] = _mm512_load_si512(s.col_code[g][q]);
+      }
       const Vi ce = _mm512_load_si512(s.col_code[g][0]), co = _mm512_load_si512(s.col_code[g][1]);
       for (int h = 0; h < 2; ++h)
         _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
     }
     for (int64_t c = 0; c < b.w; ++c) band.scales.get()[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
+    clamp = clamp || blocks_need_clamp(keys, col_codes, 8, col_sc);
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
-    quantize_group<BF16, ROWS, COLS, RHT>(job, b, s, g, band.lines.get() + (b.c0 + 32 * g) * kNvfp4BandStrips + k);
+    uint64_t* lines = band.lines.get() + (b.c0 + 32 * g) * kNvfp4BandStrips + k;
+    if (clamp) {
+      quantize_group<BF16, ROWS, COLS, RHT, true>(job, b, s, g, lines);
+    } else {
+      quantize_group<BF16, ROWS, COLS, RHT, false>(job, b, s, g, lines);
+    }
   }
   if (ROWS) {
     const int64_t kp = (job.K + 1) / 2;
@@ -505,8 +550,10 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
   const int64_t col_tiles = (job.K + kT - 1) / kT;
   uint32_t xk = 0;
   Vi ym = _mm512_setzero_si512();
-  for (int64_t u = u0; u < u1;) {  // one strip's run of tiles at a time
-    const int64_t strip = u / col_tiles, end = (strip + 1) * col_tiles < u1 ? (strip + 1) * col_tiles : u1;
+  // One strip's run of tiles at a time, the last strip first: the quantize pass then starts on the lines read
+  // last, which the caches still hold.
+  for (int64_t end = u1; end > u0;) {
+    const int64_t strip = (end - 1) / col_tiles, u = strip * col_tiles > u0 ? strip * col_tiles : u0;
     const TileBox first = tile_box(job, u), last = tile_box(job, end - 1);
     if (x_key) {
       const uint32_t k = x_key_rows<BF16>(job, first.r0, first.r0 + first.rows, first.c0, last.c0 + last.w);
@@ -515,7 +562,7 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
     if (rht_key) {
       for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
     }
-    u = end;
+    end = u;
   }
   if (x_key) *x_key = xk;
   if (rht_key) {
