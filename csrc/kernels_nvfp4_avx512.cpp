@@ -54,8 +54,9 @@ struct Tables {
   alignas(64) uint32_t even[16], odd[16];  // vpermt2ps: the even / odd elements of 32 fp32 lanes
   alignas(64) uint32_t block_order[16];    // the max tree's lane (4l + m: block 4m + l) of each block
   alignas(64) uint32_t interleave[2][16];  // vpermt2d: (e, o) -> natural order, elements 0-15 and 16-31
-  int8_t col_slot[32];  // column 2j + parity of a group: its qword in the column-word buffer (see band_cols)
-  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, col_slot{} {
+  int8_t col_slot[32];  // column 2j + parity of a group: its qword in the group's column words (see band_cols)
+  int8_t slot_col[32];  // the inverse
+  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, col_slot{}, slot_col{} {
     for (uint32_t f = 125; f <= 129; ++f) {
       const uint32_t e = f < 127 ? 127 : f;  // nvfp4_kernels.h e2m1_magnitude: field max(f, 127)
       magic[f & 15] = ((e + 22u) << 23) + ((e - 127u) << 1);
@@ -70,6 +71,7 @@ struct Tables {
     for (int c = 0; c < 32; ++c) {  // unpacklo/hi_epi32(lo, hi) of lane j: qword 2 (j / 4) + j % 2 of lo / hi
       const int j = c / 2, parity = c % 2, hi = (j % 4) >= 2;
       col_slot[c] = static_cast<int8_t>(16 * parity + 8 * hi + 2 * (j / 4) + j % 2);
+      slot_col[col_slot[c]] = static_cast<int8_t>(c);
     }
   }
 };
@@ -90,17 +92,20 @@ ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
   return bits(_mm512_add_ps(c, flt(m)));
 }
 
-// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs, e in the low nibble.
-ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vf e, Vf o) {
-  const Vi lo = or_and(ce, _mm512_srli_epi32(bits(e), 28), u32(0x08));
-  const Vi hi = or_and(_mm512_slli_epi32(co, 4), _mm512_srli_epi32(bits(o), 24), u32(0x80));
-  return _mm512_or_si512(lo, hi);
+// The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
+ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
+
+// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs (se, so: sign_bits), e in the low
+// nibble.
+ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so) {
+  const Vi lo = or_and(ce, se, u32(0x08)), hi = or_and(co, so, u32(0x08));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
 }
 
-// w shifted up a nibble, the code c with the sign of v (bit 3) in the low one: rows fed 7..0 leave row k in
-// nibble k.
-ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vf v, Vi low3) {
-  const Vi n = _mm512_ternarylogic_epi32(low3, c, _mm512_srli_epi32(bits(v), 28), 0xCA);  // low3 ? c : v >> 28
+// w shifted up a nibble, the code c with the sign (sv: sign_bits, bit 3) in the low one: rows fed 7..0 leave row
+// k in nibble k.
+ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vi sv, Vi low3) {
+  const Vi n = _mm512_ternarylogic_epi32(low3, c, sv, 0xCA);  // low3 ? c : sv
   return _mm512_or_si512(_mm512_slli_epi32(w, 4), n);
 }
 
@@ -135,28 +140,55 @@ struct FastTile {
   alignas(64) uint32_t col_code[4][2][16];  // group g, even / odd columns (lane j: column 32g + 2j + parity)
   alignas(64) float col_enc[4][2][16];
   Vf y[16][4][2];  // the RHT output: token k, group, even / odd
-  alignas(64) uint64_t words[32];     // a group's column words (band_cols)
   alignas(64) uint8_t row_lines[16][64];  // the tile's packed rows (64 bytes: 128 columns)
 };
+
+// 8 x 8 qwords: o[p] = (r[0][p], ..., r[7][p]).
+ENGINE_INLINE void transpose8x8_epi64(const Vi r[8], Vi o[8]) {
+  Vi x[2][4], c[2][4];
+  for (int k = 0; k < 4; ++k) {
+    x[0][k] = _mm512_unpacklo_epi64(r[2 * k], r[2 * k + 1]);  // 128-bit lane l: (r[2k][2l], r[2k + 1][2l])
+    x[1][k] = _mm512_unpackhi_epi64(r[2 * k], r[2 * k + 1]);  // ... [2l + 1]
+  }
+  for (int t = 0; t < 2; ++t) {
+    c[t][0] = _mm512_shuffle_i64x2(x[t][0], x[t][1], 0x88);  // lanes 0, 2 of each
+    c[t][1] = _mm512_shuffle_i64x2(x[t][0], x[t][1], 0xDD);  // lanes 1, 3
+    c[t][2] = _mm512_shuffle_i64x2(x[t][2], x[t][3], 0x88);
+    c[t][3] = _mm512_shuffle_i64x2(x[t][2], x[t][3], 0xDD);
+    o[t + 0] = _mm512_shuffle_i64x2(c[t][0], c[t][2], 0x88);  // lane l of x[t][0..3]: qword 2l + t
+    o[t + 4] = _mm512_shuffle_i64x2(c[t][0], c[t][2], 0xDD);
+    o[t + 2] = _mm512_shuffle_i64x2(c[t][1], c[t][3], 0x88);
+    o[t + 6] = _mm512_shuffle_i64x2(c[t][1], c[t][3], 0xDD);
+  }
+}
 
 // The columnwise outputs of the band of kNvfp4BandStrips strips in progress, for every column tile: 8 bytes of
 // packed data and one scale per column and strip, `filled[col_tile]` the strips held. Flushed when the tiles
 // move to the next band (or the thread's range ends): a column tile with all the band's strips leaves as one
 // 64-byte line per column written around the caches (no read for ownership of lines written once, instead of
-// 8 bytes per line per strip); tiles the fallback wrote itself are holes in `filled`.
+// 8 bytes per line per strip), 8 columns at a time by an 8 x 8 transpose of their words; tiles the fallback
+// wrote itself are holes in `filled`.
 struct Band {
   int64_t first = -1;  // the band's first strip (-1: none)
-  std::unique_ptr<uint64_t[]> lines;  // [column][strip] (read only where `filled`: left uninitialised)
+  int64_t cols = 0;    // the columns, rounded up to whole tiles
+  std::unique_ptr<uint64_t[]> line_store;
+  uint64_t* lines = nullptr;  // [strip][column slot]: a group of 32 columns in band_cols' order (col_slot; read only
+                              // where `filled`: left uninitialised); 64-byte aligned
   std::unique_ptr<uint8_t[]> scales;  // [column][strip]
   std::vector<uint32_t> filled;       // [column tile]
 
   explicit Band(const Nvfp4Job& job) {
     const int64_t col_tiles = (job.K + kT - 1) / kT;
-    const size_t n = static_cast<size_t>(col_tiles * kT * kNvfp4BandStrips);
-    lines.reset(new uint64_t[n]);
+    cols = col_tiles * kT;
+    const size_t n = static_cast<size_t>(cols * kNvfp4BandStrips);
+    line_store.reset(new uint64_t[n + 8]);
+    lines = line_store.get() + ((64 - (reinterpret_cast<uintptr_t>(line_store.get()) & 63)) & 63) / 8;
     scales.reset(new uint8_t[n]);
     filled.assign(static_cast<size_t>(col_tiles), 0u);
   }
+
+  // The word of column c (of the whole matrix) in strip k of the band.
+  const uint64_t* word(int64_t k, int64_t c) const { return lines + k * cols + (c & ~int64_t{31}) + kTables.col_slot[c & 31]; }
 
   void flush(const Nvfp4Job& job) {
     if (first < 0) return;
@@ -172,16 +204,24 @@ struct Band {
       uint8_t* sc = job.col_scales + b.c0 * nbm + first;
       const bool whole_lines = all && h == kNvfp4BandStrips && (first + h) * kB <= M &&
                                (reinterpret_cast<uintptr_t>(data) & 63) == 0 && mp % 64 == 0;
+      if (whole_lines) {
+        for (int64_t q = 0; q < ((b.w + 31) & ~int64_t{31}); q += 8) {  // 8 slots of a written group at a time
+          Vi r[8], o[8];
+          for (int k = 0; k < 8; ++k) r[k] = _mm512_load_si512(lines + k * cols + b.c0 + q);
+          transpose8x8_epi64(r, o);
+          for (int j = 0; j < 8; ++j) {
+            const int64_t c = (q & ~int64_t{31}) + kTables.slot_col[(q & 31) + j];
+            if (c < b.w) _mm512_stream_si512(reinterpret_cast<__m512i*>(data + c * mp), o[j]);
+          }
+        }
+      }
       for (int64_t c = 0; c < b.w; ++c) {
-        const uint64_t* line = lines.get() + (b.c0 + c) * kNvfp4BandStrips;
         const uint8_t* scale = scales.get() + (b.c0 + c) * kNvfp4BandStrips;
-        if (whole_lines) {
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(data + c * mp), _mm512_loadu_si512(line));
-        } else {
+        if (!whole_lines) {
           for (int64_t k = 0; k < h; ++k) {
             if (!(f >> k & 1)) continue;
             const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
-            std::memcpy(data + c * mp + k * (kB / 2), line + k, static_cast<size_t>((rows + 1) / 2));
+            std::memcpy(data + c * mp + k * (kB / 2), word(k, b.c0 + c), static_cast<size_t>((rows + 1) / 2));
           }
         }
         if (all) {
@@ -365,14 +405,13 @@ ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc
   _mm512_store_ps(enc, _mm512_mask_blend_ps(bit6, lo, hi));
 }
 
-// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its
-// strip's qword of the group's first column).
-ENGINE_INLINE void band_cols(FastTile& s, Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines) {
-  _mm512_store_si512(s.words + 0, _mm512_unpacklo_epi32(lo_e, hi_e));
-  _mm512_store_si512(s.words + 8, _mm512_unpackhi_epi32(lo_e, hi_e));
-  _mm512_store_si512(s.words + 16, _mm512_unpacklo_epi32(lo_o, hi_o));
-  _mm512_store_si512(s.words + 24, _mm512_unpackhi_epi32(lo_o, hi_o));
-  for (int c = 0; c < 32; ++c) lines[c * kNvfp4BandStrips] = s.words[kTables.col_slot[c]];
+// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its strip's
+// 32 slots of the group, column c of the group in slot col_slot[c]).
+ENGINE_INLINE void band_cols(Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines) {
+  _mm512_store_si512(lines + 0, _mm512_unpacklo_epi32(lo_e, hi_e));
+  _mm512_store_si512(lines + 8, _mm512_unpackhi_epi32(lo_e, hi_e));
+  _mm512_store_si512(lines + 16, _mm512_unpacklo_epi32(lo_o, hi_o));
+  _mm512_store_si512(lines + 24, _mm512_unpackhi_epi32(lo_o, hi_o));
 }
 
 // The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
@@ -392,20 +431,21 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     Vf e, o;
     const bool valid = i < b.rows;
     load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
+    const Vi se = sign_bits(e), so = sign_bits(o);
     if (ROWS) {
       const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
       const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic), co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
-      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, e, o)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so)));
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
       const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic),
                co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
-      w[i / 8][0] = push_nibble(w[i / 8][0], ce, ye, low3);
-      w[i / 8][1] = push_nibble(w[i / 8][1], co, yo, low3);
+      w[i / 8][0] = push_nibble(w[i / 8][0], ce, RHT ? sign_bits(ye) : se, low3);
+      w[i / 8][1] = push_nibble(w[i / 8][1], co, RHT ? sign_bits(yo) : so, low3);
     }
   });
-  if (COLS) band_cols(s, w[0][0], w[1][0], w[0][1], w[1][1], lines);
+  if (COLS) band_cols(w[0][0], w[1][0], w[0][1], w[1][1], lines);
 }
 
 // Both usages of one tile, round to nearest even, 1x16 blocks; false (nothing written) if it holds an inf or
@@ -458,7 +498,7 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
     clamp = clamp || blocks_need_clamp(keys, col_codes, 8, col_sc);
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
-    uint64_t* lines = band.lines.get() + (b.c0 + 32 * g) * kNvfp4BandStrips + k;
+    uint64_t* lines = band.lines + k * band.cols + b.c0 + 32 * g;
     if (clamp) {
       quantize_group<BF16, ROWS, COLS, RHT, true>(job, b, s, g, lines);
     } else {
