@@ -392,10 +392,11 @@ ENGINE_INLINE bool blocks_need_clamp(const Vi* keys, const Vi* codes, int n, con
   return _mm512_cmpgt_epu32_mask(kmax, u32(sc.clamp_free_key)) != 0 || _mm512_cmplt_epu32_mask(cmin, u32(8)) != 0;
 }
 
-// The E4M3 codes and factors of 16 block keys: the factor looked up by two-table permutes of the code's low 5
-// bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
+// The E4M3 codes and factors of 16 block keys: the code of key * mult (>= 0, not NaN) by the FP8 kernels'
+// magic-number rounding (avx512_vec.h, the rule of block_code), the factor looked up by two-table permutes of the
+// code's low 5 bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
 ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc) {
-  const Vi c = (Vi)block_code<F16, U16>((U16)key, sc.ts);
+  const Vi c = magnitude_codes<Fp8Kind::E4M3>(_mm512_mul_ps(flt(key), _mm512_set1_ps(sc.ts.mult)));
   _mm512_store_si512(code, c);
   Vf q[4];
   for (int k = 0; k < 4; ++k)
