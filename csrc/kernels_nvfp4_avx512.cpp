@@ -5,11 +5,14 @@
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
 //             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the 16 sums
 //             share their common prefixes, same operations in the same order) into an fp32 tile y;
-//   scales:   E4M3 codes and factors of 16 blocks at a time (block_code / block_encode of the header);
+//   scales:   E4M3 codes of 16 blocks at a time (the FP8 kernels' magic-number rounding, the rule of block_code),
+//             their factors looked up (block_encode of each code, once per call); a tile whose scales are all
+//             normal and unsaturated takes the element loop without the clamp at 6 (Scales::clamp_free_key);
 //   elements: x re-read a 32-column group at a time, each 32-bit lane holding the bf16 pair (2j, 2j + 1) split
 //             into an even and an odd fp32 vector (fp32 inputs: two permutes); each product is rounded by the
 //             header's magic-number sum (e2m1_code3) for both usages, the rowwise nibble pairs leave as bytes
-//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15).
+//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15),
+//             stored per strip in the band buffer and transposed 8 x 8 into 64-byte column lines at its flush.
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
 #include <cmath>
 #include <cstdint>
