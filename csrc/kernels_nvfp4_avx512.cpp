@@ -5,12 +5,16 @@
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
 //             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the 16 sums
 //             share their common prefixes, same operations in the same order) into an fp32 tile y;
-//   scales:   E4M3 codes and factors of 16 blocks at a time (block_code / block_encode of the header);
+//   scales:   E4M3 codes of 16 blocks at a time (the FP8 kernels' magic-number rounding, the rule of block_code),
+//             their factors looked up (block_encode of each code, once per call); a tile whose scales are all
+//             normal and unsaturated takes the element loop without the clamp at 6 (Scales::clamp_free_key);
 //   elements: x re-read a 32-column group at a time, each 32-bit lane holding the bf16 pair (2j, 2j + 1) split
 //             into an even and an odd fp32 vector (fp32 inputs: two permutes); each product is rounded by the
 //             header's magic-number sum (e2m1_code3) for both usages, the rowwise nibble pairs leave as bytes
-//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15).
+//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15),
+//             stored per strip in the band buffer and transposed 8 x 8 into 64-byte column lines at its flush.
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -53,8 +57,9 @@ struct Tables {
   alignas(64) uint32_t even[16], odd[16];  // vpermt2ps: the even / odd elements of 32 fp32 lanes
   alignas(64) uint32_t block_order[16];    // the max tree's lane (4l + m: block 4m + l) of each block
   alignas(64) uint32_t interleave[2][16];  // vpermt2d: (e, o) -> natural order, elements 0-15 and 16-31
-  int8_t col_slot[32];  // column 2j + parity of a group: its qword in the column-word buffer (see band_cols)
-  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, col_slot{} {
+  int8_t col_slot[32];  // column 2j + parity of a group: its qword in the group's column words (see band_cols)
+  int8_t slot_col[32];  // the inverse
+  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, col_slot{}, slot_col{} {
     for (uint32_t f = 125; f <= 129; ++f) {
       const uint32_t e = f < 127 ? 127 : f;  // nvfp4_kernels.h e2m1_magnitude: field max(f, 127)
       magic[f & 15] = ((e + 22u) << 23) + ((e - 127u) << 1);
@@ -69,6 +74,7 @@ struct Tables {
     for (int c = 0; c < 32; ++c) {  // unpacklo/hi_epi32(lo, hi) of lane j: qword 2 (j / 4) + j % 2 of lo / hi
       const int j = c / 2, parity = c % 2, hi = (j % 4) >= 2;
       col_slot[c] = static_cast<int8_t>(16 * parity + 8 * hi + 2 * (j / 4) + j % 2);
+      slot_col[col_slot[c]] = static_cast<int8_t>(c);
     }
   }
 };
@@ -79,24 +85,30 @@ ENGINE_INLINE Vi table(const uint32_t* t) { return _mm512_load_si512(t); }
 // ------------------------------------------------------------------------------ element rules
 // e2m1_magnitude of min(|p|, 6) (p not NaN), in the low 3 bits of the result (bits 3-22 are zero, bits 23-30
 // hold an exponent): c = max(|p|, 0.25) changes no code (0.25 is the tie that rounds to 0) and leaves five
-// exponent fields 125..129, whose magic numbers one vpermd looks up.
+// exponent fields 125..129, whose magic numbers one vpermd looks up. CLAMP false: the caller knows |p| < 7
+// (tile_needs_clamp), where the field-129 sum already rounds to at most 6 (code 7), so the min is left out.
+template <bool CLAMP = true>
 ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
-  const Vf c = _mm512_min_ps(_mm512_range_ps(p, _mm512_set1_ps(0.25f), 0x0B), _mm512_set1_ps(6.0f));  // max-abs, +
+  Vf c = _mm512_range_ps(p, _mm512_set1_ps(0.25f), 0x0B);  // max-abs, +
+  if (CLAMP) c = _mm512_min_ps(c, _mm512_set1_ps(6.0f));
   const Vi m = _mm512_permutexvar_epi32(_mm512_srli_epi32(bits(c), 23), magic);
   return bits(_mm512_add_ps(c, flt(m)));
 }
 
-// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs, e in the low nibble.
-ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vf e, Vf o) {
-  const Vi lo = or_and(ce, _mm512_srli_epi32(bits(e), 28), u32(0x08));
-  const Vi hi = or_and(_mm512_slli_epi32(co, 4), _mm512_srli_epi32(bits(o), 24), u32(0x80));
-  return _mm512_or_si512(lo, hi);
+// The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
+ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
+
+// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs (se, so: sign_bits), e in the low
+// nibble.
+ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so) {
+  const Vi lo = or_and(ce, se, u32(0x08)), hi = or_and(co, so, u32(0x08));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
 }
 
-// w shifted up a nibble, the code c with the sign of v (bit 3) in the low one: rows fed 7..0 leave row k in
-// nibble k.
-ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vf v, Vi low3) {
-  const Vi n = _mm512_ternarylogic_epi32(low3, c, _mm512_srli_epi32(bits(v), 28), 0xCA);  // low3 ? c : v >> 28
+// w shifted up a nibble, the code c with the sign (sv: sign_bits, bit 3) in the low one: rows fed 7..0 leave row
+// k in nibble k.
+ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vi sv, Vi low3) {
+  const Vi n = _mm512_ternarylogic_epi32(low3, c, sv, 0xCA);  // low3 ? c : sv
   return _mm512_or_si512(_mm512_slli_epi32(w, 4), n);
 }
 
@@ -131,28 +143,55 @@ struct FastTile {
   alignas(64) uint32_t col_code[4][2][16];  // group g, even / odd columns (lane j: column 32g + 2j + parity)
   alignas(64) float col_enc[4][2][16];
   Vf y[16][4][2];  // the RHT output: token k, group, even / odd
-  alignas(64) uint64_t words[32];     // a group's column words (band_cols)
   alignas(64) uint8_t row_lines[16][64];  // the tile's packed rows (64 bytes: 128 columns)
 };
+
+// 8 x 8 qwords: o[p] = (r[0][p], ..., r[7][p]).
+ENGINE_INLINE void transpose8x8_epi64(const Vi r[8], Vi o[8]) {
+  Vi x[2][4], c[2][4];
+  for (int k = 0; k < 4; ++k) {
+    x[0][k] = _mm512_unpacklo_epi64(r[2 * k], r[2 * k + 1]);  // 128-bit lane l: (r[2k][2l], r[2k + 1][2l])
+    x[1][k] = _mm512_unpackhi_epi64(r[2 * k], r[2 * k + 1]);  // ... [2l + 1]
+  }
+  for (int t = 0; t < 2; ++t) {
+    c[t][0] = _mm512_shuffle_i64x2(x[t][0], x[t][1], 0x88);  // lanes 0, 2 of each
+    c[t][1] = _mm512_shuffle_i64x2(x[t][0], x[t][1], 0xDD);  // lanes 1, 3
+    c[t][2] = _mm512_shuffle_i64x2(x[t][2], x[t][3], 0x88);
+    c[t][3] = _mm512_shuffle_i64x2(x[t][2], x[t][3], 0xDD);
+    o[t + 0] = _mm512_shuffle_i64x2(c[t][0], c[t][2], 0x88);  // lane l of x[t][0..3]: qword 2l + t
+    o[t + 4] = _mm512_shuffle_i64x2(c[t][0], c[t][2], 0xDD);
+    o[t + 2] = _mm512_shuffle_i64x2(c[t][1], c[t][3], 0x88);
+    o[t + 6] = _mm512_shuffle_i64x2(c[t][1], c[t][3], 0xDD);
+  }
+}
 
 // The columnwise outputs of the band of kNvfp4BandStrips strips in progress, for every column tile: 8 bytes of
 // packed data and one scale per column and strip, `filled[col_tile]` the strips held. Flushed when the tiles
 // move to the next band (or the thread's range ends): a column tile with all the band's strips leaves as one
 // 64-byte line per column written around the caches (no read for ownership of lines written once, instead of
-// 8 bytes per line per strip); tiles the fallback wrote itself are holes in `filled`.
+// 8 bytes per line per strip), 8 columns at a time by an 8 x 8 transpose of their words; tiles the fallback
+// wrote itself are holes in `filled`.
 struct Band {
   int64_t first = -1;  // the band's first strip (-1: none)
-  std::unique_ptr<uint64_t[]> lines;  // [column][strip] (read only where `filled`: left uninitialised)
+  int64_t cols = 0;    // the columns, rounded up to whole tiles
+  std::unique_ptr<uint64_t[]> line_store;
+  uint64_t* lines = nullptr;  // [strip][column slot]: a group of 32 columns in band_cols' order (col_slot; read only
+                              // where `filled`: left uninitialised); 64-byte aligned
   std::unique_ptr<uint8_t[]> scales;  // [column][strip]
   std::vector<uint32_t> filled;       // [column tile]
 
   explicit Band(const Nvfp4Job& job) {
     const int64_t col_tiles = (job.K + kT - 1) / kT;
-    const size_t n = static_cast<size_t>(col_tiles * kT * kNvfp4BandStrips);
-    lines.reset(new uint64_t[n]);
+    cols = col_tiles * kT;
+    const size_t n = static_cast<size_t>(cols * kNvfp4BandStrips);
+    line_store.reset(new uint64_t[n + 8]);
+    lines = line_store.get() + ((64 - (reinterpret_cast<uintptr_t>(line_store.get()) & 63)) & 63) / 8;
     scales.reset(new uint8_t[n]);
     filled.assign(static_cast<size_t>(col_tiles), 0u);
   }
+
+  // The word of column c (of the whole matrix) in strip k of the band.
+  const uint64_t* word(int64_t k, int64_t c) const { return lines + k * cols + (c & ~int64_t{31}) + kTables.col_slot[c & 31]; }
 
   void flush(const Nvfp4Job& job) {
     if (first < 0) return;
@@ -168,16 +207,24 @@ struct Band {
       uint8_t* sc = job.col_scales + b.c0 * nbm + first;
       const bool whole_lines = all && h == kNvfp4BandStrips && (first + h) * kB <= M &&
                                (reinterpret_cast<uintptr_t>(data) & 63) == 0 && mp % 64 == 0;
+      if (whole_lines) {
+        for (int64_t q = 0; q < ((b.w + 31) & ~int64_t{31}); q += 8) {  // 8 slots of a written group at a time
+          Vi r[8], o[8];
+          for (int k = 0; k < 8; ++k) r[k] = _mm512_load_si512(lines + k * cols + b.c0 + q);
+          transpose8x8_epi64(r, o);
+          for (int j = 0; j < 8; ++j) {
+            const int64_t c = (q & ~int64_t{31}) + kTables.slot_col[(q & 31) + j];
+            if (c < b.w) _mm512_stream_si512(reinterpret_cast<__m512i*>(data + c * mp), o[j]);
+          }
+        }
+      }
       for (int64_t c = 0; c < b.w; ++c) {
-        const uint64_t* line = lines.get() + (b.c0 + c) * kNvfp4BandStrips;
         const uint8_t* scale = scales.get() + (b.c0 + c) * kNvfp4BandStrips;
-        if (whole_lines) {
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(data + c * mp), _mm512_loadu_si512(line));
-        } else {
+        if (!whole_lines) {
           for (int64_t k = 0; k < h; ++k) {
             if (!(f >> k & 1)) continue;
             const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
-            std::memcpy(data + c * mp + k * (kB / 2), line + k, static_cast<size_t>((rows + 1) / 2));
+            std::memcpy(data + c * mp + k * (kB / 2), word(k, b.c0 + c), static_cast<size_t>((rows + 1) / 2));
           }
         }
         if (all) {
@@ -314,21 +361,45 @@ void rht_keys(const Nvfp4Job& job, const TileBox& b, FastTile& s, Vi col_key[4][
 
 // A usage's per-tensor factors and the element factor of each E4M3 code below 0x80 (block keys are |x| bits,
 // so their codes have no sign): a lookup instead of a decode and a division per 16 blocks.
+//
+// `clamp_free_key`: blocks whose key is at most this and whose scale code is normal (>= 8) have |x * enc| < 7,
+// so their elements need no clamp at 6 (0 when no key qualifies). Why: with amax in [2^-90, 2^90], S_enc,
+// S_dec, float(s_b) * S_dec and enc are normal fp32 and enc is not capped; v = key * mult <= 464 means s_b is
+// v rounded to E4M3 (448 covers v up to 464), a normal s_b is within a factor 1 + 2^-4 of v (3 mantissa
+// bits), so |x| * enc <= key * enc ~ 6 * v / s_b <= 6.375, times (1 + 8 * 2^-24) for the fp32 roundings.
 struct Scales {
   TensorScale ts;
+  uint32_t clamp_free_key = 0;
   alignas(64) float enc[128];
   explicit Scales(float amax) : ts(tensor_scale(amax)) {
     for (uint32_t c = 0; c < 128; c += 16) {
       const U16 codes = U16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + c;
       vstore(enc + c, block_encode<F16, U16>(codes, ts));
     }
+    if (amax >= 0x1p-90f && amax <= 0x1p90f) {  // false for NaN
+      float f = 464.0f / ts.mult;
+      while (f > 0.0f && f * ts.mult > 464.0f) f = std::nextafter(f, 0.0f);
+      std::memcpy(&clamp_free_key, &f, 4);
+    }
   }
 };
 
-// The E4M3 codes and factors of 16 block keys: the factor looked up by two-table permutes of the code's low 5
-// bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
+// True unless every block of the tile (keys and their scale codes, 16 per vector) has a normal scale and a key
+// at most sc.clamp_free_key (see Scales); zero-padded blocks (code 0) and partial tiles take the clamp.
+ENGINE_INLINE bool blocks_need_clamp(const Vi* keys, const Vi* codes, int n, const Scales& sc) {
+  Vi kmax = _mm512_setzero_si512(), cmin = _mm512_set1_epi32(0x7F);
+  for (int v = 0; v < n; ++v) {
+    kmax = _mm512_max_epu32(kmax, keys[v]);
+    cmin = _mm512_min_epu32(cmin, codes[v]);
+  }
+  return _mm512_cmpgt_epu32_mask(kmax, u32(sc.clamp_free_key)) != 0 || _mm512_cmplt_epu32_mask(cmin, u32(8)) != 0;
+}
+
+// The E4M3 codes and factors of 16 block keys: the code of key * mult (>= 0, not NaN) by the FP8 kernels'
+// magic-number rounding (avx512_vec.h, the rule of block_code), the factor looked up by two-table permutes of the
+// code's low 5 bits, the quarter picked by bits 5 and 6 (cheaper than a gather).
 ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc) {
-  const Vi c = (Vi)block_code<F16, U16>((U16)key, sc.ts);
+  const Vi c = magnitude_codes<Fp8Kind::E4M3>(_mm512_mul_ps(flt(key), _mm512_set1_ps(sc.ts.mult)));
   _mm512_store_si512(code, c);
   Vf q[4];
   for (int k = 0; k < 4; ++k)
@@ -338,20 +409,19 @@ ENGINE_INLINE void scales16(Vi key, const Scales& sc, uint32_t* code, float* enc
   _mm512_store_ps(enc, _mm512_mask_blend_ps(bit6, lo, hi));
 }
 
-// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its
-// strip's qword of the group's first column).
-ENGINE_INLINE void band_cols(FastTile& s, Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines) {
-  _mm512_store_si512(s.words + 0, _mm512_unpacklo_epi32(lo_e, hi_e));
-  _mm512_store_si512(s.words + 8, _mm512_unpackhi_epi32(lo_e, hi_e));
-  _mm512_store_si512(s.words + 16, _mm512_unpacklo_epi32(lo_o, hi_o));
-  _mm512_store_si512(s.words + 24, _mm512_unpackhi_epi32(lo_o, hi_o));
-  for (int c = 0; c < 32; ++c) lines[c * kNvfp4BandStrips] = s.words[kTables.col_slot[c]];
+// Group g's column words (lo: rows 0-7, hi: rows 8-15; even / odd columns) -> the band buffer (lines: its strip's
+// 32 slots of the group, column c of the group in slot col_slot[c]).
+ENGINE_INLINE void band_cols(Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines) {
+  _mm512_store_si512(lines + 0, _mm512_unpacklo_epi32(lo_e, hi_e));
+  _mm512_store_si512(lines + 8, _mm512_unpackhi_epi32(lo_e, hi_e));
+  _mm512_store_si512(lines + 16, _mm512_unpacklo_epi32(lo_o, hi_o));
+  _mm512_store_si512(lines + 24, _mm512_unpackhi_epi32(lo_o, hi_o));
 }
 
 // The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
 // rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
-template <bool BF16, bool ROWS, bool COLS, bool RHT>
-void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP>
+ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
   const Vi magic = table(kTables.magic), low3 = u32(7);
@@ -365,19 +435,21 @@ void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, u
     Vf e, o;
     const bool valid = i < b.rows;
     load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
+    const Vi se = sign_bits(e), so = sign_bits(o);
     if (ROWS) {
       const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
-      const Vi ce = e2m1_code3(_mm512_mul_ps(e, enc), magic), co = e2m1_code3(_mm512_mul_ps(o, enc), magic);
-      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, e, o)));
+      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic), co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
+      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so)));
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
-      const Vi ce = e2m1_code3(_mm512_mul_ps(ye, enc_e), magic), co = e2m1_code3(_mm512_mul_ps(yo, enc_o), magic);
-      w[i / 8][0] = push_nibble(w[i / 8][0], ce, ye, low3);
-      w[i / 8][1] = push_nibble(w[i / 8][1], co, yo, low3);
+      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic),
+               co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
+      w[i / 8][0] = push_nibble(w[i / 8][0], ce, RHT ? sign_bits(ye) : se, low3);
+      w[i / 8][1] = push_nibble(w[i / 8][1], co, RHT ? sign_bits(yo) : so, low3);
     }
   });
-  if (COLS) band_cols(s, w[0][0], w[1][0], w[0][1], w[1][1], lines);
+  if (COLS) band_cols(w[0][0], w[1][0], w[0][1], w[1][1], lines);
 }
 
 // Both usages of one tile, round to nearest even, 1x16 blocks; false (nothing written) if it holds an inf or
@@ -390,10 +462,13 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
   const int64_t k = b.r0 / kB - band.first;  // the strip within the band
   if (RHT) rht_keys<BF16>(job, b, s, col_key);
   const int64_t blocks = (b.w + kB - 1) / kB;
+  bool clamp = false;
   if (ROWS) {
     const int64_t nbk = (job.K + kB - 1) / kB;
+    Vi keys[8];
+    for (int p = 0; p < 8; ++p) keys[p] = _mm512_load_si512(s.row_code[p]);
     for (int p = 0; p < 8; ++p) {
-      scales16(_mm512_load_si512(s.row_code[p]), row_sc, s.row_code[p], s.row_enc[p]);
+      scales16(keys[p], row_sc, s.row_code[p], s.row_enc[p]);
       const __m128i c = _mm512_cvtepi32_epi8(_mm512_load_si512(s.row_code[p]));
       for (int h = 0; h < 2 && 2 * p + h < b.rows; ++h) {
         uint8_t* dst = job.row_scales + (b.r0 + 2 * p + h) * nbk + b.c0 / kB;
@@ -405,20 +480,34 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
         }
       }
     }
+    Vi codes[8];
+    for (int p = 0; p < 8; ++p) codes[p] = _mm512_load_si512(s.row_code[p]);
+    clamp = blocks_need_clamp(keys, codes, 8, row_sc);
   }
   if (COLS) {
     alignas(64) uint8_t codes[kT];
+    Vi keys[8], col_codes[8];
     for (int g = 0; g < 4; ++g) {
-      for (int q = 0; q < 2; ++q) scales16(col_key[g][q], col_sc, s.col_code[g][q], s.col_enc[g][q]);
+      for (int q = 0; q < 2; ++q) {
+        scales16(col_key[g][q], col_sc, s.col_code[g][q], s.col_enc[g][q]);
+        keys[2 * g + q] = col_key[g][q];
+        col_codes[2 * g + q] = _mm512_load_si512(s.col_code[g][q]);
+      }
       const Vi ce = _mm512_load_si512(s.col_code[g][0]), co = _mm512_load_si512(s.col_code[g][1]);
       for (int h = 0; h < 2; ++h)
         _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
     }
     for (int64_t c = 0; c < b.w; ++c) band.scales.get()[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
+    clamp = clamp || blocks_need_clamp(keys, col_codes, 8, col_sc);
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
-    quantize_group<BF16, ROWS, COLS, RHT>(job, b, s, g, band.lines.get() + (b.c0 + 32 * g) * kNvfp4BandStrips + k);
+    uint64_t* lines = band.lines + k * band.cols + b.c0 + 32 * g;
+    if (clamp) {
+      quantize_group<BF16, ROWS, COLS, RHT, true>(job, b, s, g, lines);
+    } else {
+      quantize_group<BF16, ROWS, COLS, RHT, false>(job, b, s, g, lines);
+    }
   }
   if (ROWS) {
     const int64_t kp = (job.K + 1) / 2;
@@ -505,8 +594,10 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
   const int64_t col_tiles = (job.K + kT - 1) / kT;
   uint32_t xk = 0;
   Vi ym = _mm512_setzero_si512();
-  for (int64_t u = u0; u < u1;) {  // one strip's run of tiles at a time
-    const int64_t strip = u / col_tiles, end = (strip + 1) * col_tiles < u1 ? (strip + 1) * col_tiles : u1;
+  // One strip's run of tiles at a time, the last strip first: the quantize pass then starts on the lines read
+  // last, which the caches still hold.
+  for (int64_t end = u1; end > u0;) {
+    const int64_t strip = (end - 1) / col_tiles, u = strip * col_tiles > u0 ? strip * col_tiles : u0;
     const TileBox first = tile_box(job, u), last = tile_box(job, end - 1);
     if (x_key) {
       const uint32_t k = x_key_rows<BF16>(job, first.r0, first.r0 + first.rows, first.c0, last.c0 + last.w);
@@ -515,7 +606,7 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
     if (rht_key) {
       for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
     }
-    u = end;
+    end = u;
   }
   if (x_key) *x_key = xk;
   if (rht_key) {

@@ -210,6 +210,50 @@ def test_whole_tiles_and_bands_match_the_reference_bitwise(isa, dtype):
     assert not bad, bad[:10]
 
 
+def _normal_scale_tiles(dtype: torch.dtype) -> torch.Tensor:
+    """256 x 256 with every 1x16 and 16x1 block's E4M3 scale normal at amax 448 (S_enc * (1/6) = 1, so a block's
+    scale is its amax rounded to E4M3): values in [0.5, 1.5), one element per row block just below an E4M3
+    midpoint (the scale rounds down: |x * enc| up to 6 * 1.0625) or on one, and E2M1 midpoints times the scale."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(256, 256, generator=g) + 0.5
+    codes = torch.arange(8, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = ((codes[:-1] + codes[1:]) / 2).to(dtype)
+    below = torch.nextafter(mids, torch.zeros_like(mids))
+    picks = torch.cat([mids, below])[torch.randint(0, 2 * mids.numel(), (256, 16), generator=g)].float()
+    x.view(256, 16, 16)[:, :, 7] = picks * torch.where(torch.rand(256, 16, generator=g) < 0.5, -1.0, 1.0)
+    e2m1 = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) / 6
+    x.view(256, 16, 16)[::3, :, 2] = e2m1[torch.randint(0, 7, (86, 16), generator=g)] * x.view(256, 16, 16)[::3, :, 7].abs()
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_tiles_without_the_clamp_match_the_reference_bitwise(isa, dtype):
+    """The AVX-512 fast path leaves out the clamp at 6 in tiles whose block scales are all normal and unsaturated
+    (|x * enc| < 7 there): such tiles at their largest ratio (scales rounded down), next to tiles that need the
+    clamp (a subnormal or zero scale, a saturated scale under a given amax, amaxes outside [2^-90, 2^90])."""
+    x = _normal_scale_tiles(dtype)
+    mixed = x.clone()
+    mixed[16:32, 128:144] = 0  # one tile with zero blocks (zero scales)
+    # a tile whose scales are normal but for subnormal ones: block amaxes near 1.45 * 2^-9 round down to the
+    # smallest subnormal code, so |x * enc| reaches ~8.7 (no zero scales in the tile)
+    mixed[64:80, 0:16] = (torch.rand(16, 16, generator=torch.Generator().manual_seed(6)) * 0.0018 + 0.001).to(dtype)
+    bad = []
+    for name, t in (("normal", x), ("mixed", mixed)):
+        for opt in FAST_OPTIONS:
+            if opt["given"]:
+                # 300: the blocks of amax above ~310 saturate (key * S_enc / 6 above 464), the others do not
+                for amaxes in ((448.0, 448.0), (300.0, 300.0), (100.0, 448.0), (448.0, 2.0)):
+                    bad += [f"{name} {amaxes} {opt}: {b}" for b in compare(t, **opt, amaxes=amaxes)]
+            else:
+                bad += [f"{name} {opt}: {b}" for b in compare(t, **opt)]
+    for k in (-100, 100, -60, 60):  # tensor amaxes outside [2^-90, 2^90], and inside
+        scaled = (x.float() * 2.0**k).to(dtype)
+        for opt in FAST_OPTIONS:
+            amaxes = (448.0 * 2.0**k, 448.0 * 2.0**k)
+            bad += [f"2^{k} {opt}: {b}" for b in compare(scaled, **opt, amaxes=amaxes)]
+    assert not bad, bad[:10]
+
+
 def test_fast_path_on_two_threads(isa):
     """Two threads: a thread's range of tiles then starts inside a strip and inside a band."""
     inputs = cases(torch.bfloat16)
