@@ -369,7 +369,7 @@ def quantize_per_tensor(
     if out_data is not None or out_data_t is not None or out_scale_inv is not None or out_amax is not None:
         _check_outputs((out_data, "out_data"), (out_data_t, "out_data_t"), (out_scale_inv, "out_scale_inv"),
                        (out_amax, "out_amax"))
-    elif x.numel() * 2 >= memory.REUSED_OUTPUT_MIN_BYTES:  # large: reuse idle buffers (engine.memory.output_buffer)
+    elif x.numel() >= memory.REUSED_OUTPUT_MIN_BYTES:  # large FP8 outputs reuse idle buffers (memory.output_buffer)
         m, k = dims_2d(x.shape)
         out_data = memory.output_buffer(tuple(x.shape), fp8_dtype) if rowwise else None
         out_data_t = memory.output_buffer((k, m), fp8_dtype) if columnwise else None
