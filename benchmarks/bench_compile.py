@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, median_seconds, print_table  # noqa: E402
+from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
 from engine.recipes import RECIPES  # noqa: E402
@@ -60,16 +60,15 @@ def step_time(width: int, recipe_name: str, compiled: bool, repeat: int) -> floa
 def cpu_times(width: int, names: list[str], blocks: int) -> dict[str, dict[str, float]]:
     """--cpu-time: every (run, mode) built and warmed up (compiled) first, then timed interleaved, one step per
     block, the least disturbed of `blocks` blocks of thread CPU time on one thread."""
-    previous = torch.get_num_threads(), torch._dynamo.config.cache_size_limit
-    torch.set_num_threads(1)
+    limit = torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = 8 * len(names)  # one GPT.loss graph per model and recipe
     try:
-        steps = {(name, mode): make_step(width, name, mode == "compiled") for name in names
-                 for mode in ("eager", "compiled")}
-        best = least_disturbed_cpu_seconds(steps, blocks=blocks, calls=1, warmup=3)
+        with torch_threads(1):
+            steps = {(name, mode): make_step(width, name, mode == "compiled") for name in names
+                     for mode in ("eager", "compiled")}
+            best = least_disturbed_cpu_seconds(steps, blocks=blocks, calls=1, warmup=3)
     finally:
-        torch.set_num_threads(previous[0])
-        torch._dynamo.config.cache_size_limit = previous[1]
+        torch._dynamo.config.cache_size_limit = limit
         torch._dynamo.reset()
     return {name: {mode: best[name, mode] for mode in ("eager", "compiled")} for name in names}
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, median_seconds, print_table  # noqa: E402
+from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
 from engine.inference import int_formats  # noqa: E402
@@ -101,15 +101,9 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; expected names of {','.join(known)}")
-    previous = torch.get_num_threads()  # restored after: callers (and tests) in this process keep theirs
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="engine: NVFP4 quantization")
-            if not args.wall:
-                torch.set_num_threads(1)
-            return _measure(args, names, ms)
-    finally:
-        torch.set_num_threads(previous)
+    with torch_threads(None if args.wall else 1), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="engine: NVFP4 quantization")
+        return _measure(args, names, ms)
 
 
 def _measure(args: argparse.Namespace, names: list[str], ms: str) -> list[list[str]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, median_seconds, print_table  # noqa: E402
+from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling  # noqa: E402
@@ -94,12 +94,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
 
 def cpu_time_rows(args: argparse.Namespace) -> list[list[str]]:
     """The --cpu-time table, on one thread (this process's thread setting given back after)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _cpu_time_rows(args)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _cpu_time_rows(args: argparse.Namespace) -> list[list[str]]:

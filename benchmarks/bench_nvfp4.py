@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from common import least_disturbed_cpu_seconds, print_table
+from common import least_disturbed_cpu_seconds, print_table, torch_threads
 from engine.ops import native
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,12 +46,8 @@ def run(m: int, k: int, dtype: torch.dtype, threads: int, blocks: int, calls: in
     copy_bytes = 2 * x.numel() * x.element_size()
     cases = variants(x)
     fns = {"copy_": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in cases.items()}}
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         seconds = least_disturbed_cpu_seconds(fns, blocks=blocks, calls=calls, warmup=2)
-    finally:
-        torch.set_num_threads(previous)
     copy_bw = copy_bytes / seconds["copy_"] / 1e9
     rows = [[str(threads), "copy_", f"{seconds['copy_'] * 1e3:.2f}", f"{copy_bw:.2f}", "1.00"]]
     for name, (_, moved) in cases.items():

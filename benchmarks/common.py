@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Callable
+
+import torch
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block (None: unchanged), given back after, so callers and
+    tests in the same process keep their setting."""
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def median_seconds(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2, min_time: float = 0.0) -> float:

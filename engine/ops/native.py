@@ -542,7 +542,7 @@ def quantize_mx_coded(
     if all(t is None for t in outs.values()) and x2d.numel() >= memory.REUSED_OUTPUT_MIN_BYTES:
         # large outputs reuse idle buffers (engine.memory.output_buffer); E2M1 packs two elements per byte
         fmt = element_format(element)
-        packed = (x2d.shape[0], -(-x2d.shape[1] // 2) if fmt.exponent_bits + fmt.mantissa_bits == 3 else x2d.shape[1])
+        packed = (x2d.shape[0], -(-x2d.shape[1] // 2) if fmt.name == "E2M1" else x2d.shape[1])
         outs["out_row_data"] = memory.output_buffer(packed, torch.uint8) if rowwise else None
         outs["out_col_data"] = memory.output_buffer(packed, torch.uint8) if columnwise else None
     ext = _ext()
