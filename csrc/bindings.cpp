@@ -635,18 +635,18 @@ Tensor decode_bf16(const Operand& op) {
       const bool e8m0 = scales.scalar_type() == at::kByte;
       const void* sp = scales.data_ptr();
       const int64_t ss0 = scales.stride(0), ss1 = scales.stride(1);
+      const int64_t tiles = (k + tc - 1) / tc;
       parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
         to_bf16(r0 * k, r1 * k);
-        std::vector<float> row_scales(static_cast<size_t>(k));  // the scale of each column in this tile row
+        std::vector<float> tile_scales(static_cast<size_t>(tiles));  // the scale of each tile of this tile row
         for (int64_t r = r0; r < r1; ++r) {
           if (r == r0 || r % tr == 0) {
-            for (int64_t c0 = 0; c0 < k; c0 += tc) {
-              const int64_t at = (r / tr) * ss0 + (c0 / tc) * ss1;
-              const float s = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
-              std::fill(row_scales.begin() + c0, row_scales.begin() + std::min(k, c0 + tc), s);
+            for (int64_t t = 0; t < tiles; ++t) {
+              const int64_t at = (r / tr) * ss0 + t * ss1;
+              tile_scales[t] = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
             }
           }
-          kern.scale_bf16(dst + r * k, row_scales.data(), k);
+          kern.scale_bf16(dst + r * k, tile_scales.data(), k, tc);
         }
       });
     }

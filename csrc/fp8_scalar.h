@@ -192,11 +192,22 @@ static inline float e8m0_element_scale(uint8_t code) {
 // x[i] = bf16(x[i] * s[i]) for bf16 bits x: the product in fp32, rounded to nearest even, every
 // NaN 0x7FC0 (torch's own bf16 multiply gives other NaN bits in its vector loop). Branch-free,
 // so each kernel file's compiler vectorises it for its instruction set.
+static inline uint16_t scaled_bf16(uint16_t x, float s) {
+  const uint32_t u = f32_bits(bits_f32(static_cast<uint32_t>(x) << 16) * s);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : rounded;
+}
+
 static inline void scale_bf16_loop(uint16_t* x, const float* s, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = f32_bits(bits_f32(static_cast<uint32_t>(x[i]) << 16) * s[i]);
-    const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    x[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : rounded;
+  for (int64_t i = 0; i < n; ++i) x[i] = scaled_bf16(x[i], s[i]);
+}
+
+// The same with runs of `run` elements sharing one scale: x[i] = bf16(x[i] * s[i / run]).
+static inline void scale_bf16_runs_loop(uint16_t* x, const float* s, int64_t n, int64_t run) {
+  for (int64_t i = 0, t = 0; i < n; i += run, ++t) {
+    const float st = s[t];
+    const int64_t len = n - i < run ? n - i : run;
+    for (int64_t j = 0; j < len; ++j) x[i + j] = scaled_bf16(x[i + j], st);
   }
 }
 

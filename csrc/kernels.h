@@ -68,8 +68,9 @@ struct Kernels {
   // bf16 bits of the FP8 codes [begin, end).
   void (*fp8_to_bf16)(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end, uint16_t* out);
 
-  // x[i] = bf16(x[i] * s[i]) for i in [0, n) (scale_bf16_loop in fp8_scalar.h).
-  void (*scale_bf16)(uint16_t* x, const float* s, int64_t n);
+  // x[i] = bf16(x[i] * s[i / run]) for i in [0, n): consecutive runs of `run` elements share a scale
+  // (scale_bf16_runs_loop in fp8_scalar.h; run 1 is one scale per element).
+  void (*scale_bf16)(uint16_t* x, const float* s, int64_t n, int64_t run);
 };
 
 // The portable implementation (any CPU) and the AVX-512 one (nullptr when it was not compiled in).

@@ -709,22 +709,71 @@ void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end,
   }
 }
 
-// scale_bf16_loop 16 lanes at a time: the fp32 product, rounded to nearest even, every NaN 0x7FC0.
-void scale_bf16(uint16_t* x, const float* s, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)),
-                                   _mm512_loadu_ps(s + i));
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), _mm512_cvtepi32_epi16(r));
+// bf16(x * s) for 16 bf16 lanes: the fp32 product, rounded to nearest even, every NaN 0x7FC0 (scaled_bf16).
+ENGINE_INLINE __m256i scaled16(__m256i h, __m512 s) {
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)), s));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+// bf16(x * 2^e) for the 32 bf16 lanes of p in m, e in [-126, 127]: exact, so where x is finite and not zero and
+// the result stays normal, x's exponent field moves by e; zeros, infinities and NaNs stay as they are (as the
+// fp32 product gives them: NaNs as 0x7FC0). False, and nothing written, if some lane would leave the normal range.
+ENGINE_INLINE bool shift_exponents32(uint16_t* p, __mmask32 m, int e) {
+  const __m512i x = _mm512_maskz_loadu_epi16(m, p);
+  const __m512i ex = _mm512_and_si512(_mm512_srli_epi16(x, 7), _mm512_set1_epi16(0xFF));
+  const __mmask32 finite = _mm512_cmpneq_epi16_mask(ex, _mm512_setzero_si512()) &
+                           _mm512_cmpneq_epi16_mask(ex, _mm512_set1_epi16(0xFF)) & m;
+  const __m512i shifted = _mm512_add_epi16(ex, _mm512_set1_epi16(static_cast<int16_t>(e)));
+  const __mmask32 normal = _mm512_cmple_epu16_mask(_mm512_sub_epi16(shifted, _mm512_set1_epi16(1)),
+                                                   _mm512_set1_epi16(253));  // 1 <= exponent <= 254
+  if (finite & ~normal) return false;
+  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7FFF)),
+                                                _mm512_set1_epi16(0x7F80)) & m;
+  const __m512i y = _mm512_mask_add_epi16(x, finite, x, _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
+  _mm512_mask_storeu_epi16(p, finite | nan, _mm512_mask_mov_epi16(y, nan, _mm512_set1_epi16(0x7FC0)));
+  return true;
+}
+
+// scale_bf16_runs_loop 16 lanes at a time. A run of a multiple of 16 (MXFP8's 32, block scaling's 128)
+// broadcasts its scale, and a scale that is a normal power of two moves exponents instead (the same bits,
+// falling back to the product for a vector that would under- or overflow); run 1 reads one scale per lane;
+// other runs take the scalar loop.
+void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
+  if (run == 1) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), scaled16(h, _mm512_loadu_ps(s + i)));
+    }
+    scale_bf16_loop(x + i, s + i, n - i);
+    return;
   }
-  scale_bf16_loop(x + i, s + i, n - i);
+  if (run % 16 != 0) {
+    scale_bf16_runs_loop(x, s, n, run);
+    return;
+  }
+  for (int64_t i = 0, t = 0; i < n; i += run, ++t) {
+    const __m512 st = _mm512_set1_ps(s[t]);
+    const int64_t end = imin(n, i + run);
+    uint32_t sb;
+    std::memcpy(&sb, &s[t], sizeof sb);
+    const int biased = static_cast<int>((sb >> 23) & 0xFF);
+    int64_t j = i;
+    if ((sb & 0x807FFFFFu) == 0 && biased >= 1 && biased <= 254) {  // a positive normal power of two
+      for (; j < end; j += 32) {
+        if (!shift_exponents32(x + j, first32(end - j), biased - 127)) break;
+      }
+    }
+    for (; j < end; j += 16) {
+      const __mmask16 m = first16(end - j);
+      const __m256i h = _mm256_maskz_loadu_epi16(m, x + j);
+      _mm256_mask_storeu_epi16(x + j, m, scaled16(h, st));
+    }
+  }
 }
 
 }  // namespace

@@ -198,7 +198,13 @@ void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end,
   for (int64_t i = begin; i < end; ++i) out[i] = table[codes[i]];
 }
 
-void scale_bf16(uint16_t* x, const float* s, int64_t n) { scale_bf16_loop(x, s, n); }
+void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
+  if (run == 1) {
+    scale_bf16_loop(x, s, n);
+  } else {
+    scale_bf16_runs_loop(x, s, n, run);
+  }
+}
 
 }  // namespace
 

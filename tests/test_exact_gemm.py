@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.ops import native
-from exact_gemm_bound import check
+from exact_gemm_bound import check, decode64
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the C++ kernels did not build")
 
@@ -90,6 +90,25 @@ def test_subnormal_products_are_kept(isa):
             finally:
                 torch.set_flush_denormal(False)
         assert torch.equal(out, torch.full((3, 5), 2.0**-131, dtype=out_dtype)), (out_dtype, out)
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_decode_at_the_edges_of_bf16s_normal_range(isa):
+    """A power-of-2 tile scale moves each value's exponent (the AVX-512 decode does exactly that) only while the
+    result stays normal: A @ I (fp32, so A's decoded values) against the fp64 decode where whole tiles land on
+    the largest and smallest exponents, one step past them (inf; bf16 subnormals, rounded), and a NaN code."""
+    values = torch.tensor([448.0] + [1.5, -2**-9, 2**-6, 0.0, -0.0, 3.5, -1.0] * 4 + [2.0, -3.0, 0.25]).to(E4M3)
+    codes = torch.tensor([[246], [247], [9], [10], [8], [127 - 117], [255]], dtype=torch.uint8)
+    # 448 * 2^119 = 1.75 * 2^127 (largest exponent), 448 * 2^120 overflows, 2^-9 * 2^-117 = 2^-126 (smallest
+    # normal), 2^-9 * 2^-118 and 1.5 * 2^-119 are bf16 subnormals
+    a = values.repeat(codes.shape[0], 1)
+    eye, ones = torch.eye(32).to(E4M3), torch.full((32, 1), 127, dtype=torch.uint8)
+    with native.use_isa(isa):
+        got = gemm(a, codes, eye, ones, None, torch.float32, (1, 32), (1, 32)).double()
+    want = decode64(a, codes, (1, 32))
+    want = torch.where(want.isinf().any(1, keepdim=True) & ~want.isinf(), torch.nan, want)  # inf * 0 elsewhere
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), (got, want)
+    assert want[1].isinf().any() and (want[3].abs() == 2.0**-126).any() and (want[5].abs() < 2.0**-126).any()
 
 
 @pytest.mark.parametrize("isa", isas())
