@@ -456,6 +456,35 @@ def test_mxfp8_argument_errors(isa):
         native.quantize_mxfp8(torch.ones(32, 32), torch.bfloat16)
 
 
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_both_usages_in_one_call_match_the_reference(isa, rowwise, columnwise):
+    """`quantize_block_usages` / `quantize_mxfp8_usages` (what the modules call) give each asked usage the
+    reference's bits, None for the other: odd shapes, a 3D x, edge values in a block."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 45, 70, generator=g).to(torch.bfloat16)
+    x[0, 0, :4] = torch.tensor([INF, -0.0, 1e-40, -FLT_MAX]).to(torch.bfloat16)
+    x2d = x.reshape(-1, 70)
+    got = native.quantize_block_usages(x2d, E4M3, tile_rows=1, tile_cols=128, rowwise=rowwise, columnwise=columnwise)
+    want = (ref.quantize_block(x2d, E4M3, tile_rows=1, tile_cols=128) if rowwise else (None, None)) + \
+        (ref.quantize_block(x2d.t(), E4M3, tile_rows=1, tile_cols=128) if columnwise else (None, None))
+    for g_t, w_t, name in zip(got, want, ("row data", "row scale_inv", "col data", "col scale_inv")):
+        assert_same(g_t, w_t, f"block {isa} {name}")
+    got = native.quantize_mxfp8_usages(x, E5M2, scale_mode="floor", rowwise=rowwise, columnwise=columnwise)
+    want = (ref.quantize_mxfp8(x, E5M2, scale_mode="floor") if rowwise else (None, None)) + \
+        (ref.quantize_mxfp8(x, E5M2, scale_mode="floor", columnwise=True) if columnwise else (None, None))
+    for g_t, w_t, name in zip(got, want, ("row data", "row codes", "col data", "col codes")):
+        assert_same(g_t, w_t, f"mxfp8 {isa} {name}")
+
+
+def test_both_usages_argument_errors(isa):
+    with pytest.raises(ValueError, match="x2d"):
+        native.quantize_block_usages(torch.ones(32), E4M3, tile_rows=1, tile_cols=32, rowwise=True, columnwise=True)
+    with pytest.raises(ValueError, match="scale_mode"):
+        native.quantize_mxfp8_usages(torch.ones(32, 32), E4M3, scale_mode="up", rowwise=True, columnwise=False)
+    with pytest.raises(TypeError):
+        native.quantize_mxfp8_usages(torch.ones(32, 32), torch.bfloat16, rowwise=True, columnwise=True)
+
+
 # ---------------------------------------------------------------------------- fp8 -> bf16
 @pytest.mark.parametrize("fp8", FP8)
 def test_fp8_to_bf16_every_code(isa, fp8):

@@ -481,6 +481,50 @@ def quantize_mxfp8(
     return (out_data if out_data is not None else data if x.dim() == 2 else data.view(x.shape)), codes
 
 
+UsageBuffers = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def quantize_block_usages(
+    x2d: torch.Tensor, fp8_dtype: torch.dtype, *, tile_rows: int, tile_cols: int, rowwise: bool, columnwise: bool,
+    force_pow_2_scales: bool = True, amax_epsilon: float = 0.0, value_for_inf: float = reference.FLT_MAX,
+) -> UsageBuffers:
+    """`quantize_block` of x2d (rowwise) and of x2d^T (columnwise, same tiles) in one native call:
+    (data [M, K], scale_inv, data [K, M], scale_inv), None for a usage not asked for."""
+    check_cpu_tensor(x2d, "x2d")
+    kind = _kind(fp8_dtype)
+    if x2d.dtype not in reference.HIGH_PRECISION_DTYPES:
+        x2d = x2d.float()  # the reference computes on x2d.float() too
+    out_row = out_col = None
+    if x2d.dim() == 2 and x2d.numel() >= memory.REUSED_OUTPUT_MIN_BYTES:  # large outputs reuse idle buffers
+        m, k = x2d.shape
+        out_row = memory.output_buffer((m, k), fp8_dtype) if rowwise else None
+        out_col = memory.output_buffer((k, m), fp8_dtype) if columnwise else None
+    return _ext().quantize_block_usages(x2d, kind, int(tile_rows), int(tile_cols), bool(force_pow_2_scales),
+                                        float(amax_epsilon), float(value_for_inf), bool(rowwise), bool(columnwise),
+                                        out_row, out_col)
+
+
+def quantize_mxfp8_usages(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale_mode: str = "rceil", rowwise: bool,
+                          columnwise: bool) -> UsageBuffers:
+    """Both usages of `quantize_mxfp8` in one native call: (data, codes [M, ceil(K/32)], data, codes
+    [ceil(M/32), K]), data in x's shape, None for a usage not asked for."""
+    check_cpu_tensor(x, "x")
+    reference.check_input(x)
+    if scale_mode not in reference.SCALE_MODES:
+        raise ValueError(f"scale_mode: expected one of {sorted(reference.SCALE_MODES)}, got {scale_mode!r}")
+    kind = _kind(fp8_dtype)
+    x2d = reference.as_2d(x)
+    out_row = out_col = None
+    if x2d.dim() == 2 and x2d.numel() >= memory.REUSED_OUTPUT_MIN_BYTES:  # large outputs reuse idle buffers
+        out_row = memory.output_buffer(tuple(x2d.shape), fp8_dtype) if rowwise else None
+        out_col = memory.output_buffer(tuple(x2d.shape), fp8_dtype) if columnwise else None
+    row, row_codes, col, col_codes = _ext().quantize_mxfp8_usages(x2d, kind, scale_mode == "rceil", bool(rowwise),
+                                                                  bool(columnwise), out_row, out_col)
+    if x.dim() != 2:
+        row, col = (None if t is None else t.view(x.shape) for t in (row, col))
+    return row, row_codes, col, col_codes
+
+
 def fp8_to_bf16(data: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 values as bf16 (exact), same shape. Other dtypes get the reference's plain cast."""
     check_cpu_tensor(data, "data")
