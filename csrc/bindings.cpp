@@ -673,7 +673,6 @@ Tensor decode_bf16(const Operand& op) {
       const int64_t ss0 = scales.stride(0), ss1 = scales.stride(1);
       const int64_t tiles = (k + tc - 1) / tc;
       parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
-        to_bf16(r0 * k, r1 * k);
         std::vector<float> tile_scales(static_cast<size_t>(tiles));  // the scale of each tile of this tile row
         for (int64_t r = r0; r < r1; ++r) {
           if (r == r0 || r % tr == 0) {
@@ -682,7 +681,12 @@ Tensor decode_bf16(const Operand& op) {
               tile_scales[t] = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
             }
           }
-          kern.scale_bf16(dst + r * k, tile_scales.data(), k, tc);
+          if (decoded) {
+            to_bf16(r * k, (r + 1) * k);
+            kern.scale_bf16(dst + r * k, tile_scales.data(), k, tc);
+          } else {  // a row at a time: decoded and scaled while in cache
+            kern.fp8_to_bf16_scaled(codes + r * k, kind, k, dst + r * k, tile_scales.data(), tc);
+          }
         }
       });
     }

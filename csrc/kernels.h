@@ -71,6 +71,10 @@ struct Kernels {
   // x[i] = bf16(x[i] * s[i / run]) for i in [0, n): consecutive runs of `run` elements share a scale
   // (scale_bf16_runs_loop in fp8_scalar.h; run 1 is one scale per element).
   void (*scale_bf16)(uint16_t* x, const float* s, int64_t n, int64_t run);
+
+  // fp8_to_bf16 of codes [0, n) into out [0, n), then scale_bf16(out, s, n, run): one pass where it can.
+  void (*fp8_to_bf16_scaled)(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s,
+                             int64_t run);
 };
 
 // The portable implementation (any CPU) and the AVX-512 one (nullptr when it was not compiled in).

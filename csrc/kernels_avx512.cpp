@@ -671,17 +671,18 @@ void mx_colwise(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t b
 // ---------------------------------------------------------------------------- fp8 -> bf16
 // A 256-entry table of bf16 words split into byte planes: the low byte depends on the 7
 // magnitude bits only; the high byte on all 8 bits (NaN drops the sign), so it takes two
-// 128-entry lookups selected by the sign bit.
-void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end, uint16_t* out) {
+// 128-entry lookups selected by the sign bit. Built once per format (immutable after).
+struct Fp8Bf16Table {
+  __m512i lo0, lo1, hp0, hp1, hn0, hn1, idx_lo, idx_hi;
+};
+
+Fp8Bf16Table make_fp8_bf16_table(Fp8Kind kind) {
   alignas(64) uint8_t lo[128], hi_pos[128], hi_neg[128];
   for (int i = 0; i < 128; ++i) {
     lo[i] = static_cast<uint8_t>(fp8_to_bf16_bits(static_cast<uint8_t>(i), kind) & 0xFF);
     hi_pos[i] = static_cast<uint8_t>(fp8_to_bf16_bits(static_cast<uint8_t>(i), kind) >> 8);
     hi_neg[i] = static_cast<uint8_t>(fp8_to_bf16_bits(static_cast<uint8_t>(i | 0x80), kind) >> 8);
   }
-  const __m512i lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
-  const __m512i hp0 = _mm512_load_si512(hi_pos), hp1 = _mm512_load_si512(hi_pos + 64);
-  const __m512i hn0 = _mm512_load_si512(hi_neg), hn1 = _mm512_load_si512(hi_neg + 64);
   // interleave: word w of the first output = (lo[w], hi[w]), of the second = (lo[32+w], hi[32+w])
   alignas(64) uint8_t ilo[64], ihi[64];
   for (int w = 0; w < 32; ++w) {
@@ -690,15 +691,32 @@ void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end,
     ihi[2 * w] = static_cast<uint8_t>(32 + w);
     ihi[2 * w + 1] = static_cast<uint8_t>(96 + w);
   }
-  const __m512i idx_lo = _mm512_load_si512(ilo), idx_hi = _mm512_load_si512(ihi);
+  return {_mm512_load_si512(lo),     _mm512_load_si512(lo + 64),     _mm512_load_si512(hi_pos),
+          _mm512_load_si512(hi_pos + 64), _mm512_load_si512(hi_neg), _mm512_load_si512(hi_neg + 64),
+          _mm512_load_si512(ilo),    _mm512_load_si512(ihi)};
+}
+
+const Fp8Bf16Table& fp8_bf16_table(Fp8Kind kind) {
+  static const Fp8Bf16Table e4m3 = make_fp8_bf16_table(Fp8Kind::E4M3), e5m2 = make_fp8_bf16_table(Fp8Kind::E5M2);
+  return kind == Fp8Kind::E4M3 ? e4m3 : e5m2;
+}
+
+// The bf16 words of 64 codes (lanes past n zero): elements 0-31 in w0, 32-63 in w1.
+ENGINE_INLINE void decode64(const Fp8Bf16Table& t, const uint8_t* codes, int64_t n, __m512i& w0, __m512i& w1) {
+  const __m512i c = _mm512_maskz_loadu_epi8(first64(n), codes);
+  const __m512i l = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
+  const __m512i h = _mm512_mask_blend_epi8(_mm512_movepi8_mask(c), _mm512_permutex2var_epi8(t.hp0, c, t.hp1),
+                                           _mm512_permutex2var_epi8(t.hn0, c, t.hn1));
+  w0 = _mm512_permutex2var_epi8(l, t.idx_lo, h);
+  w1 = _mm512_permutex2var_epi8(l, t.idx_hi, h);
+}
+
+void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end, uint16_t* out) {
+  const Fp8Bf16Table& t = fp8_bf16_table(kind);
   for (int64_t i = begin; i < end; i += 64) {
     const int64_t n = imin(64, end - i);
-    const __m512i c = _mm512_maskz_loadu_epi8(first64(n), codes + i);
-    const __m512i l = _mm512_permutex2var_epi8(lo0, c, lo1);
-    const __m512i h = _mm512_mask_blend_epi8(_mm512_movepi8_mask(c), _mm512_permutex2var_epi8(hp0, c, hp1),
-                                             _mm512_permutex2var_epi8(hn0, c, hn1));
-    const __m512i w0 = _mm512_permutex2var_epi8(l, idx_lo, h);
-    const __m512i w1 = _mm512_permutex2var_epi8(l, idx_hi, h);
+    __m512i w0, w1;
+    decode64(t, codes + i, n, w0, w1);
     if (n == 64) {
       _mm512_storeu_si512(out + i, w0);
       _mm512_storeu_si512(out + i + 32, w1);
@@ -719,28 +737,41 @@ ENGINE_INLINE __m256i scaled16(__m256i h, __m512 s) {
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
 }
 
-// bf16(x * 2^e) for the 32 bf16 lanes of p in m, e in [-126, 127]: exact, so where x is finite and not zero and
-// the result stays normal, x's exponent field moves by e; zeros, infinities and NaNs stay as they are (as the
-// fp32 product gives them: NaNs as 0x7FC0). False, and nothing written, if some lane would leave the normal range.
-ENGINE_INLINE bool shift_exponents32(uint16_t* p, __mmask32 m, int e) {
-  const __m512i x = _mm512_maskz_loadu_epi16(m, p);
-  const __m512i ex = _mm512_and_si512(_mm512_srli_epi16(x, 7), _mm512_set1_epi16(0xFF));
-  const __mmask32 finite = _mm512_cmpneq_epi16_mask(ex, _mm512_setzero_si512()) &
-                           _mm512_cmpneq_epi16_mask(ex, _mm512_set1_epi16(0xFF)) & m;
-  const __m512i shifted = _mm512_add_epi16(ex, _mm512_set1_epi16(static_cast<int16_t>(e)));
-  const __mmask32 normal = _mm512_cmple_epu16_mask(_mm512_sub_epi16(shifted, _mm512_set1_epi16(1)),
-                                                   _mm512_set1_epi16(253));  // 1 <= exponent <= 254
-  if (finite & ~normal) return false;
-  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7FFF)),
-                                                _mm512_set1_epi16(0x7F80)) & m;
-  const __m512i y = _mm512_mask_add_epi16(x, finite, x, _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
-  _mm512_mask_storeu_epi16(p, finite | nan, _mm512_mask_mov_epi16(y, nan, _mm512_set1_epi16(0x7FC0)));
-  return true;
+// bf16(x * s) for 32 bf16 lanes, `shift` = log2(s) when s is a positive normal power of two, else kNoShift.
+// Exact, so where x is finite and not zero and the result stays normal, x's exponent field moves by log2(s);
+// zeros, infinities and NaNs stay as the fp32 product gives them (NaNs as 0x7FC0). A vector with a lane that
+// would leave the normal range, or any s that is not such a power of two, takes the fp32 product.
+constexpr int kNoShift = 1000;
+
+ENGINE_INLINE int pow2_shift(float s) {
+  uint32_t b;
+  std::memcpy(&b, &s, sizeof b);
+  const int biased = static_cast<int>((b >> 23) & 0xFF);
+  return (b & 0x807FFFFFu) == 0 && biased >= 1 && biased <= 254 ? biased - 127 : kNoShift;
 }
 
-// scale_bf16_runs_loop 16 lanes at a time. A run of a multiple of 16 (MXFP8's 32, block scaling's 128)
-// broadcasts its scale, and a scale that is a normal power of two moves exponents instead (the same bits,
-// falling back to the product for a vector that would under- or overflow); run 1 reads one scale per lane;
+ENGINE_INLINE __m512i scaled32(__m512i x, float s, int shift) {
+  if (shift != kNoShift) {
+    const __m512i ex = _mm512_and_si512(_mm512_srli_epi16(x, 7), _mm512_set1_epi16(0xFF));
+    const __mmask32 finite = _mm512_cmpneq_epi16_mask(ex, _mm512_setzero_si512()) &
+                             _mm512_cmpneq_epi16_mask(ex, _mm512_set1_epi16(0xFF));
+    const __m512i shifted = _mm512_add_epi16(ex, _mm512_set1_epi16(static_cast<int16_t>(shift)));
+    const __mmask32 normal = _mm512_cmple_epu16_mask(_mm512_sub_epi16(shifted, _mm512_set1_epi16(1)),
+                                                     _mm512_set1_epi16(253));  // 1 <= exponent <= 254
+    if ((finite & ~normal) == 0) {
+      const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7FFF)),
+                                                    _mm512_set1_epi16(0x7F80));
+      const __m512i y = _mm512_mask_add_epi16(x, finite, x, _mm512_set1_epi16(static_cast<int16_t>(shift * 128)));
+      return _mm512_mask_mov_epi16(y, nan, _mm512_set1_epi16(0x7FC0));
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m256i lo = scaled16(_mm512_castsi512_si256(x), sv), hi = scaled16(_mm512_extracti64x4_epi64(x, 1), sv);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// scale_bf16_runs_loop, vectorised: run 1 reads one scale per 16 lanes; a run that is a multiple of 32 (MXFP8's
+// 32, block scaling's 128) scales 32 lanes at a time (scaled32), one of 16 (NVFP4's) 16 lanes by the product;
 // other runs take the scalar loop.
 void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
   if (run == 1) {
@@ -752,26 +783,54 @@ void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
     scale_bf16_loop(x + i, s + i, n - i);
     return;
   }
-  if (run % 16 != 0) {
+  if (run % 16 == 0 && run % 32 != 0) {  // NVFP4's 16
+    for (int64_t i = 0, t = 0; i < n; i += run, ++t) {
+      const __m512 st = _mm512_set1_ps(s[t]);
+      for (int64_t j = i, end = imin(n, i + run); j < end; j += 16) {
+        const __mmask16 m = first16(end - j);
+        _mm256_mask_storeu_epi16(x + j, m, scaled16(_mm256_maskz_loadu_epi16(m, x + j), st));
+      }
+    }
+    return;
+  }
+  if (run % 32 != 0) {
     scale_bf16_runs_loop(x, s, n, run);
     return;
   }
   for (int64_t i = 0, t = 0; i < n; i += run, ++t) {
-    const __m512 st = _mm512_set1_ps(s[t]);
+    const int shift = pow2_shift(s[t]);
     const int64_t end = imin(n, i + run);
-    uint32_t sb;
-    std::memcpy(&sb, &s[t], sizeof sb);
-    const int biased = static_cast<int>((sb >> 23) & 0xFF);
-    int64_t j = i;
-    if ((sb & 0x807FFFFFu) == 0 && biased >= 1 && biased <= 254) {  // a positive normal power of two
-      for (; j < end; j += 32) {
-        if (!shift_exponents32(x + j, first32(end - j), biased - 127)) break;
-      }
+    for (int64_t j = i; j < end; j += 32) {
+      const __mmask32 m = first32(end - j);
+      _mm512_mask_storeu_epi16(x + j, m, scaled32(_mm512_maskz_loadu_epi16(m, x + j), s[t], shift));
     }
-    for (; j < end; j += 16) {
-      const __mmask16 m = first16(end - j);
-      const __m256i h = _mm256_maskz_loadu_epi16(m, x + j);
-      _mm256_mask_storeu_epi16(x + j, m, scaled16(h, st));
+  }
+}
+
+// fp8_to_bf16 of codes [0, n) and scale_bf16 of the result in one pass (a multiple-of-32 run: in registers).
+void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s, int64_t run) {
+  if (run % 32 != 0) {
+    fp8_to_bf16(codes, kind, 0, n, out);
+    scale_bf16(out, s, n, run);
+    return;
+  }
+  const Fp8Bf16Table& t = fp8_bf16_table(kind);
+  const int64_t halves_per_run = run / 32;
+  int64_t tile = 0, half = 0;  // the run of the current 32 lanes, and which 32 of that run they are
+  float scale = s[0];
+  int shift = pow2_shift(scale);
+  for (int64_t i = 0; i < n; i += 64) {
+    const int64_t len = imin(64, n - i);
+    __m512i w[2];
+    decode64(t, codes + i, len, w[0], w[1]);
+    for (int h = 0; h < 2 && 32 * h < len; ++h) {
+      if (half == halves_per_run) {
+        half = 0;
+        scale = s[++tile];
+        shift = pow2_shift(scale);
+      }
+      ++half;
+      _mm512_mask_storeu_epi16(out + i + 32 * h, first32(len - 32 * h), scaled32(w[h], scale, shift));
     }
   }
 }
@@ -781,7 +840,7 @@ void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
 const Kernels* avx512_kernels() {
   static const Kernels k = {"avx512",         amax_key,   cast,       cast_transpose_region, block_rowwise,
                             block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
-                            scale_bf16};
+                            scale_bf16,       fp8_to_bf16_scaled};
   return &k;
 }
 

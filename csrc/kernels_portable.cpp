@@ -192,9 +192,20 @@ void mx_colwise(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t b
   }
 }
 
+struct Fp8Bf16Table {
+  uint16_t bits[256];
+};
+
+Fp8Bf16Table make_fp8_bf16_table(Fp8Kind kind) {
+  Fp8Bf16Table t;
+  for (int i = 0; i < 256; ++i) t.bits[i] = fp8_to_bf16_bits(static_cast<uint8_t>(i), kind);
+  return t;
+}
+
 void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end, uint16_t* out) {
-  uint16_t table[256];
-  for (int i = 0; i < 256; ++i) table[i] = fp8_to_bf16_bits(static_cast<uint8_t>(i), kind);
+  // built once per format (immutable after)
+  static const Fp8Bf16Table e4m3 = make_fp8_bf16_table(Fp8Kind::E4M3), e5m2 = make_fp8_bf16_table(Fp8Kind::E5M2);
+  const uint16_t* table = (kind == Fp8Kind::E4M3 ? e4m3 : e5m2).bits;
   for (int64_t i = begin; i < end; ++i) out[i] = table[codes[i]];
 }
 
@@ -206,12 +217,17 @@ void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
   }
 }
 
+void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s, int64_t run) {
+  fp8_to_bf16(codes, kind, 0, n, out);
+  scale_bf16(out, s, n, run);
+}
+
 }  // namespace
 
 const Kernels& portable_kernels() {
   static const Kernels k = {"portable",       amax_key,   cast,       cast_transpose_region, block_rowwise,
                             block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
-                            scale_bf16};
+                            scale_bf16,       fp8_to_bf16_scaled};
   return k;
 }
 
