@@ -165,19 +165,54 @@ ENGINE_INLINE void transpose8x8_epi64(const Vi r[8], Vi o[8]) {
   }
 }
 
+// The 8 strips x 64 columns of bytes at src (strip k at src + k * ld, 64-byte aligned) transposed: column c's 8
+// bytes to dst + c * dst_ld, for the first n columns. Three levels of byte / word / dword unpacks: output
+// vector (h, q, p) holds in qword 2L + m (128-bit lane L) column 16L + 8h + 4q + 2p + m.
+ENGINE_INLINE void scales_8x64(const uint8_t* src, int64_t ld, uint8_t* dst, int64_t dst_ld, int64_t n) {
+  Vi r[8], a[2][4], b[2][2][4];
+  for (int k = 0; k < 8; ++k) r[k] = _mm512_load_si512(src + k * ld);
+  for (int k = 0; k < 4; ++k) {
+    a[0][k] = _mm512_unpacklo_epi8(r[2 * k], r[2 * k + 1]);
+    a[1][k] = _mm512_unpackhi_epi8(r[2 * k], r[2 * k + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 2; ++k) {
+      b[h][0][2 * k] = _mm512_unpacklo_epi16(a[h][2 * k], a[h][2 * k + 1]);
+      b[h][1][2 * k] = _mm512_unpackhi_epi16(a[h][2 * k], a[h][2 * k + 1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int q = 0; q < 2; ++q) {
+      for (int p = 0; p < 2; ++p) {
+        const Vi v = p ? _mm512_unpackhi_epi32(b[h][q][0], b[h][q][2]) : _mm512_unpacklo_epi32(b[h][q][0], b[h][q][2]);
+        alignas(64) uint64_t w[8];
+        _mm512_store_si512(w, v);
+        for (int l = 0; l < 4; ++l) {
+          for (int m = 0; m < 2; ++m) {
+            const int64_t c = 16 * l + 8 * h + 4 * q + 2 * p + m;
+            if (c < n) std::memcpy(dst + c * dst_ld, w + 2 * l + m, 8);
+          }
+        }
+      }
+    }
+  }
+}
+
 // The columnwise outputs of the band of kNvfp4BandStrips strips in progress, for every column tile: 8 bytes of
 // packed data and one scale per column and strip, `filled[col_tile]` the strips held. Flushed when the tiles
 // move to the next band (or the thread's range ends): a column tile with all the band's strips leaves as one
 // 64-byte line per column written around the caches (no read for ownership of lines written once, instead of
-// 8 bytes per line per strip), 8 columns at a time by an 8 x 8 transpose of their words; tiles the fallback
-// wrote itself are holes in `filled`.
+// 8 bytes per line per strip), 8 columns at a time by an 8 x 8 transpose of their words, and each column's 8
+// scales as one 8-byte store (scales_8x64 transposes them 64 columns at a time); tiles the fallback wrote
+// itself are holes in `filled`.
 struct Band {
   int64_t first = -1;  // the band's first strip (-1: none)
   int64_t cols = 0;    // the columns, rounded up to whole tiles
   std::unique_ptr<uint64_t[]> line_store;
   uint64_t* lines = nullptr;  // [strip][column slot]: a group of 32 columns in band_cols' order (col_slot; read only
                               // where `filled`: left uninitialised); 64-byte aligned
-  std::unique_ptr<uint8_t[]> scales;  // [column][strip]
+  std::unique_ptr<uint8_t[]> scale_store;
+  uint8_t* scales = nullptr;  // [strip][column] (read only where `filled`); 64-byte aligned
   std::vector<uint32_t> filled;       // [column tile]
 
   explicit Band(const Nvfp4Job& job) {
@@ -186,7 +221,8 @@ struct Band {
     const size_t n = static_cast<size_t>(cols * kNvfp4BandStrips);
     line_store.reset(new uint64_t[n + 8]);
     lines = line_store.get() + ((64 - (reinterpret_cast<uintptr_t>(line_store.get()) & 63)) & 63) / 8;
-    scales.reset(new uint8_t[n]);
+    scale_store.reset(new uint8_t[n + 64]);
+    scales = scale_store.get() + ((64 - (reinterpret_cast<uintptr_t>(scale_store.get()) & 63)) & 63);
     filled.assign(static_cast<size_t>(col_tiles), 0u);
   }
 
@@ -218,20 +254,19 @@ struct Band {
           }
         }
       }
-      for (int64_t c = 0; c < b.w; ++c) {
-        const uint8_t* scale = scales.get() + (b.c0 + c) * kNvfp4BandStrips;
-        if (!whole_lines) {
-          for (int64_t k = 0; k < h; ++k) {
-            if (!(f >> k & 1)) continue;
-            const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
-            std::memcpy(data + c * mp + k * (kB / 2), word(k, b.c0 + c), static_cast<size_t>((rows + 1) / 2));
-          }
+      for (int64_t c = 0; c < b.w && !whole_lines; ++c) {
+        for (int64_t k = 0; k < h; ++k) {
+          if (!(f >> k & 1)) continue;
+          const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
+          std::memcpy(data + c * mp + k * (kB / 2), word(k, b.c0 + c), static_cast<size_t>((rows + 1) / 2));
         }
-        if (all) {
-          std::memcpy(sc + c * nbm, scale, static_cast<size_t>(h));
-        } else {
+      }
+      if (all && h == kNvfp4BandStrips) {
+        for (int64_t c = 0; c < b.w; c += 64) scales_8x64(scales + b.c0 + c, cols, sc + c * nbm, nbm, b.w - c);
+      } else {
+        for (int64_t c = 0; c < b.w; ++c) {
           for (int64_t k = 0; k < h; ++k) {
-            if (f >> k & 1) sc[c * nbm + k] = scale[k];
+            if (f >> k & 1) sc[c * nbm + k] = scales[k * cols + b.c0 + c];
           }
         }
       }
@@ -498,7 +533,7 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
         _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
     }
-    for (int64_t c = 0; c < b.w; ++c) band.scales.get()[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
+    std::memcpy(band.scales + k * band.cols + b.c0, codes, kT);
     clamp = clamp || blocks_need_clamp(keys, col_codes, 8, col_sc);
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
