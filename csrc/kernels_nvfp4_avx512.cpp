@@ -597,9 +597,10 @@ uint32_t x_key_rows(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int
 // to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 15
 // sums and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
 // most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the tensor's
-// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip.
+// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip. `xm` (when x's amax is asked too):
+// raised lane-wise to the |x| bits (as fp32) of the same loads, so that x is read once.
 template <bool BF16>
-ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m) {
+ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m, Vi* xm) {
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4);
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
@@ -607,8 +608,10 @@ ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m) {
     Vf sum_e = _mm512_setzero_ps(), sum_o = _mm512_setzero_ps();
     for (int i = 0; i < 16; ++i) {
       load_pair<BF16>(base + (i < b.rows ? i : 0) * row_bytes, g, i < b.rows ? b.w - 32 * g : 0, e[i], o[i]);
-      sum_e = _mm512_add_ps(sum_e, _mm512_abs_ps(e[i]));
-      sum_o = _mm512_add_ps(sum_o, _mm512_abs_ps(o[i]));
+      const Vf ae = _mm512_abs_ps(e[i]), ao = _mm512_abs_ps(o[i]);
+      sum_e = _mm512_add_ps(sum_e, ae);
+      sum_o = _mm512_add_ps(sum_o, ao);
+      if (xm) *xm = _mm512_max_epu32(*xm, _mm512_max_epu32(bits(ae), bits(ao)));  // (zeros past b.rows, b.w)
     }
     const Vi top = _mm512_set1_epi32(static_cast<int>(_mm512_reduce_max_epu32(m)));
     for (int half = 0; half < 2; ++half) {
@@ -628,22 +631,25 @@ template <bool BF16>
 void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
   const int64_t col_tiles = (job.K + kT - 1) / kT;
   uint32_t xk = 0;
-  Vi ym = _mm512_setzero_si512();
+  Vi ym = _mm512_setzero_si512(), xm = _mm512_setzero_si512();
   // One strip's run of tiles at a time, the last strip first: the quantize pass then starts on the lines read
   // last, which the caches still hold.
   for (int64_t end = u1; end > u0;) {
     const int64_t strip = (end - 1) / col_tiles, u = strip * col_tiles > u0 ? strip * col_tiles : u0;
     const TileBox first = tile_box(job, u), last = tile_box(job, end - 1);
-    if (x_key) {
+    if (x_key && !rht_key) {
       const uint32_t k = x_key_rows<BF16>(job, first.r0, first.r0 + first.rows, first.c0, last.c0 + last.w);
       xk = xk > k ? xk : k;
     }
-    if (rht_key) {
-      for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
+    if (rht_key) {  // x's amax too (when asked) from the same loads: x read once
+      for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym, x_key ? &xm : nullptr);
     }
     end = u;
   }
-  if (x_key) *x_key = xk;
+  if (x_key) {
+    const uint32_t k = static_cast<uint32_t>(_mm512_reduce_max_epu32(xm));  // 0 unless the RHT loop ran
+    *x_key = xk > k ? xk : k;
+  }
   if (rht_key) {
     const uint32_t k = static_cast<uint32_t>(_mm512_reduce_max_epu32(ym));
     *rht_key = k > 0x7F800000u ? 0x7FC00000u : (k + 0x7FFFu + ((k >> 16) & 1u)) & 0xFFFF0000u;  // bf16_round
