@@ -98,11 +98,47 @@ ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
 // The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
 ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
 
-// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs (se, so: sign_bits), e in the low
-// nibble.
-ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so) {
-  const Vi lo = or_and(ce, se, u32(0x08)), hi = or_and(co, so, u32(0x08));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+// Low byte of each lane: the rowwise codes of the pair (e, o) (their low 3 bits) with their signs (se, so:
+// sign_bits), e in the low nibble.
+ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so, Vi low3) {
+  const Vi lo = _mm512_ternarylogic_epi32(low3, ce, se, 0xCA), hi = _mm512_ternarylogic_epi32(low3, co, so, 0xCA);
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));  // (low3 ? c : s: bits 4-7 of se, so are zero)
+}
+
+// ------------------------------------------------------------------------------ stochastic rounding
+// nvfp4_kernels.h e2m1_stochastic of p (finite) with rr = r + 1024 (r the random byte), in the low 3 bits of the
+// result. The header's n = floor(a / step * 256) and code ((n + r) >> 8) + (0, 2, 4), read off fp32 bits: with
+// a = min(|p|, 6) >= 1 (step 2^(e - 128) for exponent field e), bits(a) >> 14 = (e << 9) + floor(mantissa * 512)
+// = n + 512 (e - 126), so ((bits(a) >> 14) + rr) >> 8 = code + 2 (e - 127) + 256 - 2 (e - 127) = code + 256. Below 1
+// (step 0.5) the same on 8 + 8a rounded toward zero (one fma: exact but for the truncation, bits below 2^-9 * 8
+// are dropped, exponent field 130): (130 << 9) + floor(a * 512) = n + 66560, giving code + 264. Both are the code
+// mod 8. Exact: the scalings are by powers of 2, the fma rounds once.
+ENGINE_INLINE Vi e2m1_sr_code(Vf p, Vi rr) {
+  const Vf a = _mm512_range_ps(p, _mm512_set1_ps(6.0f), 0x0A);  // min-abs, sign cleared: min(|p|, 6)
+  const __mmask16 below1 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
+  const Vf f = _mm512_mask_fmadd_round_ps(a, below1, _mm512_set1_ps(8.0f), _mm512_set1_ps(8.0f),
+                                          _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_srli_epi32(bits(f), 14), rr), 8);
+}
+
+// hash32 (nvfp4_kernels.h) of 16 lanes.
+ENGINE_INLINE Vi hash16(Vi v) {
+  v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+  v = _mm512_mullo_epi32(v, u32(0x7FEB352Du));
+  v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 15));
+  v = _mm512_mullo_epi32(v, u32(0x846CA68Bu));
+  return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+}
+
+// rr of e2m1_sr_code: random_byte(lo, hk) + 1024 (the byte's bits below bit 8, bit 10 set).
+ENGINE_INLINE Vi sr_bytes(Vi lo, Vi hk) {
+  return _mm512_ternarylogic_epi32(hash16(_mm512_xor_si512(hash16(lo), hk)), u32(0xFF), u32(0x400), 0xEA);  // a & b | c
+}
+
+// The hi keys of lanes whose low index is lo, of a run whose first low index is lo0 (hk0: of its high half, hk1:
+// of one more, for the lanes past a carry).
+ENGINE_INLINE Vi carried(Vi lo, Vi lo0, Vi hk0, Vi hk1) {
+  return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(lo, lo0), hk0, hk1);
 }
 
 // w shifted up a nibble, the code c with the sign (sv: sign_bits, bit 3) in the low one: rows fed 7..0 leave row
@@ -455,8 +491,9 @@ ENGINE_INLINE void band_cols(Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines
 
 // The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
 // rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
-template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP>
-ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP, bool SR>
+ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines,
+                                  uint32_t rkey) {
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
   const Vi magic = table(kTables.magic), low3 = u32(7);
@@ -465,6 +502,28 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
   const Vi pick1 = _mm512_add_epi32(pick0, u32(8));
   const Vf enc_e = _mm512_load_ps(s.col_enc[g][0]), enc_o = _mm512_load_ps(s.col_enc[g][1]);
   Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+  // SR: the counter indices (nvfp4_sr.random_bits) of the columnwise elements: column c's run of 16 starts at
+  // col_offset + c * M + r0 (lo0, hi keys hk0 / hk1 per parity: columns 32g + 2j + parity), rows add 1 each
+  Vi clo0[2], chk0[2], chk1[2];
+  bool col_carry = false;
+  if (SR && COLS) {
+    alignas(64) uint32_t lo[2][16], k0[2][16], k1[2][16];
+    for (int q = 0; q < 2; ++q) {
+      for (int j = 0; j < 16; ++j) {
+        const uint64_t first = job.col_offset + static_cast<uint64_t>(b.c0 + 32 * g + 2 * j + q) *
+                               static_cast<uint64_t>(job.M) + static_cast<uint64_t>(b.r0);
+        const uint32_t hi = static_cast<uint32_t>(first >> 32);
+        lo[q][j] = static_cast<uint32_t>(first);
+        k0[q][j] = hi_key(hi, rkey);
+        k1[q][j] = hi_key(hi + 1u, rkey);
+        col_carry = col_carry || lo[q][j] > 0xFFFFFFFFu - 15u;
+      }
+      clo0[q] = _mm512_load_si512(lo[q]);
+      chk0[q] = _mm512_load_si512(k0[q]);
+      chk1[q] = _mm512_load_si512(k1[q]);
+    }
+  }
+  const Vi iota2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
     constexpr int i = 15 - decltype(ic)::value;  // rows 15..0: the nibbles of the columnwise words
     Vf e, o;
@@ -473,13 +532,40 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     const Vi se = sign_bits(e), so = sign_bits(o);
     if (ROWS) {
       const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
-      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic), co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
-      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so)));
+      Vi ce, co;
+      if (SR) {  // element (r, c): counter index row_offset + r * K + c; lanes: columns 32g + 2j (+ 1)
+        const uint64_t first = job.row_offset + static_cast<uint64_t>(b.r0 + i) * static_cast<uint64_t>(job.K) +
+                               static_cast<uint64_t>(b.c0 + 32 * g);
+        const uint32_t lo_first = static_cast<uint32_t>(first), hi = static_cast<uint32_t>(first >> 32);
+        const Vi lo0 = u32(lo_first), lo_e = _mm512_add_epi32(lo0, iota2), lo_o = _mm512_add_epi32(lo_e, u32(1));
+        Vi hk_e = u32(hi_key(hi, rkey)), hk_o = hk_e;
+        if (lo_first > 0xFFFFFFFFu - 31u) {  // the run carries into hi + 1
+          const Vi hk1 = u32(hi_key(hi + 1u, rkey));
+          hk_e = carried(lo_e, lo0, hk_e, hk1);
+          hk_o = carried(lo_o, lo0, hk_o, hk1);
+        }
+        ce = e2m1_sr_code(_mm512_mul_ps(e, enc), sr_bytes(lo_e, hk_e));
+        co = e2m1_sr_code(_mm512_mul_ps(o, enc), sr_bytes(lo_o, hk_o));
+      } else {
+        ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic);
+        co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
+      }
+      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g),
+                      _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so, low3)));
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
-      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic),
-               co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
+      Vi ce, co;
+      if (SR) {
+        const Vi lo_e = _mm512_add_epi32(clo0[0], u32(i)), lo_o = _mm512_add_epi32(clo0[1], u32(i));
+        const Vi hk_e = col_carry ? carried(lo_e, clo0[0], chk0[0], chk1[0]) : chk0[0];
+        const Vi hk_o = col_carry ? carried(lo_o, clo0[1], chk0[1], chk1[1]) : chk0[1];
+        ce = e2m1_sr_code(_mm512_mul_ps(ye, enc_e), sr_bytes(lo_e, hk_e));
+        co = e2m1_sr_code(_mm512_mul_ps(yo, enc_o), sr_bytes(lo_o, hk_o));
+      } else {
+        ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic);
+        co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
+      }
       w[i / 8][0] = push_nibble(w[i / 8][0], ce, RHT ? sign_bits(ye) : se, low3);
       w[i / 8][1] = push_nibble(w[i / 8][1], co, RHT ? sign_bits(yo) : so, low3);
     }
@@ -487,11 +573,11 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
   if (COLS) band_cols(w[0][0], w[1][0], w[0][1], w[1][1], lines);
 }
 
-// Both usages of one tile, round to nearest even, 1x16 blocks; false (nothing written) if it holds an inf or
-// NaN (those take quantize_tile).
-template <bool BF16, bool ROWS, bool COLS, bool RHT>
+// Both usages of one tile, 1x16 blocks, round to nearest even or stochastic (SR, with the seed's key rkey);
+// false (nothing written) if it holds an inf or NaN (those take quantize_tile).
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR>
 bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, const Scales& row_sc,
-               const Scales& col_sc) {
+               const Scales& col_sc, uint32_t rkey) {
   Vi col_key[4][2];
   if (!x_keys<BF16>(job, b, s, col_key)) return false;
   const int64_t k = b.r0 / kB - band.first;  // the strip within the band
@@ -538,10 +624,12 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
     uint64_t* lines = band.lines + k * band.cols + b.c0 + 32 * g;
-    if (clamp) {
-      quantize_group<BF16, ROWS, COLS, RHT, true>(job, b, s, g, lines);
+    if (SR) {
+      quantize_group<BF16, ROWS, COLS, RHT, true, true>(job, b, s, g, lines, rkey);
+    } else if (clamp) {
+      quantize_group<BF16, ROWS, COLS, RHT, true, false>(job, b, s, g, lines, rkey);
     } else {
-      quantize_group<BF16, ROWS, COLS, RHT, false>(job, b, s, g, lines);
+      quantize_group<BF16, ROWS, COLS, RHT, false, false>(job, b, s, g, lines, rkey);
     }
   }
   if (ROWS) {
@@ -656,7 +744,7 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
   }
 }
 
-template <bool BF16, bool ROWS, bool COLS, bool RHT>
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR>
 void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) FastTile s;
   alignas(64) float t[kB][kT];
@@ -664,6 +752,7 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   const bool cols = COLS;
   Band band(job);
   const Scales row_sc(job.row_amax), col_sc(job.col_amax);
+  const uint32_t rkey = seed_key(job.seed);
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
     const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
@@ -671,23 +760,25 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
       band.flush(job);
       band.first = first;
     }
-    if (fast_tile<BF16, ROWS, COLS, RHT>(job, b, s, band, row_sc, col_sc)) {
+    if (fast_tile<BF16, ROWS, COLS, RHT, SR>(job, b, s, band, row_sc, col_sc, rkey)) {
       if (cols) band.filled[static_cast<size_t>(b.c0 / kT)] |= 1u << (strip - first);
     } else {
-      quantize_tile<BF16, false>(job, b, t, y, 0);
+      quantize_tile<BF16, SR>(job, b, t, y, rkey);
     }
   }
   if (cols) band.flush(job);
   _mm_sfence();  // the streamed lines are visible before the threads join
 }
 
-template <bool BF16>
+template <bool BF16, bool SR>
 void quantize_fast_usages(const Nvfp4Job& job, int64_t u0, int64_t u1) {
-  if (!job.col_data) return quantize_fast<BF16, true, false, false>(job, u0, u1);
+  if (!job.col_data) return quantize_fast<BF16, true, false, false, SR>(job, u0, u1);
   if (!job.row_data) {
-    return job.rht ? quantize_fast<BF16, false, true, true>(job, u0, u1) : quantize_fast<BF16, false, true, false>(job, u0, u1);
+    return job.rht ? quantize_fast<BF16, false, true, true, SR>(job, u0, u1)
+                   : quantize_fast<BF16, false, true, false, SR>(job, u0, u1);
   }
-  return job.rht ? quantize_fast<BF16, true, true, true>(job, u0, u1) : quantize_fast<BF16, true, true, false>(job, u0, u1);
+  return job.rht ? quantize_fast<BF16, true, true, true, SR>(job, u0, u1)
+                 : quantize_fast<BF16, true, true, false, SR>(job, u0, u1);
 }
 
 }  // namespace
@@ -698,7 +789,10 @@ void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_k
 }
 
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
-  if (!job.sr && !job.two_d) return job.bf16 ? quantize_fast_usages<true>(job, u0, u1) : quantize_fast_usages<false>(job, u0, u1);
+  if (!job.two_d) {
+    if (job.bf16) return job.sr ? quantize_fast_usages<true, true>(job, u0, u1) : quantize_fast_usages<true, false>(job, u0, u1);
+    return job.sr ? quantize_fast_usages<false, true>(job, u0, u1) : quantize_fast_usages<false, false>(job, u0, u1);
+  }
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
   return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
 }
