@@ -90,10 +90,10 @@ void parallel_tiles(int64_t elements, int64_t units, const F& f) {
 
 // (row data, row E4M3 scales, row amax, col data, col scales, col amax); an unrequested usage gives empty
 // tensors (or its out_* buffers, of shape [0, 0] then) and an undefined amax. `out_*`: the caller's buffers
-// for the outputs (see `output`), none sharing memory with x or with another. `amax` / `amax_t`: given fp32 amaxes (returned as given), else x's own
-// (of the RHT output for an RHT'd columnwise usage). `counter`: the int64 (seed, offset) of stochastic
-// rounding, read here (the caller advances it), or none for round-to-nearest-even. `isa`: "avx512" or
-// "portable" (engine.ops.native.isa()).
+// for the outputs (see `output`), none sharing memory with x or with another. `amax` / `amax_t`: given fp32
+// amaxes (returned as given), else x's own (of the RHT output for an RHT'd columnwise usage). `counter`: the
+// int64 (seed, offset) of stochastic rounding, read here (the caller advances it), or none for
+// round-to-nearest-even. `isa`: "avx512" or "portable" (engine.ops.native.isa()).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
     const Tensor& x_in, bool rowwise, bool columnwise, bool two_d, bool rht, const optional<Tensor>& amax,
     const optional<Tensor>& amax_t, const optional<Tensor>& counter, const std::string& isa,

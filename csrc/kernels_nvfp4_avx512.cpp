@@ -1,7 +1,7 @@
 // The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL) by the target pragma below, whatever flags the build
 // uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
-// is compiled here too, for what the fast path below does not take: stochastic rounding, 2D tiles, and tiles
-// holding an inf or NaN. The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
+// is compiled here too, for what the fast path below does not take: 2D tiles and tiles holding an inf or NaN.
+// The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
 //             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the 16 sums
 //             share their common prefixes, same operations in the same order) into an fp32 tile y;
@@ -10,8 +10,10 @@
 //             normal and unsaturated takes the element loop without the clamp at 6 (Scales::clamp_free_key);
 //   elements: x re-read a 32-column group at a time, each 32-bit lane holding the bf16 pair (2j, 2j + 1) split
 //             into an even and an odd fp32 vector (fp32 inputs: two permutes); each product is rounded by the
-//             header's magic-number sum (e2m1_code3) for both usages, the rowwise nibble pairs leave as bytes
-//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15),
+//             header's magic-number sum (e2m1_code3) for both usages (stochastic rounding: the counter's random
+//             bytes hashed 16 lanes at a time, e2m1_sr_code reading the grid step off the fp32 bits), the
+//             rowwise nibble pairs leave as bytes (vpmovdb) and the columnwise nibbles gather in two 32-bit words
+//             per column (rows 0-7, 8-15),
 //             stored per strip in the band buffer and transposed 8 x 8 into 64-byte column lines at its flush.
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
 #include <cmath>
@@ -790,7 +792,9 @@ void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_k
 
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   if (!job.two_d) {
-    if (job.bf16) return job.sr ? quantize_fast_usages<true, true>(job, u0, u1) : quantize_fast_usages<true, false>(job, u0, u1);
+    if (job.bf16) {
+      return job.sr ? quantize_fast_usages<true, true>(job, u0, u1) : quantize_fast_usages<true, false>(job, u0, u1);
+    }
     return job.sr ? quantize_fast_usages<false, true>(job, u0, u1) : quantize_fast_usages<false, false>(job, u0, u1);
   }
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
