@@ -3,7 +3,8 @@
     python benchmarks/bench_nvfp4.py [--size 4096 4096] [--dtype bf16] [--threads 1,2] [--isa auto]
 
 For each variant (both usages; plain or with the RHT'd columnwise usage; round-to-nearest or stochastic
-rounding) the per-call thread CPU time of the C++ kernel with fresh outputs (what a quantizer call does),
+rounding) the per-call thread CPU time of the C++ kernel as a quantizer calls it (no out_* buffers: the
+packed data land in idle reused buffers, `engine.memory.output_buffer`, the scales in fresh memory),
 the least over interleaved blocks (`common.least_disturbed_cpu_seconds`: the machine is shared), next to
 `y.copy_(x)` measured the same way. Bytes counted: x read once, each usage's packed data and E4M3 scales
 written once. "of copy_" is the kernel's bandwidth as a fraction of copy_'s (2 * x's bytes per call).
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     with native.use_isa(args.isa):
         for threads in (int(t) for t in args.threads.split(",")):
             rows += run(m, k, DTYPES[args.dtype], threads, args.blocks, args.calls)
-        print(f"NVFP4 quantize {m}x{k} {args.dtype}, kernels: {native.isa()}, fresh outputs, thread CPU time "
-              f"(least of {args.blocks} interleaved blocks of {args.calls} calls)")
+        print(f"NVFP4 quantize {m}x{k} {args.dtype}, kernels: {native.isa()}, outputs as a quantizer gets them, "
+              f"thread CPU time (least of {args.blocks} interleaved blocks of {args.calls} calls)")
     print_table(["threads", "variant", "ms", "GB/s", "of copy_"], rows)
     return 0
 

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -55,8 +56,17 @@ Tensor amax_tensor(uint32_t key) {
   return out;
 }
 
-Tensor bytes(int64_t rows, int64_t cols) {
-  return at::empty({rows, cols}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+// A [rows, cols] uint8 output: fresh, or the caller's buffer (reused across calls: no page faults of fresh
+// memory), which must be a contiguous uint8 tensor of exactly that shape.
+Tensor output(const optional<Tensor>& given, int64_t rows, int64_t cols, const char* name) {
+  if (!given.has_value()) return at::empty({rows, cols}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  const Tensor& t = *given;
+  check_plain(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kByte, name, ": expected a uint8 tensor, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, ": expected shape [", rows, ", ",
+                    cols, "], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
+  return t;
 }
 
 // Calls f(u0, u1) on one contiguous chunk of the tiles per thread (small jobs stay on the calling thread).
@@ -79,13 +89,16 @@ void parallel_tiles(int64_t elements, int64_t units, const F& f) {
 }
 
 // (row data, row E4M3 scales, row amax, col data, col scales, col amax); an unrequested usage gives empty
-// tensors and an undefined amax. `amax` / `amax_t`: given fp32 amaxes (returned as given), else x's own
-// (of the RHT output for an RHT'd columnwise usage). `counter`: the int64 (seed, offset) of stochastic
-// rounding, read here (the caller advances it), or none for round-to-nearest-even. `isa`: "avx512" or
-// "portable" (engine.ops.native.isa()).
+// tensors (or its out_* buffers, of shape [0, 0] then) and an undefined amax. `out_*`: the caller's buffers
+// for the outputs (see `output`), none sharing memory with x or with another. `amax` / `amax_t`: given fp32
+// amaxes (returned as given), else x's own (of the RHT output for an RHT'd columnwise usage). `counter`: the
+// int64 (seed, offset) of stochastic rounding, read here (the caller advances it), or none for
+// round-to-nearest-even. `isa`: "avx512" or "portable" (engine.ops.native.isa()).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
     const Tensor& x_in, bool rowwise, bool columnwise, bool two_d, bool rht, const optional<Tensor>& amax,
-    const optional<Tensor>& amax_t, const optional<Tensor>& counter, const std::string& isa) {
+    const optional<Tensor>& amax_t, const optional<Tensor>& counter, const std::string& isa,
+    const optional<Tensor>& out_row_data, const optional<Tensor>& out_row_scales, const optional<Tensor>& out_col_data,
+    const optional<Tensor>& out_col_scales) {
   NoPythonDispatch no_python;
   check_plain(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected the 2D view, got ", x_in.dim(), " dims");
@@ -109,10 +122,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
     offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
   }
   const bool avx512 = isa == "avx512" && nvfp4_avx512::compiled() && cpu_has_avx512();
-  Tensor row_data = bytes(rowwise ? M : 0, rowwise ? (K + 1) / 2 : 0);
-  Tensor row_scales = bytes(rowwise ? M : 0, rowwise ? (K + kNvfp4Block - 1) / kNvfp4Block : 0);
-  Tensor col_data = bytes(columnwise ? K : 0, columnwise ? (M + 1) / 2 : 0);
-  Tensor col_scales = bytes(columnwise ? K : 0, columnwise ? (M + kNvfp4Block - 1) / kNvfp4Block : 0);
+  Tensor row_data = output(out_row_data, rowwise ? M : 0, rowwise ? (K + 1) / 2 : 0, "out_row_data");
+  Tensor row_scales = output(out_row_scales, rowwise ? M : 0, rowwise ? (K + kNvfp4Block - 1) / kNvfp4Block : 0,
+                             "out_row_scales");
+  Tensor col_data = output(out_col_data, columnwise ? K : 0, columnwise ? (M + 1) / 2 : 0, "out_col_data");
+  Tensor col_scales = output(out_col_scales, columnwise ? K : 0,
+                             columnwise ? (M + kNvfp4Block - 1) / kNvfp4Block : 0, "out_col_scales");
+  const std::pair<const Tensor*, const char*> outs[] = {
+      {&row_data, "out_row_data"}, {&row_scales, "out_row_scales"}, {&col_data, "out_col_data"},
+      {&col_scales, "out_col_scales"}};
+  for (size_t i = 0; i < 4; ++i) {
+    const Tensor& t = *outs[i].first;
+    if (t.numel() == 0) continue;
+    TORCH_CHECK_VALUE(x_in.numel() == 0 || !t.storage().is_alias_of(x_in.storage()), outs[i].second,
+                      ": shares memory with x; pass a separate buffer");
+    for (size_t j = 0; j < i; ++j) {
+      const Tensor& u = *outs[j].first;
+      TORCH_CHECK_VALUE(u.numel() == 0 || !t.storage().is_alias_of(u.storage()), outs[i].second, " and ",
+                        outs[j].second, ": the same memory; pass separate buffers");
+    }
+  }
   Tensor row_amax, col_amax;
   float row_a = 0.0f, col_a = 0.0f;
   if (rowwise && amax.has_value()) {
@@ -179,6 +208,8 @@ void register_nvfp4(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("quantize_nvfp4", &nvfp4_glue::quantize, py::arg("x2d"), py::arg("rowwise"), py::arg("columnwise"),
         py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"), py::arg("isa"),
+        py::arg("out_row_data") = py::none(), py::arg("out_row_scales") = py::none(),
+        py::arg("out_col_data") = py::none(), py::arg("out_col_scales") = py::none(),
         "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax)");
 }
 

@@ -1,7 +1,7 @@
 // The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL) by the target pragma below, whatever flags the build
 // uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
-// is compiled here too, for what the fast path below does not take: stochastic rounding, 2D tiles, and tiles
-// holding an inf or NaN. The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
+// is compiled here too, for what the fast path below does not take: 2D tiles and tiles holding an inf or NaN.
+// The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
 //             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the 16 sums
 //             share their common prefixes, same operations in the same order) into an fp32 tile y;
@@ -10,8 +10,10 @@
 //             normal and unsaturated takes the element loop without the clamp at 6 (Scales::clamp_free_key);
 //   elements: x re-read a 32-column group at a time, each 32-bit lane holding the bf16 pair (2j, 2j + 1) split
 //             into an even and an odd fp32 vector (fp32 inputs: two permutes); each product is rounded by the
-//             header's magic-number sum (e2m1_code3) for both usages, the rowwise nibble pairs leave as bytes
-//             (vpmovdb) and the columnwise nibbles gather in two 32-bit words per column (rows 0-7, 8-15),
+//             header's magic-number sum (e2m1_code3) for both usages (stochastic rounding: the counter's random
+//             bytes hashed 16 lanes at a time, e2m1_sr_code reading the grid step off the fp32 bits), the
+//             rowwise nibble pairs leave as bytes (vpmovdb) and the columnwise nibbles gather in two 32-bit words
+//             per column (rows 0-7, 8-15),
 //             stored per strip in the band buffer and transposed 8 x 8 into 64-byte column lines at its flush.
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
 #include <cmath>
@@ -98,11 +100,47 @@ ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
 // The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
 ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
 
-// Low byte of each lane: the rowwise codes of the pair (e, o) with their signs (se, so: sign_bits), e in the low
-// nibble.
-ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so) {
-  const Vi lo = or_and(ce, se, u32(0x08)), hi = or_and(co, so, u32(0x08));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+// Low byte of each lane: the rowwise codes of the pair (e, o) (their low 3 bits) with their signs (se, so:
+// sign_bits), e in the low nibble.
+ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so, Vi low3) {
+  const Vi lo = _mm512_ternarylogic_epi32(low3, ce, se, 0xCA), hi = _mm512_ternarylogic_epi32(low3, co, so, 0xCA);
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));  // (low3 ? c : s: bits 4-7 of se, so are zero)
+}
+
+// ------------------------------------------------------------------------------ stochastic rounding
+// nvfp4_kernels.h e2m1_stochastic of p (finite) with rr = r + 1024 (r the random byte), in the low 3 bits of the
+// result. The header's n = floor(a / step * 256) and code ((n + r) >> 8) + (0, 2, 4), read off fp32 bits: with
+// a = min(|p|, 6) >= 1 (step 2^(e - 128) for exponent field e), bits(a) >> 14 = (e << 9) + floor(mantissa * 512)
+// = n + 512 (e - 126), so ((bits(a) >> 14) + rr) >> 8 = code + 2 (e - 127) + 256 - 2 (e - 127) = code + 256. Below 1
+// (step 0.5) the same on 8 + 8a rounded toward zero (one fma: exact but for the truncation, bits below 2^-9 * 8
+// are dropped, exponent field 130): (130 << 9) + floor(a * 512) = n + 66560, giving code + 264. Both are the code
+// mod 8. Exact: the scalings are by powers of 2, the fma rounds once.
+ENGINE_INLINE Vi e2m1_sr_code(Vf p, Vi rr) {
+  const Vf a = _mm512_range_ps(p, _mm512_set1_ps(6.0f), 0x0A);  // min-abs, sign cleared: min(|p|, 6)
+  const __mmask16 below1 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
+  const Vf f = _mm512_mask_fmadd_round_ps(a, below1, _mm512_set1_ps(8.0f), _mm512_set1_ps(8.0f),
+                                          _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_srli_epi32(bits(f), 14), rr), 8);
+}
+
+// hash32 (nvfp4_kernels.h) of 16 lanes.
+ENGINE_INLINE Vi hash16(Vi v) {
+  v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+  v = _mm512_mullo_epi32(v, u32(0x7FEB352Du));
+  v = _mm512_xor_si512(v, _mm512_srli_epi32(v, 15));
+  v = _mm512_mullo_epi32(v, u32(0x846CA68Bu));
+  return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
+}
+
+// rr of e2m1_sr_code: random_byte(lo, hk) + 1024 (the byte's bits below bit 8, bit 10 set).
+ENGINE_INLINE Vi sr_bytes(Vi lo, Vi hk) {
+  return _mm512_ternarylogic_epi32(hash16(_mm512_xor_si512(hash16(lo), hk)), u32(0xFF), u32(0x400), 0xEA);  // a & b | c
+}
+
+// The hi keys of lanes whose low index is lo, of a run whose first low index is lo0 (hk0: of its high half, hk1:
+// of one more, for the lanes past a carry).
+ENGINE_INLINE Vi carried(Vi lo, Vi lo0, Vi hk0, Vi hk1) {
+  return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(lo, lo0), hk0, hk1);
 }
 
 // w shifted up a nibble, the code c with the sign (sv: sign_bits, bit 3) in the low one: rows fed 7..0 leave row
@@ -165,19 +203,54 @@ ENGINE_INLINE void transpose8x8_epi64(const Vi r[8], Vi o[8]) {
   }
 }
 
+// The 8 strips x 64 columns of bytes at src (strip k at src + k * ld, 64-byte aligned) transposed: column c's 8
+// bytes to dst + c * dst_ld, for the first n columns. Three levels of byte / word / dword unpacks: output
+// vector (h, q, p) holds in qword 2L + m (128-bit lane L) column 16L + 8h + 4q + 2p + m.
+ENGINE_INLINE void scales_8x64(const uint8_t* src, int64_t ld, uint8_t* dst, int64_t dst_ld, int64_t n) {
+  Vi r[8], a[2][4], b[2][2][4];
+  for (int k = 0; k < 8; ++k) r[k] = _mm512_load_si512(src + k * ld);
+  for (int k = 0; k < 4; ++k) {
+    a[0][k] = _mm512_unpacklo_epi8(r[2 * k], r[2 * k + 1]);
+    a[1][k] = _mm512_unpackhi_epi8(r[2 * k], r[2 * k + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 2; ++k) {
+      b[h][0][2 * k] = _mm512_unpacklo_epi16(a[h][2 * k], a[h][2 * k + 1]);
+      b[h][1][2 * k] = _mm512_unpackhi_epi16(a[h][2 * k], a[h][2 * k + 1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int q = 0; q < 2; ++q) {
+      for (int p = 0; p < 2; ++p) {
+        const Vi v = p ? _mm512_unpackhi_epi32(b[h][q][0], b[h][q][2]) : _mm512_unpacklo_epi32(b[h][q][0], b[h][q][2]);
+        alignas(64) uint64_t w[8];
+        _mm512_store_si512(w, v);
+        for (int l = 0; l < 4; ++l) {
+          for (int m = 0; m < 2; ++m) {
+            const int64_t c = 16 * l + 8 * h + 4 * q + 2 * p + m;
+            if (c < n) std::memcpy(dst + c * dst_ld, w + 2 * l + m, 8);
+          }
+        }
+      }
+    }
+  }
+}
+
 // The columnwise outputs of the band of kNvfp4BandStrips strips in progress, for every column tile: 8 bytes of
 // packed data and one scale per column and strip, `filled[col_tile]` the strips held. Flushed when the tiles
 // move to the next band (or the thread's range ends): a column tile with all the band's strips leaves as one
 // 64-byte line per column written around the caches (no read for ownership of lines written once, instead of
-// 8 bytes per line per strip), 8 columns at a time by an 8 x 8 transpose of their words; tiles the fallback
-// wrote itself are holes in `filled`.
+// 8 bytes per line per strip), 8 columns at a time by an 8 x 8 transpose of their words, and each column's 8
+// scales as one 8-byte store (scales_8x64 transposes them 64 columns at a time); tiles the fallback wrote
+// itself are holes in `filled`.
 struct Band {
   int64_t first = -1;  // the band's first strip (-1: none)
   int64_t cols = 0;    // the columns, rounded up to whole tiles
   std::unique_ptr<uint64_t[]> line_store;
   uint64_t* lines = nullptr;  // [strip][column slot]: a group of 32 columns in band_cols' order (col_slot; read only
                               // where `filled`: left uninitialised); 64-byte aligned
-  std::unique_ptr<uint8_t[]> scales;  // [column][strip]
+  std::unique_ptr<uint8_t[]> scale_store;
+  uint8_t* scales = nullptr;  // [strip][column] (read only where `filled`); 64-byte aligned
   std::vector<uint32_t> filled;       // [column tile]
 
   explicit Band(const Nvfp4Job& job) {
@@ -186,7 +259,8 @@ struct Band {
     const size_t n = static_cast<size_t>(cols * kNvfp4BandStrips);
     line_store.reset(new uint64_t[n + 8]);
     lines = line_store.get() + ((64 - (reinterpret_cast<uintptr_t>(line_store.get()) & 63)) & 63) / 8;
-    scales.reset(new uint8_t[n]);
+    scale_store.reset(new uint8_t[n + 64]);
+    scales = scale_store.get() + ((64 - (reinterpret_cast<uintptr_t>(scale_store.get()) & 63)) & 63);
     filled.assign(static_cast<size_t>(col_tiles), 0u);
   }
 
@@ -218,20 +292,19 @@ struct Band {
           }
         }
       }
-      for (int64_t c = 0; c < b.w; ++c) {
-        const uint8_t* scale = scales.get() + (b.c0 + c) * kNvfp4BandStrips;
-        if (!whole_lines) {
-          for (int64_t k = 0; k < h; ++k) {
-            if (!(f >> k & 1)) continue;
-            const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
-            std::memcpy(data + c * mp + k * (kB / 2), word(k, b.c0 + c), static_cast<size_t>((rows + 1) / 2));
-          }
+      for (int64_t c = 0; c < b.w && !whole_lines; ++c) {
+        for (int64_t k = 0; k < h; ++k) {
+          if (!(f >> k & 1)) continue;
+          const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
+          std::memcpy(data + c * mp + k * (kB / 2), word(k, b.c0 + c), static_cast<size_t>((rows + 1) / 2));
         }
-        if (all) {
-          std::memcpy(sc + c * nbm, scale, static_cast<size_t>(h));
-        } else {
+      }
+      if (all && h == kNvfp4BandStrips) {
+        for (int64_t c = 0; c < b.w; c += 64) scales_8x64(scales + b.c0 + c, cols, sc + c * nbm, nbm, b.w - c);
+      } else {
+        for (int64_t c = 0; c < b.w; ++c) {
           for (int64_t k = 0; k < h; ++k) {
-            if (f >> k & 1) sc[c * nbm + k] = scale[k];
+            if (f >> k & 1) sc[c * nbm + k] = scales[k * cols + b.c0 + c];
           }
         }
       }
@@ -420,8 +493,9 @@ ENGINE_INLINE void band_cols(Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines
 
 // The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
 // rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
-template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP>
-ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines) {
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP, bool SR>
+ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines,
+                                  uint32_t rkey) {
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
   const Vi magic = table(kTables.magic), low3 = u32(7);
@@ -430,6 +504,28 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
   const Vi pick1 = _mm512_add_epi32(pick0, u32(8));
   const Vf enc_e = _mm512_load_ps(s.col_enc[g][0]), enc_o = _mm512_load_ps(s.col_enc[g][1]);
   Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+  // SR: the counter indices (nvfp4_sr.random_bits) of the columnwise elements: column c's run of 16 starts at
+  // col_offset + c * M + r0 (lo0, hi keys hk0 / hk1 per parity: columns 32g + 2j + parity), rows add 1 each
+  Vi clo0[2], chk0[2], chk1[2];
+  bool col_carry = false;
+  if (SR && COLS) {
+    alignas(64) uint32_t lo[2][16], k0[2][16], k1[2][16];
+    for (int q = 0; q < 2; ++q) {
+      for (int j = 0; j < 16; ++j) {
+        const uint64_t first = job.col_offset + static_cast<uint64_t>(b.c0 + 32 * g + 2 * j + q) *
+                               static_cast<uint64_t>(job.M) + static_cast<uint64_t>(b.r0);
+        const uint32_t hi = static_cast<uint32_t>(first >> 32);
+        lo[q][j] = static_cast<uint32_t>(first);
+        k0[q][j] = hi_key(hi, rkey);
+        k1[q][j] = hi_key(hi + 1u, rkey);
+        col_carry = col_carry || lo[q][j] > 0xFFFFFFFFu - 15u;
+      }
+      clo0[q] = _mm512_load_si512(lo[q]);
+      chk0[q] = _mm512_load_si512(k0[q]);
+      chk1[q] = _mm512_load_si512(k1[q]);
+    }
+  }
+  const Vi iota2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
     constexpr int i = 15 - decltype(ic)::value;  // rows 15..0: the nibbles of the columnwise words
     Vf e, o;
@@ -438,13 +534,40 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     const Vi se = sign_bits(e), so = sign_bits(o);
     if (ROWS) {
       const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
-      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic), co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
-      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g), _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so)));
+      Vi ce, co;
+      if (SR) {  // element (r, c): counter index row_offset + r * K + c; lanes: columns 32g + 2j (+ 1)
+        const uint64_t first = job.row_offset + static_cast<uint64_t>(b.r0 + i) * static_cast<uint64_t>(job.K) +
+                               static_cast<uint64_t>(b.c0 + 32 * g);
+        const uint32_t lo_first = static_cast<uint32_t>(first), hi = static_cast<uint32_t>(first >> 32);
+        const Vi lo0 = u32(lo_first), lo_e = _mm512_add_epi32(lo0, iota2), lo_o = _mm512_add_epi32(lo_e, u32(1));
+        Vi hk_e = u32(hi_key(hi, rkey)), hk_o = hk_e;
+        if (lo_first > 0xFFFFFFFFu - 31u) {  // the run carries into hi + 1
+          const Vi hk1 = u32(hi_key(hi + 1u, rkey));
+          hk_e = carried(lo_e, lo0, hk_e, hk1);
+          hk_o = carried(lo_o, lo0, hk_o, hk1);
+        }
+        ce = e2m1_sr_code(_mm512_mul_ps(e, enc), sr_bytes(lo_e, hk_e));
+        co = e2m1_sr_code(_mm512_mul_ps(o, enc), sr_bytes(lo_o, hk_o));
+      } else {
+        ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic);
+        co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
+      }
+      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g),
+                      _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so, low3)));
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
-      const Vi ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic),
-               co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
+      Vi ce, co;
+      if (SR) {
+        const Vi lo_e = _mm512_add_epi32(clo0[0], u32(i)), lo_o = _mm512_add_epi32(clo0[1], u32(i));
+        const Vi hk_e = col_carry ? carried(lo_e, clo0[0], chk0[0], chk1[0]) : chk0[0];
+        const Vi hk_o = col_carry ? carried(lo_o, clo0[1], chk0[1], chk1[1]) : chk0[1];
+        ce = e2m1_sr_code(_mm512_mul_ps(ye, enc_e), sr_bytes(lo_e, hk_e));
+        co = e2m1_sr_code(_mm512_mul_ps(yo, enc_o), sr_bytes(lo_o, hk_o));
+      } else {
+        ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic);
+        co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);
+      }
       w[i / 8][0] = push_nibble(w[i / 8][0], ce, RHT ? sign_bits(ye) : se, low3);
       w[i / 8][1] = push_nibble(w[i / 8][1], co, RHT ? sign_bits(yo) : so, low3);
     }
@@ -452,11 +575,11 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
   if (COLS) band_cols(w[0][0], w[1][0], w[0][1], w[1][1], lines);
 }
 
-// Both usages of one tile, round to nearest even, 1x16 blocks; false (nothing written) if it holds an inf or
-// NaN (those take quantize_tile).
-template <bool BF16, bool ROWS, bool COLS, bool RHT>
+// Both usages of one tile, 1x16 blocks, round to nearest even or stochastic (SR, with the seed's key rkey);
+// false (nothing written) if it holds an inf or NaN (those take quantize_tile).
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR>
 bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, const Scales& row_sc,
-               const Scales& col_sc) {
+               const Scales& col_sc, uint32_t rkey) {
   Vi col_key[4][2];
   if (!x_keys<BF16>(job, b, s, col_key)) return false;
   const int64_t k = b.r0 / kB - band.first;  // the strip within the band
@@ -498,15 +621,17 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
         _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
     }
-    for (int64_t c = 0; c < b.w; ++c) band.scales.get()[(b.c0 + c) * kNvfp4BandStrips + k] = codes[c];
+    std::memcpy(band.scales + k * band.cols + b.c0, codes, kT);
     clamp = clamp || blocks_need_clamp(keys, col_codes, 8, col_sc);
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
     uint64_t* lines = band.lines + k * band.cols + b.c0 + 32 * g;
-    if (clamp) {
-      quantize_group<BF16, ROWS, COLS, RHT, true>(job, b, s, g, lines);
+    if (SR) {
+      quantize_group<BF16, ROWS, COLS, RHT, true, true>(job, b, s, g, lines, rkey);
+    } else if (clamp) {
+      quantize_group<BF16, ROWS, COLS, RHT, true, false>(job, b, s, g, lines, rkey);
     } else {
-      quantize_group<BF16, ROWS, COLS, RHT, false>(job, b, s, g, lines);
+      quantize_group<BF16, ROWS, COLS, RHT, false, false>(job, b, s, g, lines, rkey);
     }
   }
   if (ROWS) {
@@ -562,9 +687,10 @@ uint32_t x_key_rows(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int
 // to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 15
 // sums and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
 // most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the tensor's
-// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip.
+// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip. `xm` (when x's amax is asked too):
+// raised lane-wise to the |x| bits (as fp32) of the same loads, so that x is read once.
 template <bool BF16>
-ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m) {
+ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m, Vi* xm) {
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4);
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
@@ -572,8 +698,10 @@ ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m) {
     Vf sum_e = _mm512_setzero_ps(), sum_o = _mm512_setzero_ps();
     for (int i = 0; i < 16; ++i) {
       load_pair<BF16>(base + (i < b.rows ? i : 0) * row_bytes, g, i < b.rows ? b.w - 32 * g : 0, e[i], o[i]);
-      sum_e = _mm512_add_ps(sum_e, _mm512_abs_ps(e[i]));
-      sum_o = _mm512_add_ps(sum_o, _mm512_abs_ps(o[i]));
+      const Vf ae = _mm512_abs_ps(e[i]), ao = _mm512_abs_ps(o[i]);
+      sum_e = _mm512_add_ps(sum_e, ae);
+      sum_o = _mm512_add_ps(sum_o, ao);
+      if (xm) *xm = _mm512_max_epu32(*xm, _mm512_max_epu32(bits(ae), bits(ao)));  // (zeros past b.rows, b.w)
     }
     const Vi top = _mm512_set1_epi32(static_cast<int>(_mm512_reduce_max_epu32(m)));
     for (int half = 0; half < 2; ++half) {
@@ -593,29 +721,32 @@ template <bool BF16>
 void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
   const int64_t col_tiles = (job.K + kT - 1) / kT;
   uint32_t xk = 0;
-  Vi ym = _mm512_setzero_si512();
+  Vi ym = _mm512_setzero_si512(), xm = _mm512_setzero_si512();
   // One strip's run of tiles at a time, the last strip first: the quantize pass then starts on the lines read
   // last, which the caches still hold.
   for (int64_t end = u1; end > u0;) {
     const int64_t strip = (end - 1) / col_tiles, u = strip * col_tiles > u0 ? strip * col_tiles : u0;
     const TileBox first = tile_box(job, u), last = tile_box(job, end - 1);
-    if (x_key) {
+    if (x_key && !rht_key) {
       const uint32_t k = x_key_rows<BF16>(job, first.r0, first.r0 + first.rows, first.c0, last.c0 + last.w);
       xk = xk > k ? xk : k;
     }
-    if (rht_key) {
-      for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym);
+    if (rht_key) {  // x's amax too (when asked) from the same loads: x read once
+      for (int64_t v = u; v < end; ++v) ym = rht_tile_max<BF16>(job, tile_box(job, v), ym, x_key ? &xm : nullptr);
     }
     end = u;
   }
-  if (x_key) *x_key = xk;
+  if (x_key) {
+    const uint32_t k = static_cast<uint32_t>(_mm512_reduce_max_epu32(xm));  // 0 unless the RHT loop ran
+    *x_key = xk > k ? xk : k;
+  }
   if (rht_key) {
     const uint32_t k = static_cast<uint32_t>(_mm512_reduce_max_epu32(ym));
     *rht_key = k > 0x7F800000u ? 0x7FC00000u : (k + 0x7FFFu + ((k >> 16) & 1u)) & 0xFFFF0000u;  // bf16_round
   }
 }
 
-template <bool BF16, bool ROWS, bool COLS, bool RHT>
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR>
 void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) FastTile s;
   alignas(64) float t[kB][kT];
@@ -623,6 +754,7 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   const bool cols = COLS;
   Band band(job);
   const Scales row_sc(job.row_amax), col_sc(job.col_amax);
+  const uint32_t rkey = seed_key(job.seed);
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
     const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
@@ -630,23 +762,25 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
       band.flush(job);
       band.first = first;
     }
-    if (fast_tile<BF16, ROWS, COLS, RHT>(job, b, s, band, row_sc, col_sc)) {
+    if (fast_tile<BF16, ROWS, COLS, RHT, SR>(job, b, s, band, row_sc, col_sc, rkey)) {
       if (cols) band.filled[static_cast<size_t>(b.c0 / kT)] |= 1u << (strip - first);
     } else {
-      quantize_tile<BF16, false>(job, b, t, y, 0);
+      quantize_tile<BF16, SR>(job, b, t, y, rkey);
     }
   }
   if (cols) band.flush(job);
   _mm_sfence();  // the streamed lines are visible before the threads join
 }
 
-template <bool BF16>
+template <bool BF16, bool SR>
 void quantize_fast_usages(const Nvfp4Job& job, int64_t u0, int64_t u1) {
-  if (!job.col_data) return quantize_fast<BF16, true, false, false>(job, u0, u1);
+  if (!job.col_data) return quantize_fast<BF16, true, false, false, SR>(job, u0, u1);
   if (!job.row_data) {
-    return job.rht ? quantize_fast<BF16, false, true, true>(job, u0, u1) : quantize_fast<BF16, false, true, false>(job, u0, u1);
+    return job.rht ? quantize_fast<BF16, false, true, true, SR>(job, u0, u1)
+                   : quantize_fast<BF16, false, true, false, SR>(job, u0, u1);
   }
-  return job.rht ? quantize_fast<BF16, true, true, true>(job, u0, u1) : quantize_fast<BF16, true, true, false>(job, u0, u1);
+  return job.rht ? quantize_fast<BF16, true, true, true, SR>(job, u0, u1)
+                 : quantize_fast<BF16, true, true, false, SR>(job, u0, u1);
 }
 
 }  // namespace
@@ -657,7 +791,12 @@ void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_k
 }
 
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
-  if (!job.sr && !job.two_d) return job.bf16 ? quantize_fast_usages<true>(job, u0, u1) : quantize_fast_usages<false>(job, u0, u1);
+  if (!job.two_d) {
+    if (job.bf16) {
+      return job.sr ? quantize_fast_usages<true, true>(job, u0, u1) : quantize_fast_usages<true, false>(job, u0, u1);
+    }
+    return job.sr ? quantize_fast_usages<false, true>(job, u0, u1) : quantize_fast_usages<false, false>(job, u0, u1);
+  }
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
   return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
 }

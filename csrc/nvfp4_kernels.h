@@ -104,21 +104,21 @@ NVFP4_INLINE U e2m1_rne(F y) {
   return code & ~(U)(mag > 0x7F800000u);
 }
 
-// nvfp4_sr.encode_e2m1_stochastic with random bytes r: a = min(|y|, 6), step the grid step at a,
-// lo = floor(a / step) * step; up one step iff (a - lo) / step * 256 >= 256 - r (every operation exact).
+// nvfp4_sr.encode_e2m1_stochastic with random bytes r: a = min(|y|, 6), step the grid step at a, lo = floor(a / step)
+// * step; up one step iff (a - lo) / step * 256 >= 256 - r. In fixed point: n = floor(a / step * 256) (exact: a
+// scaled by a power of 2, truncated), whose low 8 bits are floor((a - lo) / step * 256), so "up" is the carry of
+// n + r out of them and m = (n + r) >> 8 the grid value in steps (a = 6: n = 768, no carry). E2M1's code of m steps
+// is m + 0, 2 or 4 (steps 0.5, 1, 2: values 0..2, 2..4, 4..6 are codes 0..4, 4..6, 6..7).
 template <typename F, typename U, typename I>
 NVFP4_INLINE U e2m1_stochastic(F y, U r) {
-  const U b = (U)y, magu = b & 0x7FFFFFFFu;
-  const F mag = (F)magu, zero = {};  // (NaN lanes are zeroed at the end)
-  const F a = fsel<F, U>(mag < 6.0f, mag, zero + 6.0f);
+  const U b = (U)y, magu = b & 0x7FFFFFFFu, zero = {};
+  const F mag = (F)magu;  // (NaN lanes are zeroed at the end)
+  const F a = fsel<F, U>(mag < 6.0f, mag, F{} + 6.0f);
   const I lt2 = a < 2.0f, lt4 = a < 4.0f;
-  const F step = fsel<F, U>(lt2, zero + 0.5f, fsel<F, U>(lt4, zero + 1.0f, zero + 2.0f));
-  const F inv = fsel<F, U>(lt2, zero + 2.0f, fsel<F, U>(lt4, zero + 1.0f, zero + 0.5f));
-  const F lo = __builtin_convertvector(__builtin_convertvector(a * inv, I), F) * step;  // a * inv >= 0: floor
-  const F frac256 = (a - lo) * (inv * 256.0f);
-  const F threshold = __builtin_convertvector((I)(256u - r), F);
-  const I up = (frac256 >= threshold) & (lo < 6.0f);
-  const U code = e2m1_magnitude<F, U>((U)fsel<F, U>(up, lo + step, lo)) | ((b >> 28) & 8u);
+  const F scale = fsel<F, U>(lt2, F{} + 512.0f, fsel<F, U>(lt4, F{} + 256.0f, F{} + 128.0f));  // 256 / step
+  const U offset = sel((U)lt2, zero, sel((U)lt4, zero + 2u, zero + 4u));
+  const U n = (U)__builtin_convertvector(a * scale, I);  // a * scale in [0, 1024): exact, truncated
+  const U code = (((n + r) >> 8) + offset) | ((b >> 28) & 8u);
   return code & ~(U)(magu > 0x7F800000u);
 }
 
@@ -136,10 +136,16 @@ inline uint32_t seed_key(uint64_t seed) {
   return hash32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32);
 }
 
-// The random bytes of counter indices j = (hi << 32) + lo (nvfp4_sr.random_bits).
+// The random bytes of counter indices j = (hi << 32) + lo (nvfp4_sr.random_bits), from lo and the part of the
+// mix that depends on hi alone (hi_key, of hi_key()): shared by the lanes of a run that carries into no new hi.
 template <typename U>
-NVFP4_INLINE U random_byte(U lo, U hi, uint32_t key) {
-  return hash32(hash32(lo) ^ key ^ (hi * 0x9E3779B9u)) & 0xFFu;
+NVFP4_INLINE U hi_key(U hi, uint32_t key) {
+  return key ^ (hi * 0x9E3779B9u);
+}
+
+template <typename U>
+NVFP4_INLINE U random_byte(U lo, U hi_key) {
+  return hash32(hash32(lo) ^ hi_key) & 0xFFu;
 }
 
 // ------------------------------------------------------------------------------ scales
@@ -413,10 +419,12 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
       U16 q;
       if (SR) {
         const uint64_t first = base + static_cast<uint64_t>(j * kB);
-        const U16 lo0 = U16{} + static_cast<uint32_t>(first);
+        const uint32_t lo_first = static_cast<uint32_t>(first), hi_first = static_cast<uint32_t>(first >> 32);
+        const U16 lo0 = U16{} + lo_first;
         const U16 lo = lo0 + iota;
-        const U16 hi = static_cast<uint32_t>(first >> 32) + ((U16)(lo < lo0) & 1u);
-        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hi, rkey));
+        const U16 hk = lo_first <= 0xFFFFFFFFu - 15u ? U16{} + hi_key(hi_first, rkey)  // no carry into hi in the run
+                                                     : hi_key(hi_first + ((U16)(lo < lo0) & 1u), rkey);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hk));
       } else {
         q = e2m1_rne<F16, U16, I16>(v);
       }
@@ -464,14 +472,17 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
   for (int64_t c = 0; c < b.w; c += 16) {
     const F16 e = vload<F16>(enc + c);
-    U16 lo0, hi0;
+    U16 lo0, hk0, hk1;  // the column's first index (low half), the hi keys of its high half and of one more
     if (SR) {
+      U16 hi0;
       for (int l = 0; l < 16; ++l) {
         const uint64_t first = col_offset + static_cast<uint64_t>(b.c0 + c + l) * static_cast<uint64_t>(M) +
                                static_cast<uint64_t>(b.r0);
         lo0[l] = static_cast<uint32_t>(first);
         hi0[l] = static_cast<uint32_t>(first >> 32);
       }
+      hk0 = hi_key(hi0, rkey);
+      hk1 = hi_key(hi0 + 1u, rkey);
     }
     U16 words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
 #pragma GCC unroll 16
@@ -480,7 +491,7 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       U16 q;
       if (SR) {
         const U16 lo = lo0 + static_cast<uint32_t>(k);
-        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hi0 + ((U16)(lo < lo0) & 1u), rkey));
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, sel(lo < lo0, hk1, hk0)));
       } else {
         q = e2m1_rne<F16, U16, I16>(v);
       }

@@ -303,6 +303,21 @@ def test_stochastic_rounding_bits_and_counter():
     assert not torch.equal(a, b)
 
 
+def test_stochastic_rounding_counter_carries_at_every_lane(isa):
+    """The counter's low half wrapping inside a run of elements the kernel hashes together (32 columns of a row, 16
+    rows of a column), at every position of the run: the lanes past it take the next high half."""
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(32, 160, generator=g) * 3).bfloat16()
+    m, k = x.shape
+    offsets = [2**32 - d for d in range(1, 33)] + [2**32 - m * k - d for d in range(1, 17)]  # rows, then columns
+    bad = []
+    for offset in offsets:
+        got = kernel(x, PLAIN_SCHEME, torch.tensor([77, offset]), rowwise=True, columnwise=True)
+        want = reference(x, PLAIN_SCHEME, torch.tensor([77, offset]), rowwise=True, columnwise=True)
+        bad += [f"offset 2^32 - {2**32 - offset}: {b}" for b in mismatches(got, want)]
+    assert not bad, bad[:10]
+
+
 @functools.lru_cache(maxsize=None)
 def _big_nvfp4_input() -> torch.Tensor:
     g = torch.Generator().manual_seed(5)

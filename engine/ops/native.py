@@ -633,6 +633,8 @@ def _given_amax(t: object, name: str) -> torch.Tensor:
 def quantize_nvfp4(
     x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True, two_d: bool = False, rht: bool = False,
     amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+    out_row_data: torch.Tensor | None = None, out_row_scales: torch.Tensor | None = None,
+    out_col_data: torch.Tensor | None = None, out_col_scales: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """NVFP4 of x for the asked usages, the bits of `engine.ops.nvfp4.quantize` (same options, same dict).
 
@@ -641,7 +643,9 @@ def quantize_nvfp4(
     RHT). `counter`: the int64 `[2]` (seed, offset) of stochastic rounding (`nvfp4_sr.random_bits`): the
     rowwise bits start at offset, the columnwise ones after the rowwise M*K; the counter is read, not
     advanced (the caller advances it). None rounds to nearest even. Data are 2D: `[M, ceil(K/2)]` and
-    `[K, ceil(M/2)]` uint8, scales `[M, ceil(K/16)]` and `[K, ceil(M/16)]` float8_e4m3fn.
+    `[K, ceil(M/2)]` uint8, scales `[M, ceil(K/16)]` and `[K, ceil(M/16)]` float8_e4m3fn. `out_*`: buffers
+    of exactly those shapes and dtypes, contiguous, for an asked usage, written and returned; without
+    them the large data reuse idle buffers (`engine.memory.output_buffer`: no fresh pages to fault in).
     """
     check_cpu_tensor(x, "x")
     reference.check_input(x)
@@ -661,9 +665,12 @@ def quantize_nvfp4(
         if counter.dtype != torch.int64 or tuple(counter.shape) != (2,):
             raise TypeError(f"counter: expected an int64 tensor of shape (2,) holding (seed, offset), got "
                             f"{counter.dtype} {tuple(counter.shape)}")
+    outs = _nvfp4_outputs(x2d, flags["rowwise"], flags["columnwise"], out_row_data=out_row_data,
+                          out_row_scales=out_row_scales, out_col_data=out_col_data, out_col_scales=out_col_scales)
     ext = _ext()
     row, row_scales, row_amax, col, col_scales, col_amax = ext.quantize_nvfp4(
-        x2d, flags["rowwise"], flags["columnwise"], flags["two_d"], flags["rht"], amax, amax_t, counter, ext.isa())
+        x2d, flags["rowwise"], flags["columnwise"], flags["two_d"], flags["rht"], amax, amax_t, counter, ext.isa(),
+        **outs)
     e4m3 = torch.float8_e4m3fn
     return {
         "rowwise_data": row if rowwise else None, "rowwise_scale_inv": row_scales.view(e4m3) if rowwise else None,
@@ -672,6 +679,35 @@ def quantize_nvfp4(
         "columnwise_scale_inv": col_scales.view(e4m3) if columnwise else None,
         "amax_columnwise": col_amax if columnwise else None,
     }
+
+
+def _nvfp4_outputs(x2d: torch.Tensor, rowwise: bool, columnwise: bool, **given: torch.Tensor | None,
+                   ) -> dict[str, torch.Tensor | None]:
+    """quantize_nvfp4's out_* buffers as the binding takes them (uint8), checked; idle reused ones for the
+    large data not given."""
+    m, k = x2d.shape
+    shapes = {"out_row_data": ((m, -(-k // 2)), torch.uint8, rowwise),
+              "out_row_scales": ((m, -(-k // NVFP4_BLOCK)), torch.float8_e4m3fn, rowwise),
+              "out_col_data": ((k, -(-m // 2)), torch.uint8, columnwise),
+              "out_col_scales": ((k, -(-m // NVFP4_BLOCK)), torch.float8_e4m3fn, columnwise)}
+    outs: dict[str, torch.Tensor | None] = {}
+    for name, (shape, dtype, asked) in shapes.items():
+        t = given[name]
+        if t is None:
+            outs[name] = memory.output_buffer(shape, dtype) if asked and dtype is torch.uint8 else None
+            continue
+        check_cpu_tensor(t, name)
+        if not asked:
+            raise ValueError(f"{name}: given for a usage not asked for ({'rowwise' if 'row' in name else 'columnwise'}"
+                             f"=False)")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        outs[name] = t.view(torch.uint8)
+    return outs
 
 
 # ---------------------------------------------------------------------------- weight-only int GEMMs
