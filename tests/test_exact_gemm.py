@@ -17,7 +17,7 @@ import torch
 from engine.ops import native
 from exact_gemm_bound import check, decode64
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the C++ kernels did not build")
+pytestmark = pytest.mark.skipif(not native.available(), reason="the C++ kernels did not build here (native.why_unavailable() says why); these tests are of them")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OUTS = (torch.bfloat16, torch.float32, torch.float16)
@@ -139,7 +139,8 @@ def threads(n: int):
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif("avx512" not in isas(), reason="needs the AVX-512 kernel set")
+@pytest.mark.skipif("avx512" not in isas(), reason="the small-GEMM kernel, whose summation order depends on K "
+                    "alone, is in the AVX-512 kernel set only; other CPUs run addmm, which promises no order")
 @pytest.mark.parametrize("out_dtype", OUTS)
 def test_each_output_depends_on_k_only(out_dtype):
     """Row slices of B (A) give column (row) slices of the whole GEMM bit for bit, whatever the storage order and

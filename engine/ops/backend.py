@@ -14,6 +14,10 @@ Contract (x2d is a 2D fp32/bf16/fp16 tensor; outputs are new contiguous tensors)
 * `quantize_mxfp8(x, fp8_dtype, *, scale_mode, columnwise) -> (data x.shape, uint8 codes)`, a partial
   last block where the blocked dim is not a multiple of 32.
 * `fp8_to_bf16(data) -> bf16 tensor of data's shape` (exact).
+* optional, both usages in one call (the registry uses them where a backend has them; the C++ one does):
+  `quantize_block_usages(x2d, fp8_dtype, *, tile_rows, tile_cols, rowwise, columnwise, ...)` and
+  `quantize_mxfp8_usages(x, fp8_dtype, *, scale_mode, rowwise, columnwise)`
+  `-> (rowwise data | None, its scales | None, columnwise data | None, its scales | None)`.
 
 Every tensor argument must be a plain, dense tensor with data (`check_tensor`): a tensor
 subclass (DTensor, FakeTensor, ...), a meta, sparse or nested tensor gets a TypeError

@@ -137,12 +137,25 @@ def quantize_per_tensor_fused(kernels: ModuleType, x: torch.Tensor, scheme: Sche
     }, amax
 
 
+def usage_buffers(row_data: torch.Tensor | None, row_scale: torch.Tensor | None, col_data: torch.Tensor | None,
+                  col_scale: torch.Tensor | None) -> Buffers:
+    """The buffers of a kernel that returns both usages at once (None for a usage not asked for)."""
+    return {"rowwise_data": row_data, "rowwise_scale_inv": row_scale, "columnwise_data": col_data,
+            "columnwise_scale_inv": col_scale}
+
+
 def quantize_per_tile(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                       scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str) -> Result:
-    """Float8 block scaling: a scale per tile, each usage quantized from x (rowwise) or its transposed view."""
+    """Float8 block scaling: a scale per tile, each usage quantized from x (rowwise) or its transposed view:
+    in one call where the backend has `quantize_block_usages` (the C++ kernels), else one call per usage."""
     x2d, block = ref.as_2d(x), scheme.rowwise_block
     opts = {"tile_rows": block.rows, "tile_cols": block.cols, "force_pow_2_scales": scheme.scale.is_pow2,
             "amax_epsilon": amax_epsilon, "value_for_inf": ref.block_value_for_inf(x.dtype)}
+    both = getattr(kernels, "quantize_block_usages", None)
+    if both is not None:
+        row, row_scale, col, col_scale = both(x2d, scheme.element, rowwise=rowwise, columnwise=columnwise, **opts)
+        return usage_buffers(row if row is None or x.dim() == 2 else row.view(x.shape), row_scale, col,
+                             col_scale), None
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     if rowwise:
         data, out["rowwise_scale_inv"] = kernels.quantize_block(x2d, scheme.element, **opts)
@@ -151,19 +164,6 @@ def quantize_per_tile(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, r
         # from a second pass over the transposed view: cheaper than a byte transpose's copy)
         out["columnwise_data"], out["columnwise_scale_inv"] = kernels.quantize_block(x2d.t(), scheme.element, **opts)
     return out, None
-
-
-def quantize_per_tile_fused(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool,
-                            columnwise: bool, scale: torch.Tensor | None, amax_epsilon: float,
-                            scale_mode: str) -> Result:
-    """`quantize_per_tile` with both usages in one native call."""
-    x2d, block = ref.as_2d(x), scheme.rowwise_block
-    row, row_scale, col, col_scale = kernels.quantize_block_usages(
-        x2d, scheme.element, tile_rows=block.rows, tile_cols=block.cols, rowwise=rowwise, columnwise=columnwise,
-        force_pow_2_scales=scheme.scale.is_pow2, amax_epsilon=amax_epsilon,
-        value_for_inf=ref.block_value_for_inf(x.dtype))
-    return {"rowwise_data": row if row is None or x.dim() == 2 else row.view(x.shape),
-            "rowwise_scale_inv": row_scale, "columnwise_data": col, "columnwise_scale_inv": col_scale}, None
 
 
 def quantize_per_row(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
@@ -202,16 +202,12 @@ def quantize_mx(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise
         if fn is None:
             _warn_reference_once(scheme.name, x.device.type)
             return quantize_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, scale_mode=scale_mode)
-        row_data, row_scale, col_data, col_scale = fn(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
-                                                      columnwise=columnwise)
-        return {"rowwise_data": row_data, "rowwise_scale_inv": row_scale, "columnwise_data": col_data,
-                "columnwise_scale_inv": col_scale}, None
+        return usage_buffers(*fn(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
+                                 columnwise=columnwise)), None
     both = getattr(kernels, "quantize_mxfp8_usages", None)  # the C++ kernels: both usages in one call
     if both is not None:
-        row_data, row_scale, col_data, col_scale = both(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
-                                                        columnwise=columnwise)
-        return {"rowwise_data": row_data, "rowwise_scale_inv": row_scale, "columnwise_data": col_data,
-                "columnwise_scale_inv": col_scale}, None
+        return usage_buffers(*both(x, scheme.element, scale_mode=scale_mode, rowwise=rowwise,
+                                   columnwise=columnwise)), None
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
@@ -287,12 +283,12 @@ class Kernel:
 
 
 ANY = "*"  # an op that does not depend on the scheme
+_LAYOUT_KERNELS = {"block1d": quantize_per_tile, "block2d": quantize_per_tile, "mx": quantize_mx}
 KERNELS: dict[tuple[str, str, str], Kernel] = {
     ("quantize", "tensor", "cpu"): Kernel("native", quantize_per_tensor_fused),
     ("quantize", "tensor", "cuda"): Kernel("triton", quantize_per_tensor),
-    **{("quantize", layout, "cpu"): Kernel("native", quantize_per_tile_fused) for layout in ("block1d", "block2d")},
-    **{("quantize", layout, "cuda"): Kernel("triton", quantize_per_tile) for layout in ("block1d", "block2d")},
-    **{("quantize", "mx", device): Kernel(name, quantize_mx) for device, name in (("cpu", "native"), ("cuda", "triton"))},
+    **{("quantize", layout, device): Kernel(name, fn) for layout, fn in _LAYOUT_KERNELS.items()
+       for device, name in (("cpu", "native"), ("cuda", "triton"))},
     **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     **{("elements_to_bf16", layout, "cpu"): Kernel("native", elements_to_bf16_kernel)  # MXFP4/MXFP6/NVFP4 codes
