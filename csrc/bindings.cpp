@@ -560,7 +560,28 @@ UsageBuffers quantize_block_usages(const Tensor& x2d, int64_t kind, int64_t tile
     std::tie(std::get<0>(r), std::get<1>(r)) = quantize_block(x2d, kind, tile_rows, tile_cols, pow2, amax_epsilon,
                                                               value_for_inf, out_row_data, c10::nullopt);
   }
-  if (columnwise) {
+  if (columnwise && rowwise && tile_rows == tile_cols) {
+    // square tiles: tile (i, j) of x2d^T is tile (j, i) of x2d, with the same amax, scale and cast of each
+    // element, so the columnwise usage is the rowwise one transposed, bit for bit (a byte transpose, not a pass)
+    const Tensor& row = *std::get<0>(r);
+    const int64_t M = row.size(0), K = row.size(1);
+    Tensor col = output(out_col_data, {K, M}, row.scalar_type(), "out_col_data");
+    check_disjoint(col, "out_col_data", x2d, "x2d");
+    check_disjoint(col, "out_col_data", row, "out_row_data");
+    const uint8_t* src = bytes(row);
+    uint8_t* dst = bytes(col);
+    const Kernels& kern = kernels();
+    parallel_chunks((M + 63) / 64, std::max<int64_t>(1, kElemGrain / (64 * std::max<int64_t>(1, K))),
+                    [&](int64_t b, int64_t e, int) { kern.transpose_bytes(src, M, K, 64 * b, std::min(M, 64 * e), dst); });
+    const Tensor& row_scale = *std::get<1>(r);  // [tm, tk], contiguous
+    Tensor col_scale = at::empty({row_scale.size(1), row_scale.size(0)}, row_scale.options());
+    const float* rs = row_scale.data_ptr<float>();
+    float* cs = col_scale.data_ptr<float>();
+    for (int64_t i = 0; i < row_scale.size(0); ++i)
+      for (int64_t j = 0; j < row_scale.size(1); ++j) cs[j * row_scale.size(0) + i] = rs[i * row_scale.size(1) + j];
+    std::get<2>(r) = col;
+    std::get<3>(r) = col_scale;
+  } else if (columnwise) {
     std::tie(std::get<2>(r), std::get<3>(r)) = quantize_block(x2d.t(), kind, tile_rows, tile_cols, pow2, amax_epsilon,
                                                               value_for_inf, out_col_data, c10::nullopt);
   }

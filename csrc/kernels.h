@@ -75,6 +75,8 @@ struct Kernels {
   // fp8_to_bf16 of codes [0, n) into out [0, n), then scale_bf16(out, s, n, run): one pass where it can.
   void (*fp8_to_bf16_scaled)(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s,
                              int64_t run);
+  // dst[c * rows + r] = src[r * cols + c] for the rows [r0, r1) of the row-major rows x cols bytes `src`.
+  void (*transpose_bytes)(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst);
 };
 
 // The portable implementation (any CPU) and the AVX-512 one (nullptr when it was not compiled in).

@@ -807,7 +807,17 @@ void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
   }
 }
 
+// Whether every finite nonzero value of `kind` times 2^shift is a normal number: then scaling is an add to the
+// exponent field of each finite nonzero word, decided once per scale. (Smallest magnitudes: E4M3 2^-9, E5M2 2^-16;
+// largest below 2^9 and 2^16.)
+ENGINE_INLINE bool shift_stays_normal(Fp8Kind kind, int shift) {
+  const int lo = kind == Fp8Kind::E4M3 ? -9 : -16, hi = kind == Fp8Kind::E4M3 ? 8 : 15;
+  return shift != kNoShift && lo + shift >= -126 && hi + shift <= 127;
+}
+
 // fp8_to_bf16 of codes [0, n) and scale_bf16 of the result in one pass (a multiple-of-32 run: in registers).
+// A scale that keeps every code normal adds to the exponents of the lanes whose codes are finite and nonzero
+// (zeros, infinities and NaNs keep their decoded words, as scaled32 gives them); others take scaled32.
 void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s, int64_t run) {
   if (run % 32 != 0) {
     fp8_to_bf16(codes, kind, 0, n, out);
@@ -815,24 +825,52 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
     return;
   }
   const Fp8Bf16Table& t = fp8_bf16_table(kind);
+  // magnitudes 1 .. special - 1 are finite and nonzero (E4M3's only special is NaN 0x7F; E5M2's start at 0x7C)
+  const __m512i mag_mask = _mm512_set1_epi8(0x7F), one = _mm512_set1_epi8(1);
+  const __m512i live_below = _mm512_set1_epi8(kind == Fp8Kind::E4M3 ? 0x7E : 0x7B);
   const int64_t halves_per_run = run / 32;
   int64_t tile = 0, half = 0;  // the run of the current 32 lanes, and which 32 of that run they are
   float scale = s[0];
   int shift = pow2_shift(scale);
+  bool plain = shift_stays_normal(kind, shift);
   for (int64_t i = 0; i < n; i += 64) {
     const int64_t len = imin(64, n - i);
     __m512i w[2];
     decode64(t, codes + i, len, w[0], w[1]);
+    const __m512i mag = _mm512_and_si512(_mm512_maskz_loadu_epi8(first64(len), codes + i), mag_mask);
+    const __mmask64 live = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(mag, one), live_below);
     for (int h = 0; h < 2 && 32 * h < len; ++h) {
       if (half == halves_per_run) {
         half = 0;
         scale = s[++tile];
         shift = pow2_shift(scale);
+        plain = shift_stays_normal(kind, shift);
       }
       ++half;
-      _mm512_mask_storeu_epi16(out + i + 32 * h, first32(len - 32 * h), scaled32(w[h], scale, shift));
+      const __m512i y = plain ? _mm512_mask_add_epi16(w[h], static_cast<__mmask32>(live >> (32 * h)), w[h],
+                                                      _mm512_set1_epi16(static_cast<int16_t>(shift * 128)))
+                              : scaled32(w[h], scale, shift);
+      _mm512_mask_storeu_epi16(out + i + 32 * h, first32(len - 32 * h), y);
     }
   }
+}
+
+// 64 x 64 byte tiles: each read (zero past the edges) into an aligned buffer, transposed in registers.
+void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst) {
+  alignas(64) uint8_t tile[64 * 64];
+  for (int64_t r = r0; r < r1; r += 64) {
+    const int64_t nr = imin(64, r1 - r);
+    for (int64_t c = 0; c < cols; c += 64) {
+      const int64_t nc = imin(64, cols - c);
+      for (int64_t i = 0; i < 64; ++i) {
+        const __m512i line = i < nr ? _mm512_maskz_loadu_epi8(first64(nc), src + (r + i) * cols + c)
+                                    : _mm512_setzero_si512();
+        _mm512_store_si512(tile + 64 * i, line);
+      }
+      transpose64_store(tile, nr, nc, dst + c * rows + r, rows);
+    }
+  }
+  _mm_sfence();  // transpose64_store streams whole aligned lines
 }
 
 }  // namespace
@@ -840,7 +878,7 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
 const Kernels* avx512_kernels() {
   static const Kernels k = {"avx512",         amax_key,   cast,       cast_transpose_region, block_rowwise,
                             block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
-                            scale_bf16,       fp8_to_bf16_scaled};
+                            scale_bf16,       fp8_to_bf16_scaled, transpose_bytes};
   return &k;
 }
 

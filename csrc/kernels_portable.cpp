@@ -222,12 +222,17 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
   scale_bf16(out, s, n, run);
 }
 
+void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
 }  // namespace
 
 const Kernels& portable_kernels() {
   static const Kernels k = {"portable",       amax_key,   cast,       cast_transpose_region, block_rowwise,
                             block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
-                            scale_bf16,       fp8_to_bf16_scaled};
+                            scale_bf16,       fp8_to_bf16_scaled, transpose_bytes};
   return k;
 }
 

@@ -92,17 +92,24 @@ def test_subnormal_products_are_kept(isa):
         assert torch.equal(out, torch.full((3, 5), 2.0**-131, dtype=out_dtype)), (out_dtype, out)
 
 
+# (format, its largest and smallest nonzero magnitudes, the largest and smallest shifts that keep both normal)
+EDGES = {E4M3: (448.0, 2.0**-9, 119, -117), E5M2: (57344.0, 2.0**-16, 112, -110)}
+
+
 @pytest.mark.parametrize("isa", isas())
-def test_decode_at_the_edges_of_bf16s_normal_range(isa):
+@pytest.mark.parametrize("fmt", list(EDGES), ids=str)
+def test_decode_at_the_edges_of_bf16s_normal_range(isa, fmt):
     """A power-of-2 tile scale moves each value's exponent (the AVX-512 decode does exactly that) only while the
     result stays normal: A @ I (fp32, so A's decoded values) against the fp64 decode where whole tiles land on
     the largest and smallest exponents, one step past them (inf; bf16 subnormals, rounded), and a NaN code."""
-    values = torch.tensor([448.0] + [1.5, -2**-9, 2**-6, 0.0, -0.0, 3.5, -1.0] * 4 + [2.0, -3.0, 0.25]).to(E4M3)
-    codes = torch.tensor([[246], [247], [9], [10], [8], [127 - 117], [255]], dtype=torch.uint8)
-    # 448 * 2^119 = 1.75 * 2^127 (largest exponent), 448 * 2^120 overflows, 2^-9 * 2^-117 = 2^-126 (smallest
-    # normal), 2^-9 * 2^-118 and 1.5 * 2^-119 are bf16 subnormals
+    top, tiny, up, down = EDGES[fmt]
+    values = torch.tensor([top] + [1.5, -tiny, 2**-6, 0.0, -0.0, 3.5, -1.0] * 4 + [2.0, -3.0, 0.25]).to(fmt)
+    codes = torch.tensor([[127 + up], [128 + up], [126 + down], [127 + down], [125 + down], [127 + down], [255]],
+                         dtype=torch.uint8)
+    # E4M3: 448 * 2^119 = 1.75 * 2^127 (largest exponent), 448 * 2^120 overflows, 2^-9 * 2^-117 = 2^-126
+    # (smallest normal), 2^-9 * 2^-118 and 1.5 * 2^-119 are bf16 subnormals; E5M2 likewise
     a = values.repeat(codes.shape[0], 1)
-    eye, ones = torch.eye(32).to(E4M3), torch.full((32, 1), 127, dtype=torch.uint8)
+    eye, ones = torch.eye(32).to(fmt), torch.full((32, 1), 127, dtype=torch.uint8)
     with native.use_isa(isa):
         got = gemm(a, codes, eye, ones, None, torch.float32, (1, 32), (1, 32)).double()
     want = decode64(a, codes, (1, 32))

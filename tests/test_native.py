@@ -464,16 +464,45 @@ def test_both_usages_in_one_call_match_the_reference(isa, rowwise, columnwise):
     x = torch.randn(3, 45, 70, generator=g).to(torch.bfloat16)
     x[0, 0, :4] = torch.tensor([INF, -0.0, 1e-40, -FLT_MAX]).to(torch.bfloat16)
     x2d = x.reshape(-1, 70)
-    got = native.quantize_block_usages(x2d, E4M3, tile_rows=1, tile_cols=128, rowwise=rowwise, columnwise=columnwise)
-    want = (ref.quantize_block(x2d, E4M3, tile_rows=1, tile_cols=128) if rowwise else (None, None)) + \
-        (ref.quantize_block(x2d.t(), E4M3, tile_rows=1, tile_cols=128) if columnwise else (None, None))
-    for g_t, w_t, name in zip(got, want, ("row data", "row scale_inv", "col data", "col scale_inv")):
-        assert_same(g_t, w_t, f"block {isa} {name}")
+    check_block_usages(x2d, (1, 128), rowwise, columnwise, isa)
     got = native.quantize_mxfp8_usages(x, E5M2, scale_mode="floor", rowwise=rowwise, columnwise=columnwise)
     want = (ref.quantize_mxfp8(x, E5M2, scale_mode="floor") if rowwise else (None, None)) + \
         (ref.quantize_mxfp8(x, E5M2, scale_mode="floor", columnwise=True) if columnwise else (None, None))
     for g_t, w_t, name in zip(got, want, ("row data", "row codes", "col data", "col codes")):
         assert_same(g_t, w_t, f"mxfp8 {isa} {name}")
+
+
+def check_block_usages(x2d: torch.Tensor, tile: tuple[int, int], rowwise: bool, columnwise: bool, isa: str) -> None:
+    got = native.quantize_block_usages(x2d, E4M3, tile_rows=tile[0], tile_cols=tile[1], rowwise=rowwise,
+                                       columnwise=columnwise)
+    want = (ref.quantize_block(x2d, E4M3, tile_rows=tile[0], tile_cols=tile[1]) if rowwise else (None, None)) + \
+        (ref.quantize_block(x2d.t(), E4M3, tile_rows=tile[0], tile_cols=tile[1]) if columnwise else (None, None))
+    for g_t, w_t, name in zip(got, want, ("row data", "row scale_inv", "col data", "col scale_inv")):
+        assert_same(g_t, w_t, f"block {tile} {isa} {name}")
+
+
+@pytest.mark.parametrize("shape", [(135, 70), (300, 520), (64, 128), (1, 200), (0, 128), (200, 0)])
+@pytest.mark.parametrize("tile", [(128, 128), (32, 32)])
+def test_square_tiles_both_usages(isa, shape, tile):
+    """Square tiles take the columnwise usage as the rowwise one transposed (a byte transpose of whole and partial
+    64 x 64 pieces): the reference's bits for x2d^T, edge values in."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    if x.numel():
+        x.view(-1)[:4] = torch.tensor([INF, -0.0, 1e-40, -FLT_MAX]).to(torch.bfloat16)
+        x[-1, -1] = float("nan")
+    check_block_usages(x, tile, True, True, isa)
+
+
+def test_square_tiles_fill_the_given_columnwise_buffer(isa):
+    """The pooled output buffers of large tensors (`memory.output_buffer`) reach the transpose: filled and returned,
+    and one of the wrong shape is refused by name."""
+    x = torch.randn(130, 200, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    row, col = torch.empty(130, 200, dtype=E4M3), torch.empty(200, 130, dtype=E4M3)
+    got = native._ext().quantize_block_usages(x, 0, 128, 128, True, 0.0, FLT_MAX, True, True, row, col)
+    assert got[0] is row and got[2] is col
+    assert_same(col, ref.quantize_block(x.t(), E4M3, tile_rows=128, tile_cols=128)[0], f"{isa} given buffer")
+    with pytest.raises(ValueError, match="out_col_data"):
+        native._ext().quantize_block_usages(x, 0, 128, 128, True, 0.0, FLT_MAX, True, True, None, row)
 
 
 def test_both_usages_argument_errors(isa):
