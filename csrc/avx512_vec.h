@@ -370,8 +370,9 @@ ENGINE_INLINE void transpose8_bytes_in_qwords(const __m512i in[8], __m512i out[8
 
 // Transposes the 64x64 byte tile `tile` (row r at tile + 64 r) and stores row c of the
 // result (= column c of the tile) to dst + c * ld_dst, for c < cols, keeping the first
-// `rows` bytes of each.
-inline void transpose64_store(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst) {
+// `rows` bytes of each; whole aligned lines bypass the caches when `stream` (then _mm_sfence after).
+inline void transpose64_store(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+                              bool stream = true) {
   // Step 1: S[ri][j] qword i = tile row 8i+ri, qword j (row ri of the 8x8 block (i, j)).
   __m512i S[8][8];
   for (int ri = 0; ri < 8; ++ri) {
@@ -384,7 +385,13 @@ inline void transpose64_store(const uint8_t* tile, int64_t rows, int64_t cols, u
     __m512i in[8], out[8];
     for (int ri = 0; ri < 8; ++ri) in[ri] = S[ri][j];
     transpose8_bytes_in_qwords(in, out);
-    for (int cj = 0; cj < 8 && 8 * j + cj < cols; ++cj) store64_stream(dst + (8 * j + cj) * ld_dst, out[cj], rows);
+    for (int cj = 0; cj < 8 && 8 * j + cj < cols; ++cj) {
+      if (stream) {
+        store64_stream(dst + (8 * j + cj) * ld_dst, out[cj], rows);
+      } else {
+        store64(dst + (8 * j + cj) * ld_dst, out[cj], rows);
+      }
+    }
   }
 }
 

@@ -662,58 +662,108 @@ Operand checked_operand(const Tensor& data, const Tensor& scale_inv, int64_t til
   return {data, scale_inv, tile_rows, tile_cols};
 }
 
-// The operand's exact bf16 value [rows, K]: data times its tile scale (per tensor: the data).
-// Data stored column-major (a transposed view) is decoded in its storage order and returned
-// as the same transposed view, which addmm reads as it is.
-Tensor decode_bf16(const Operand& op) {
-  const bool transposed = op.data.size(0) > 1 && op.data.size(1) > 1 && op.data.stride(0) == 1 &&
-                          op.data.stride(1) == op.data.size(0);
-  const Tensor data = transposed ? op.data.t() : op.data.contiguous();
-  const int64_t rows = data.size(0), k = data.size(1);
-  Tensor out = at::empty({rows, k}, at::TensorOptions().dtype(at::kBFloat16));
-  if (rows * k > 0) {
-    const bool decoded = data.scalar_type() == at::kBFloat16;  // element values already (MXFP4/MXFP6)
-    const Fp8Kind kind = data.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
-    const uint8_t* codes = bytes(data);
-    uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
-    const Kernels& kern = kernels();
-    const auto to_bf16 = [&](int64_t b, int64_t e) {
-      if (decoded) {
-        std::memcpy(dst + b, reinterpret_cast<const uint16_t*>(codes) + b, static_cast<size_t>(e - b) * 2);
-      } else {
-        kern.fp8_to_bf16(codes, kind, b, e, dst);
-      }
-    };
-    if (op.per_tensor()) {
-      parallel_chunks(rows * k, kElemGrain, [&](int64_t b, int64_t e, int) { to_bf16(b, e); });
-    } else {
-      const Tensor scales = transposed ? op.scale_inv.t() : op.scale_inv;
-      const int64_t tr = transposed ? op.tile_cols : op.tile_rows, tc = transposed ? op.tile_rows : op.tile_cols;
-      const bool e8m0 = scales.scalar_type() == at::kByte;
-      const void* sp = scales.data_ptr();
-      const int64_t ss0 = scales.stride(0), ss1 = scales.stride(1);
-      const int64_t tiles = (k + tc - 1) / tc;
-      parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
-        std::vector<float> tile_scales(static_cast<size_t>(tiles));  // the scale of each tile of this tile row
-        for (int64_t r = r0; r < r1; ++r) {
-          if (r == r0 || r % tr == 0) {
-            for (int64_t t = 0; t < tiles; ++t) {
-              const int64_t at = (r / tr) * ss0 + t * ss1;
-              tile_scales[t] = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
-            }
-          }
-          if (decoded) {
-            to_bf16(r * k, (r + 1) * k);
-            kern.scale_bf16(dst + r * k, tile_scales.data(), k, tc);
-          } else {  // a row at a time: decoded and scaled while in cache
-            kern.fp8_to_bf16_scaled(codes + r * k, kind, k, dst + r * k, tile_scales.data(), tc);
-          }
-        }
-      });
+// Decodes an operand's storage rows to exact bf16 words: data times its tile scale (per tensor: the data). Data
+// stored column-major (a transposed view) is decoded in its storage order, its rows being the operand's columns.
+struct Decoder {
+  Tensor data;  // op.data in storage order, contiguous: [rows, K], or [K, rows] when `transposed`
+  Operand op;
+  bool transposed, decoded;
+  Fp8Kind kind;
+  int64_t rows, k;  // of `data`
+  // tile scales in storage order: tiles of tr x tc, scale (i, j) at sp[i * ss0 + j * ss1] (fp32, or E8M0 codes)
+  int64_t tr = 0, tc = 0, tiles = 0, ss0 = 0, ss1 = 0;
+  const void* sp = nullptr;
+  bool e8m0 = false;
+
+  explicit Decoder(const Operand& o) : op(o) {
+    transposed = o.data.size(0) > 1 && o.data.size(1) > 1 && o.data.stride(0) == 1 &&
+                 o.data.stride(1) == o.data.size(0);
+    data = transposed ? o.data.t() : o.data.contiguous();
+    decoded = data.scalar_type() == at::kBFloat16;  // element values already (MXFP4/MXFP6)
+    kind = data.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
+    rows = data.size(0);
+    k = data.size(1);
+    if (!o.per_tensor()) {
+      tr = transposed ? o.tile_cols : o.tile_rows;
+      tc = transposed ? o.tile_rows : o.tile_cols;
+      tiles = (k + tc - 1) / tc;
+      ss0 = transposed ? o.scale_inv.stride(1) : o.scale_inv.stride(0);
+      ss1 = transposed ? o.scale_inv.stride(0) : o.scale_inv.stride(1);
+      sp = o.scale_inv.data_ptr();
+      e8m0 = o.scale_inv.scalar_type() == at::kByte;
     }
   }
-  return transposed ? out.t() : out;
-}
+
+  // The decode as the small GEMM reads it: the operand [op rows, K], row- or column-major (null pointer).
+  SgOperand layout() const {
+    return transposed ? SgOperand{nullptr, op.data.size(0), 1, op.data.size(0)}
+                      : SgOperand{nullptr, rows, k, 1};
+  }
+
+  // One tile row's scales, kept while consecutive storage rows share them. One scale per element (tc 1: MXFP8's
+  // columnwise data read transposed) whose every scale is an exponent shift keeping each code normal also holds
+  // the words' adds (fp8_to_bf16_shifted) instead of products.
+  struct TileRow {
+    int64_t index = -1;
+    std::vector<float> scales;
+    std::vector<int16_t> adds;
+    bool shifted = false;
+  };
+
+  void load(int64_t tile_row, TileRow& t) const {
+    t.index = tile_row;
+    t.scales.resize(static_cast<size_t>(tiles));
+    for (int64_t j = 0; j < tiles; ++j) {
+      const int64_t at = tile_row * ss0 + j * ss1;
+      t.scales[j] = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
+    }
+    t.shifted = tc == 1 && !decoded;
+    if (t.shifted) t.adds.resize(static_cast<size_t>(tiles));
+    for (int64_t j = 0; j < tiles && t.shifted; ++j) {
+      const int shift = pow2_shift(t.scales[j]);
+      t.shifted = shift_stays_normal(kind, shift);
+      t.adds[j] = static_cast<int16_t>(shift * 128);
+    }
+  }
+
+  // Storage rows [r0, r1) into dst (row r at dst + (r - r0) * k); `t` carries tile scales from call to call.
+  void decode(int64_t r0, int64_t r1, uint16_t* dst, TileRow& t) const {
+    const uint8_t* codes = static_cast<const uint8_t*>(data.data_ptr());
+    const Kernels& kern = kernels();
+    if (op.per_tensor() || decoded) {
+      if (decoded) {
+        std::memcpy(dst, reinterpret_cast<const uint16_t*>(codes) + r0 * k, static_cast<size_t>((r1 - r0) * k) * 2);
+      } else {
+        kern.fp8_to_bf16(codes + r0 * k, kind, 0, (r1 - r0) * k, dst);
+      }
+      if (op.per_tensor()) return;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r / tr != t.index) load(r / tr, t);
+      uint16_t* row = dst + (r - r0) * k;
+      if (decoded) {
+        kern.scale_bf16(row, t.scales.data(), k, tc);
+      } else if (t.shifted) {
+        kern.fp8_to_bf16_shifted(codes + r * k, kind, k, row, t.adds.data());
+      } else {  // a row at a time: decoded and scaled while in cache
+        kern.fp8_to_bf16_scaled(codes + r * k, kind, k, row, t.scales.data(), tc);
+      }
+    }
+  }
+
+  // The whole operand's exact bf16 value [op rows, K] (a transposed view when stored column-major).
+  Tensor decode_all() const {
+    Tensor out = at::empty({rows, k}, at::TensorOptions().dtype(at::kBFloat16));
+    uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
+    if (rows * k > 0) {
+      parallel_chunks(rows, std::max<int64_t>(1, kElemGrain / k), [&](int64_t r0, int64_t r1, int) {
+        TileRow t;
+        decode(r0, r1, dst + r0 * k, t);
+      });
+    }
+    return transposed ? out.t() : out;
+  }
+};
 
 // ------------------------------------------------------------------ the small exact GEMM
 // When the AVX-512 kernel of small_gemm.h replaces addmm. Measured with benchmarks/bench_small_gemm.py (Zen 4 EPYC,
@@ -732,15 +782,6 @@ Tensor decode_bf16(const Operand& op) {
 constexpr int64_t kSmallGemmMaxMacsBf16 = int64_t{1} << 21;
 constexpr int64_t kSmallGemmMaxKF32 = 512;
 
-// An exact bf16 decode as the kernel's operand: row-major or column-major storage (decode_bf16's transposed view).
-optional<SgOperand> sg_operand(const Tensor& x) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  const auto* data = static_cast<const uint16_t*>(x.data_ptr());
-  if (k == 1 || x.stride(1) == 1) return SgOperand{data, rows, rows == 1 ? k : x.stride(0), 1};
-  if (rows == 1 || x.stride(0) == 1) return SgOperand{data, rows, 1, x.stride(1)};
-  return c10::nullopt;
-}
-
 // Which operand the kernel packs as 16-wide k-major vectors (the other is broadcast): the one whose packing and
 // lane waste cost less, in zmm FMAs (1 cycle each) plus per-element costs measured on Zen 4: 0.2 cycles to transpose
 // an element into panels, 0.05 to widen one, 0.5 per output transposed back (s = B). Either way the bits are the same.
@@ -752,17 +793,19 @@ bool sg_pack_a(const SgOperand& a, const SgOperand& b, int64_t K) {
   return cols_cost < rows_cost;
 }
 
-// alpha * (lhs @ rhs^T) (+ bias) by the kernel of small_gemm.h (numerics there), or nullopt for addmm: a problem
-// above the threshold, the portable kernel set, a layout the kernel does not read.
-optional<Tensor> small_gemm(const Tensor& lhs, const Tensor& rhs, float alpha, const optional<Tensor>& bias,
-                            at::ScalarType gemm_dtype, at::ScalarType out_dtype) {
-  const int64_t M = lhs.size(0), N = rhs.size(0), K = lhs.size(1);
+// Whether the kernel of small_gemm.h runs an M x N x K GEMM (else addmm): a problem within the threshold, on the
+// AVX-512 kernel set.
+bool small_gemm_runs(int64_t M, int64_t N, int64_t K, at::ScalarType gemm_dtype) {
   const bool small = gemm_dtype == at::kBFloat16 ? M * N * K <= kSmallGemmMaxMacsBf16 : K <= kSmallGemmMaxKF32;
-  if (!small || &kernels() != avx512_kernels() || !small_gemm_avx512::compiled()) {
-    return c10::nullopt;
-  }
-  const optional<SgOperand> a = sg_operand(lhs), b = sg_operand(rhs);
-  if (!a || !b) return c10::nullopt;
+  return small && &kernels() == avx512_kernels() && small_gemm_avx512::compiled();
+}
+
+// alpha * (decode(a) @ decode(b)^T) (+ bias) by the kernel of small_gemm.h (numerics there). The packed operand
+// (v) is decoded whole, then packed; the broadcast one (s) is decoded a few storage rows at a time and widened
+// straight into its fp32 pack (its storage rows, widened), so it never exists as a bf16 tensor.
+Tensor small_gemm(const Decoder& a, const Decoder& b, float alpha, const optional<Tensor>& bias,
+                  at::ScalarType gemm_dtype, at::ScalarType out_dtype) {
+  const int64_t M = a.op.data.size(0), N = b.op.data.size(0), K = a.op.data.size(1);
   Tensor out = at::empty({M, N}, at::TensorOptions().dtype(out_dtype));
   if (M * N == 0) return out;
   std::vector<float> bias_f;
@@ -778,9 +821,13 @@ optional<Tensor> small_gemm(const Tensor& lhs, const Tensor& rhs, float alpha, c
   }
   SmallGemmJob job{};
   job.K = K;
-  job.out_transposed = sg_pack_a(*a, *b, K);
-  job.s = job.out_transposed ? *b : *a;
-  job.v = job.out_transposed ? *a : *b;
+  job.out_transposed = sg_pack_a(a.layout(), b.layout(), K);
+  const Decoder& s = job.out_transposed ? b : a;
+  const Decoder& v = job.out_transposed ? a : b;
+  const Tensor v_bf16 = v.decode_all();
+  job.s = s.layout();
+  job.v = v.layout();
+  job.v.x = static_cast<const uint16_t*>(v_bf16.data_ptr());
   job.alpha = alpha;
   job.bias = bias.has_value() ? bias_f.data() : nullptr;
   job.out_type = out_dtype == at::kFloat ? SgOut::F32 : out_dtype == at::kBFloat16 ? SgOut::BF16 : SgOut::F16;
@@ -790,9 +837,18 @@ optional<Tensor> small_gemm(const Tensor& lhs, const Tensor& rhs, float alpha, c
   job.s_pack = scratch.data_ptr<float>();
   job.v_pack = job.s_pack + job.s.rows * K;
   namespace sg = small_gemm_avx512;
-  const int64_t s_len = job.s.rows * K / std::max<int64_t>(1, sg::s_units(job));
-  parallel_chunks(sg::s_units(job), std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, s_len)),
-                  [&](int64_t b0, int64_t e0, int) { sg::pack_s(job, b0, e0); });
+  if (s.rows * s.k > 0) {  // storage row r of s at s_pack + r * s.k
+    const int64_t batch = std::max<int64_t>(1, 4096 / s.k);  // storage rows per decode: a few KiB, in L1
+    parallel_chunks(s.rows, std::max<int64_t>(1, kElemGrain / s.k), [&](int64_t r0, int64_t r1, int) {
+      std::vector<uint16_t> rows(static_cast<size_t>(std::min(batch, r1 - r0) * s.k));
+      Decoder::TileRow t;
+      for (int64_t r = r0; r < r1; r += batch) {
+        const int64_t e = std::min(r1, r + batch);
+        s.decode(r, e, rows.data(), t);
+        sg::widen(rows.data(), (e - r) * s.k, job.s_pack + r * s.k);
+      }
+    });
+  }
   parallel_chunks(sg::v_units(job), std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, 16 * K)),
                   [&](int64_t b0, int64_t e0, int) { sg::pack_v(job, b0, e0); });
   // a tile is 256 outputs: one thread per 2^20 multiply-adds at least
@@ -828,10 +884,11 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
     alpha = product;
   }
   const at::ScalarType gemm_dtype = out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
-  Tensor lhs = decode_bf16(a), rhs = decode_bf16(b);
-  if (optional<Tensor> small = small_gemm(lhs, rhs, static_cast<float>(alpha), bias, gemm_dtype, out_dtype)) {
-    return small;
+  const Decoder da(a), db(b);
+  if (small_gemm_runs(m, n, a_data.size(1), gemm_dtype)) {
+    return small_gemm(da, db, static_cast<float>(alpha), bias, gemm_dtype, out_dtype);
   }
+  Tensor lhs = da.decode_all(), rhs = db.decode_all();
   if (gemm_dtype != at::kBFloat16) {
     lhs = lhs.to(gemm_dtype);
     rhs = rhs.to(gemm_dtype);

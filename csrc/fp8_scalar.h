@@ -232,4 +232,22 @@ static inline uint16_t fp8_to_bf16_bits(uint8_t code, Fp8Kind kind) {
   return sign | static_cast<uint16_t>(f32_bits(value) >> 16);
 }
 
+// log2(s) when s is a positive normal power of two, else kNoShift.
+constexpr int kNoShift = 1000;
+
+static inline int pow2_shift(float s) {
+  uint32_t b;
+  std::memcpy(&b, &s, sizeof b);
+  const int biased = static_cast<int>((b >> 23) & 0xFF);
+  return (b & 0x807FFFFFu) == 0 && biased >= 1 && biased <= 254 ? biased - 127 : kNoShift;
+}
+
+// Whether every finite nonzero value of `kind` times 2^shift is a normal number: then scaling by 2^shift is an add
+// of shift * 128 to the bf16 word of each finite nonzero value, exactly. (Smallest magnitudes: E4M3 2^-9, E5M2
+// 2^-16; largest below 2^9 and 2^16.)
+static inline bool shift_stays_normal(Fp8Kind kind, int shift) {
+  const int lo = kind == Fp8Kind::E4M3 ? -9 : -16, hi = kind == Fp8Kind::E4M3 ? 8 : 15;
+  return shift != kNoShift && lo + shift >= -126 && hi + shift <= 127;
+}
+
 }  // namespace engine_native

@@ -75,6 +75,10 @@ struct Kernels {
   // fp8_to_bf16 of codes [0, n) into out [0, n), then scale_bf16(out, s, n, run): one pass where it can.
   void (*fp8_to_bf16_scaled)(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s,
                              int64_t run);
+  // fp8_to_bf16 of codes [0, n) into out, then adds[i] added to the word of each finite nonzero value: one scale per
+  // element, each 2^shift with shift_stays_normal (fp8_scalar.h) and adds[i] = shift * 128, exactly its product.
+  void (*fp8_to_bf16_shifted)(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const int16_t* adds);
+
   // dst[c * rows + r] = src[r * cols + c] for the rows [r0, r1) of the row-major rows x cols bytes `src`.
   void (*transpose_bytes)(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst);
 };

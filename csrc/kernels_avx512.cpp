@@ -737,18 +737,10 @@ ENGINE_INLINE __m256i scaled16(__m256i h, __m512 s) {
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
 }
 
-// bf16(x * s) for 32 bf16 lanes, `shift` = log2(s) when s is a positive normal power of two, else kNoShift.
-// Exact, so where x is finite and not zero and the result stays normal, x's exponent field moves by log2(s);
-// zeros, infinities and NaNs stay as the fp32 product gives them (NaNs as 0x7FC0). A vector with a lane that
-// would leave the normal range, or any s that is not such a power of two, takes the fp32 product.
-constexpr int kNoShift = 1000;
-
-ENGINE_INLINE int pow2_shift(float s) {
-  uint32_t b;
-  std::memcpy(&b, &s, sizeof b);
-  const int biased = static_cast<int>((b >> 23) & 0xFF);
-  return (b & 0x807FFFFFu) == 0 && biased >= 1 && biased <= 254 ? biased - 127 : kNoShift;
-}
+// bf16(x * s) for 32 bf16 lanes, `shift` = log2(s) when s is a positive normal power of two, else kNoShift
+// (pow2_shift). Exact, so where x is finite and not zero and the result stays normal, x's exponent field moves by
+// log2(s); zeros, infinities and NaNs stay as the fp32 product gives them (NaNs as 0x7FC0). A vector with a lane
+// that would leave the normal range, or any s that is not such a power of two, takes the fp32 product.
 
 ENGINE_INLINE __m512i scaled32(__m512i x, float s, int shift) {
   if (shift != kNoShift) {
@@ -807,12 +799,28 @@ void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
   }
 }
 
-// Whether every finite nonzero value of `kind` times 2^shift is a normal number: then scaling is an add to the
-// exponent field of each finite nonzero word, decided once per scale. (Smallest magnitudes: E4M3 2^-9, E5M2 2^-16;
-// largest below 2^9 and 2^16.)
-ENGINE_INLINE bool shift_stays_normal(Fp8Kind kind, int shift) {
-  const int lo = kind == Fp8Kind::E4M3 ? -9 : -16, hi = kind == Fp8Kind::E4M3 ? 8 : 15;
-  return shift != kNoShift && lo + shift >= -126 && hi + shift <= 127;
+// Lanes whose codes are finite and nonzero (magnitudes 1 .. special - 1: E4M3's only special is NaN 0x7F, E5M2's
+// start at 0x7C), for the 64 codes at `codes` (n of them).
+ENGINE_INLINE __mmask64 live_codes64(const uint8_t* codes, int64_t n, Fp8Kind kind) {
+  const __m512i mag = _mm512_and_si512(_mm512_maskz_loadu_epi8(first64(n), codes), _mm512_set1_epi8(0x7F));
+  return _mm512_cmplt_epu8_mask(_mm512_sub_epi8(mag, _mm512_set1_epi8(1)),
+                                _mm512_set1_epi8(kind == Fp8Kind::E4M3 ? 0x7E : 0x7B));
+}
+
+void fp8_to_bf16_shifted(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const int16_t* adds) {
+  const Fp8Bf16Table& t = fp8_bf16_table(kind);
+  for (int64_t i = 0; i < n; i += 64) {
+    const int64_t len = imin(64, n - i);
+    __m512i w[2];
+    decode64(t, codes + i, len, w[0], w[1]);
+    const __mmask64 live = live_codes64(codes + i, len, kind);
+    for (int h = 0; h < 2 && 32 * h < len; ++h) {
+      const __mmask32 m = first32(len - 32 * h);
+      const __m512i add = _mm512_maskz_loadu_epi16(m, adds + i + 32 * h);
+      _mm512_mask_storeu_epi16(out + i + 32 * h, m,
+                               _mm512_mask_add_epi16(w[h], static_cast<__mmask32>(live >> (32 * h)), w[h], add));
+    }
+  }
 }
 
 // fp8_to_bf16 of codes [0, n) and scale_bf16 of the result in one pass (a multiple-of-32 run: in registers).
@@ -825,9 +833,6 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
     return;
   }
   const Fp8Bf16Table& t = fp8_bf16_table(kind);
-  // magnitudes 1 .. special - 1 are finite and nonzero (E4M3's only special is NaN 0x7F; E5M2's start at 0x7C)
-  const __m512i mag_mask = _mm512_set1_epi8(0x7F), one = _mm512_set1_epi8(1);
-  const __m512i live_below = _mm512_set1_epi8(kind == Fp8Kind::E4M3 ? 0x7E : 0x7B);
   const int64_t halves_per_run = run / 32;
   int64_t tile = 0, half = 0;  // the run of the current 32 lanes, and which 32 of that run they are
   float scale = s[0];
@@ -837,8 +842,7 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
     const int64_t len = imin(64, n - i);
     __m512i w[2];
     decode64(t, codes + i, len, w[0], w[1]);
-    const __m512i mag = _mm512_and_si512(_mm512_maskz_loadu_epi8(first64(len), codes + i), mag_mask);
-    const __mmask64 live = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(mag, one), live_below);
+    const __mmask64 live = live_codes64(codes + i, len, kind);
     for (int h = 0; h < 2 && 32 * h < len; ++h) {
       if (half == halves_per_run) {
         half = 0;
@@ -867,10 +871,9 @@ void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
                                     : _mm512_setzero_si512();
         _mm512_store_si512(tile + 64 * i, line);
       }
-      transpose64_store(tile, nr, nc, dst + c * rows + r, rows);
+      transpose64_store(tile, nr, nc, dst + c * rows + r, rows, /*stream=*/false);  // a weight the GEMM reads next
     }
   }
-  _mm_sfence();  // transpose64_store streams whole aligned lines
 }
 
 }  // namespace
@@ -878,7 +881,7 @@ void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
 const Kernels* avx512_kernels() {
   static const Kernels k = {"avx512",         amax_key,   cast,       cast_transpose_region, block_rowwise,
                             block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
-                            scale_bf16,       fp8_to_bf16_scaled, transpose_bytes};
+                            scale_bf16,       fp8_to_bf16_scaled, fp8_to_bf16_shifted, transpose_bytes};
   return &k;
 }
 

@@ -222,6 +222,15 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
   scale_bf16(out, s, n, run);
 }
 
+void fp8_to_bf16_shifted(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const int16_t* adds) {
+  const uint8_t special = kind == Fp8Kind::E4M3 ? 0x7F : 0x7C;  // the first magnitude that is not finite
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t mag = codes[i] & 0x7F;
+    const uint16_t w = fp8_to_bf16_bits(codes[i], kind);
+    out[i] = mag != 0 && mag < special ? static_cast<uint16_t>(w + adds[i]) : w;
+  }
+}
+
 void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst) {
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
@@ -232,7 +241,7 @@ void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
 const Kernels& portable_kernels() {
   static const Kernels k = {"portable",       amax_key,   cast,       cast_transpose_region, block_rowwise,
                             block_transposed, mx_rowwise, mx_colwise, fp8_to_bf16,
-                            scale_bf16,       fp8_to_bf16_scaled, transpose_bytes};
+                            scale_bf16,       fp8_to_bf16_scaled, fp8_to_bf16_shifted, transpose_bytes};
   return k;
 }
 

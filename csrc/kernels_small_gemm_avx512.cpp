@@ -169,19 +169,10 @@ void tile_cols(const SmallGemmJob& j, const Shape& sh, int64_t i0, int64_t p) {
 
 bool compiled() { return true; }
 
-int64_t s_units(const SmallGemmJob& j) { return j.s.ks == 1 ? j.s.rows : j.K; }
-
 int64_t v_units(const SmallGemmJob& j) { return (j.v.rows + kLanes - 1) / kLanes; }
 
-void pack_s(const SmallGemmJob& j, int64_t r0, int64_t r1) {
-  // storage rows: rows of s (row-major) or its k's (column-major), each of `len` elements
-  const bool row_major = j.s.ks == 1;
-  const int64_t len = row_major ? j.K : j.s.rows, ld = row_major ? j.s.rs : j.s.ks;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* src = j.s.x + r * ld;
-    float* dst = j.s_pack + r * len;
-    for (int64_t c = 0; c < len; c += kLanes) _mm512_mask_storeu_ps(dst + c, first(len - c), widen(src + c, first(len - c)));
-  }
+void widen(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += kLanes) _mm512_mask_storeu_ps(dst + i, first(n - i), widen(src + i, first(n - i)));
 }
 
 void pack_v(const SmallGemmJob& j, int64_t p0, int64_t p1) {
@@ -272,9 +263,8 @@ void run_tiles(const SmallGemmJob& j, int64_t u0, int64_t u1) {
 namespace engine_native {
 namespace small_gemm_avx512 {
 bool compiled() { return false; }
-int64_t s_units(const SmallGemmJob&) { return 0; }
 int64_t v_units(const SmallGemmJob&) { return 0; }
-void pack_s(const SmallGemmJob&, int64_t, int64_t) {}
+void widen(const uint16_t*, int64_t, float*) {}
 void pack_v(const SmallGemmJob&, int64_t, int64_t) {}
 int64_t tiles(const SmallGemmJob&) { return 0; }
 void run_tiles(const SmallGemmJob&, int64_t, int64_t) {}

@@ -39,10 +39,10 @@ struct SmallGemmJob {
 
 namespace small_gemm_avx512 {
 bool compiled();  // false where the compiler or architecture has no AVX-512 build
-// Packing: s rows (or storage rows) [r0, r1) of the `s_units(job)`, v panels [p0, p1) of `v_units(job)`.
-int64_t s_units(const SmallGemmJob& job);
+// Packing: s is widened by the caller (`widen`, storage row by storage row: s_pack's layout); v panels [p0, p1) of
+// `v_units(job)` by pack_v.
+void widen(const uint16_t* src, int64_t n, float* dst);  // dst[i] = fp32 of the bf16 src[i], i < n
 int64_t v_units(const SmallGemmJob& job);
-void pack_s(const SmallGemmJob& job, int64_t r0, int64_t r1);
 void pack_v(const SmallGemmJob& job, int64_t p0, int64_t p1);
 // Output tiles [u0, u1) of `tiles(job)`, after both packs are done.
 int64_t tiles(const SmallGemmJob& job);

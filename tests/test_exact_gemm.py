@@ -98,24 +98,38 @@ EDGES = {E4M3: (448.0, 2.0**-9, 119, -117), E5M2: (57344.0, 2.0**-16, 112, -110)
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("fmt", list(EDGES), ids=str)
-def test_decode_at_the_edges_of_bf16s_normal_range(isa, fmt):
+@pytest.mark.parametrize("stored", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("scales", ["all_in_range", "some_out_of_range", "and_a_nan_scale"])
+def test_decode_at_the_edges_of_bf16s_normal_range(isa, fmt, stored, scales):
     """A power-of-2 tile scale moves each value's exponent (the AVX-512 decode does exactly that) only while the
     result stays normal: A @ I (fp32, so A's decoded values) against the fp64 decode where whole tiles land on
-    the largest and smallest exponents, one step past them (inf; bf16 subnormals, rounded), and a NaN code."""
+    the largest and smallest exponents, one step past them (inf; bf16 subnormals, rounded), and a NaN code.
+    Stored columnwise (a transposed view, as MXFP8's columnwise data reaches wgrad) each element of a storage row
+    has its own scale: all of them in range take the per-element exponent adds, a NaN element kept as it is."""
     top, tiny, up, down = EDGES[fmt]
     values = torch.tensor([top] + [1.5, -tiny, 2**-6, 0.0, -0.0, 3.5, -1.0] * 4 + [2.0, -3.0, 0.25]).to(fmt)
-    codes = torch.tensor([[127 + up], [128 + up], [126 + down], [127 + down], [125 + down], [127 + down], [255]],
-                         dtype=torch.uint8)
     # E4M3: 448 * 2^119 = 1.75 * 2^127 (largest exponent), 448 * 2^120 overflows, 2^-9 * 2^-117 = 2^-126
     # (smallest normal), 2^-9 * 2^-118 and 1.5 * 2^-119 are bf16 subnormals; E5M2 likewise
+    in_range = scales == "all_in_range"
+    codes = [127 + up, 127 + down, 127, 128 + down] if in_range else \
+        [127 + up, 128 + up, 126 + down, 127 + down, 125 + down, 127 + down] + [255] * (scales == "and_a_nan_scale")
+    codes = torch.tensor(codes, dtype=torch.uint8).reshape(-1, 1)
     a = values.repeat(codes.shape[0], 1)
+    if in_range:
+        a[2, 5] = torch.tensor(float("nan")).to(fmt)
+    if stored == "columnwise":
+        a = column_major(a)
     eye, ones = torch.eye(32).to(fmt), torch.full((32, 1), 127, dtype=torch.uint8)
     with native.use_isa(isa):
         got = gemm(a, codes, eye, ones, None, torch.float32, (1, 32), (1, 32)).double()
     want = decode64(a, codes, (1, 32))
+    want = torch.where(want.isnan().any(1, keepdim=True), torch.nan, want)  # NaN * 0 elsewhere
     want = torch.where(want.isinf().any(1, keepdim=True) & ~want.isinf(), torch.nan, want)  # inf * 0 elsewhere
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), (got, want)
-    assert want[1].isinf().any() and (want[3].abs() == 2.0**-126).any() and (want[5].abs() < 2.0**-126).any()
+    if in_range:
+        assert want[2].isnan().all() and (want[1].abs() == 2.0**-126).any() and want[0].abs().max() == top * 2.0**up
+    else:
+        assert want[1].isinf().any() and (want[3].abs() == 2.0**-126).any() and (want[4].abs() < 2.0**-126).any()
 
 
 @pytest.mark.parametrize("isa", isas())

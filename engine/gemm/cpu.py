@@ -60,7 +60,7 @@ def exact_gemm_fn() -> Callable:
     forced = ops_backend.forced_backend()
     if forced not in (None, "native"):
         return registry.REFERENCE["exact_gemm"]
-    return registry.kernel("exact_gemm", registry.ANY, "cpu")
+    return registry.kernel_for("exact_gemm", registry.ANY, "cpu", forced)
 
 
 def per_tensor(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:

@@ -91,11 +91,11 @@ def is_high_precision(t: object) -> bool:
 
 def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, name: str = "a") -> GemmOperand:
     """The K-major operand for op(t): rowwise data, or columnwise data when `transposed`."""
-    st = storage_of(t, name)
-    usage = "columnwise" if transposed else "rowwise"
+    st = t if isinstance(t, QuantizedTensorBase) else storage_of(t, name)
     data = st.columnwise_data if transposed else st.rowwise_data
     scale_inv = st.columnwise_scale_inv if transposed else st.rowwise_scale_inv
     if data is None:
+        usage = "columnwise" if transposed else "rowwise"
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
@@ -110,7 +110,7 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
             codes = ref.as_2d(data)
         data = ops.elements_to_bf16(data, scheme, cols=st.shape[-1] if len(st.shape) else 1)
     block = scheme.stored_block(transposed)
-    data2d = data if transposed and scheme.columnwise_transposed else ref.as_2d(data)
+    data2d = data if data.dim() == 2 or (transposed and scheme.columnwise_transposed) else ref.as_2d(data)
     if transposed and not scheme.columnwise_transposed:  # stored in x's shape: read it as [K, M]
         data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
     if nvfp4:

@@ -236,7 +236,7 @@ def why_unavailable() -> str:
 
 
 def _ext() -> ModuleType:
-    ext = _extension()
+    ext = _module if _module is not None else _extension()  # built: no call (this runs for every kernel call)
     if ext is None:
         raise RuntimeError(f"engine's C++ kernels are unavailable: {_error}")
     return ext

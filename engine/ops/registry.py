@@ -316,6 +316,11 @@ def kernel(op: str, layout: str, device_type: str) -> Callable:
     return _resolve(op, layout, device_type, backend.forced_backend())
 
 
+def kernel_for(op: str, layout: str, device_type: str, forced: str | None) -> Callable:
+    """`kernel` for a forced backend the caller has read already (`backend.forced_backend()`)."""
+    return _resolve(op, layout, device_type, forced)
+
+
 @functools.lru_cache(maxsize=None)
 def _resolve(op: str, layout: str, device_type: str, forced: str | None) -> Callable:
     """Decided once per (op, layout, device, forced backend), so each fallback warning is shown once."""
