@@ -1,5 +1,5 @@
-// The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL) by the target pragma below, whatever flags the build
-// uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
+// The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL, VBMI2) by the target pragma below, whatever flags the
+// build uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
 // is compiled here too, for what the fast path below does not take: 2D tiles and tiles holding an inf or NaN.
 // The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
@@ -28,10 +28,10 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,prefer-vector-width=512")
 #endif
 
 #define ENGINE_AVX512_KERNELS 1
@@ -97,13 +97,17 @@ ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
   return bits(_mm512_add_ps(c, flt(m)));
 }
 
+// low3 ? c : s bitwise (low3: bits 0-2 set): the code c's low 3 bits under the sign nibble s. c, which dies here,
+// is the destination operand (0xE4 is 0xCA with the operands rotated), so no copy of low3 is made per call.
+ENGINE_INLINE Vi low3_or(Vi c, Vi s, Vi low3) { return _mm512_ternarylogic_epi32(c, s, low3, 0xE4); }
+
 // The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
 ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
 
 // Low byte of each lane: the rowwise codes of the pair (e, o) (their low 3 bits) with their signs (se, so:
 // sign_bits), e in the low nibble.
 ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so, Vi low3) {
-  const Vi lo = _mm512_ternarylogic_epi32(low3, ce, se, 0xCA), hi = _mm512_ternarylogic_epi32(low3, co, so, 0xCA);
+  const Vi lo = low3_or(ce, se, low3), hi = low3_or(co, so, low3);
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));  // (low3 ? c : s: bits 4-7 of se, so are zero)
 }
 
@@ -143,12 +147,10 @@ ENGINE_INLINE Vi carried(Vi lo, Vi lo0, Vi hk0, Vi hk1) {
   return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(lo, lo0), hk0, hk1);
 }
 
-// w shifted up a nibble, the code c with the sign (sv: sign_bits, bit 3) in the low one: rows fed 7..0 leave row
-// k in nibble k.
-ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vi sv, Vi low3) {
-  const Vi n = _mm512_ternarylogic_epi32(low3, c, sv, 0xCA);  // low3 ? c : sv
-  return _mm512_or_si512(_mm512_slli_epi32(w, 4), n);
-}
+// w shifted down a nibble, the code c with the sign (sv: sign_bits, bit 3) in the top one (VBMI2's funnel shift:
+// one instruction for the shift and the or; the bits of the nibble above bit 3 drop out): rows fed 0..7 leave
+// row k in nibble k.
+ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vi sv, Vi low3) { return _mm512_shrdi_epi32(w, low3_or(c, sv, low3), 4); }
 
 template <int... I, typename F>
 ENGINE_INLINE void unroll(std::integer_sequence<int, I...>, F&& f) {
@@ -527,7 +529,7 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
   }
   const Vi iota2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
-    constexpr int i = 15 - decltype(ic)::value;  // rows 15..0: the nibbles of the columnwise words
+    constexpr int i = decltype(ic)::value;  // rows 0..15: the nibbles of the columnwise words (push_nibble)
     Vf e, o;
     const bool valid = i < b.rows;
     load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
