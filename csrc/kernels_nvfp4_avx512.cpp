@@ -106,18 +106,19 @@ ENGINE_INLINE Vi low3_or(Vi c, Vi s, Vi low3) { return _mm512_ternarylogic_epi32
 // The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
 ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
 
-// Low byte of each lane: the rowwise codes of the pair (e, o) (their low 3 bits) with their signs (se, so:
-// sign_bits), e in the low nibble.
-ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so, Vi low3) {
-  const Vi lo = low3_or(ce, se, low3), hi = low3_or(co, so, low3);
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));  // (low3 ? c : s: bits 4-7 of se, so are zero)
+// 4 rows' nibbles (each lane below 16: low3_or of a code and its sign_bits), a (first), b, c, d, as bytes: two
+// levels of unsigned saturating packs (nothing saturates) leave 128-bit lane L holding (a, b, c, d)'s lanes
+// 4L..4L+3 as 4 dwords.
+ENGINE_INLINE Vi pack4(const Vi* v) {
+  return _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
 }
 
-// The pair bytes (pair_bytes: each lane below 256) of 4 rows of a group, a (first), b, c, d, as 4 x 16 bytes: row m
-// in dwords 4m..4m+3. Two levels of unsigned saturating packs (nothing saturates) leave 128-bit lane L holding
-// (a, b, c, d)'s lanes 4L..4L+3 as 4 dwords; one vpermd gathers each row. Cheaper than a vpmovdb per row.
-ENGINE_INLINE Vi rows4(Vi a, Vi b, Vi c, Vi d) {
-  const Vi bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+// The rowwise bytes of 4 rows of a group (lo: the even elements' nibbles, hi: the odd ones', row m in [m]) as
+// 4 x 16 bytes, row m in dwords 4m..4m+3: both packed (pack4), the odd nibbles shifted up within their bytes (a
+// 16-bit shift: no byte exceeds 15), one vpermd gathering each row. Cheaper than a vpmovdb per row and a shift
+// and an or per row's pairs.
+ENGINE_INLINE Vi rows4(const Vi* lo, const Vi* hi) {
+  const Vi bytes = _mm512_or_si512(pack4(lo), _mm512_slli_epi16(pack4(hi), 4));
   return _mm512_permutexvar_epi32(_mm512_load_si512(kTables.quad_rows), bytes);
 }
 
@@ -543,7 +544,7 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     }
   }
   const Vi iota2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  Vi pairs[4];  // ROWS: the pair bytes of the rows of the 4-row quad in progress (row 4q + m in pairs[m])
+  Vi lo4[4], hi4[4];  // ROWS: the even / odd nibbles of the rows of the 4-row quad in progress (row 4q + m in [m])
   unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
     constexpr int i = decltype(ic)::value;  // rows 0..15: the nibbles of the columnwise words (push_nibble)
     Vf e, o;
@@ -570,9 +571,10 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
         ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic);
         co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
       }
-      pairs[i % 4] = pair_bytes(ce, co, se, so, low3);
+      lo4[i % 4] = low3_or(ce, se, low3);
+      hi4[i % 4] = low3_or(co, so, low3);
       if (i % 4 == 3) {  // the quad's last row: its 4 rows leave together
-        const Vi q = rows4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        const Vi q = rows4(lo4, hi4);
         uint8_t* dst = s.row_lines[i - 3] + 16 * g;
         _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm512_castsi512_si128(q));
         _mm_store_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_extracti32x4_epi32(q, 1));
