@@ -35,7 +35,14 @@ namespace {
 using at::Tensor;
 using c10::optional;
 
-using glue::cpu_has_avx512;
+// The AVX-512 kernels also use VBMI2's funnel shifts (kernels_nvfp4_avx512.cpp push_nibble).
+bool cpu_has_avx512() {
+#if defined(ENGINE_NVFP4_X86) && (defined(__GNUC__) || defined(__clang__))
+  return glue::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi2");
+#else
+  return false;
+#endif
+}
 
 using glue::check_plain;
 using glue::DefaultFpEnv;

@@ -1,5 +1,5 @@
-// The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL) by the target pragma below, whatever flags the build
-// uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
+// The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL, VBMI2) by the target pragma below, whatever flags the
+// build uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
 // is compiled here too, for what the fast path below does not take: 2D tiles and tiles holding an inf or NaN.
 // The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
@@ -28,10 +28,10 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi2,prefer-vector-width=512")
 #endif
 
 #define ENGINE_AVX512_KERNELS 1
@@ -59,9 +59,10 @@ struct Tables {
   alignas(64) uint32_t even[16], odd[16];  // vpermt2ps: the even / odd elements of 32 fp32 lanes
   alignas(64) uint32_t block_order[16];    // the max tree's lane (4l + m: block 4m + l) of each block
   alignas(64) uint32_t interleave[2][16];  // vpermt2d: (e, o) -> natural order, elements 0-15 and 16-31
+  alignas(64) uint32_t quad_rows[16];      // vpermd: 4 rows' packed bytes (see rows4) -> row m in dwords 4m..4m+3
   int8_t col_slot[32];  // column 2j + parity of a group: its qword in the group's column words (see band_cols)
   int8_t slot_col[32];  // the inverse
-  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, col_slot{}, slot_col{} {
+  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, quad_rows{}, col_slot{}, slot_col{} {
     for (uint32_t f = 125; f <= 129; ++f) {
       const uint32_t e = f < 127 ? 127 : f;  // nvfp4_kernels.h e2m1_magnitude: field max(f, 127)
       magic[f & 15] = ((e + 22u) << 23) + ((e - 127u) << 1);
@@ -72,6 +73,7 @@ struct Tables {
       block_order[j] = 4 * (j % 4) + j / 4;
       interleave[0][j] = (j % 2 ? 16 : 0) + j / 2;
       interleave[1][j] = (j % 2 ? 16 : 0) + 8 + j / 2;
+      quad_rows[j] = 4 * (j % 4) + j / 4;
     }
     for (int c = 0; c < 32; ++c) {  // unpacklo/hi_epi32(lo, hi) of lane j: qword 2 (j / 4) + j % 2 of lo / hi
       const int j = c / 2, parity = c % 2, hi = (j % 4) >= 2;
@@ -97,14 +99,27 @@ ENGINE_INLINE Vi e2m1_code3(Vf p, Vi magic) {
   return bits(_mm512_add_ps(c, flt(m)));
 }
 
+// low3 ? c : s bitwise (low3: bits 0-2 set): the code c's low 3 bits under the sign nibble s. c, which dies here,
+// is the destination operand (0xE4 is 0xCA with the operands rotated), so no copy of low3 is made per call.
+ENGINE_INLINE Vi low3_or(Vi c, Vi s, Vi low3) { return _mm512_ternarylogic_epi32(c, s, low3, 0xE4); }
+
 // The top 4 bits of v (the sign at bit 3), shared by the usages' nibbles of the same element.
 ENGINE_INLINE Vi sign_bits(Vf v) { return _mm512_srli_epi32(bits(v), 28); }
 
-// Low byte of each lane: the rowwise codes of the pair (e, o) (their low 3 bits) with their signs (se, so:
-// sign_bits), e in the low nibble.
-ENGINE_INLINE Vi pair_bytes(Vi ce, Vi co, Vi se, Vi so, Vi low3) {
-  const Vi lo = _mm512_ternarylogic_epi32(low3, ce, se, 0xCA), hi = _mm512_ternarylogic_epi32(low3, co, so, 0xCA);
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));  // (low3 ? c : s: bits 4-7 of se, so are zero)
+// 4 rows' nibbles (each lane below 16: low3_or of a code and its sign_bits), a (first), b, c, d, as bytes: two
+// levels of unsigned saturating packs (nothing saturates) leave 128-bit lane L holding (a, b, c, d)'s lanes
+// 4L..4L+3 as 4 dwords.
+ENGINE_INLINE Vi pack4(const Vi* v) {
+  return _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
+}
+
+// The rowwise bytes of 4 rows of a group (lo: the even elements' nibbles, hi: the odd ones', row m in [m]) as
+// 4 x 16 bytes, row m in dwords 4m..4m+3: both packed (pack4), the odd nibbles shifted up within their bytes (a
+// 16-bit shift: no byte exceeds 15), one vpermd gathering each row. Cheaper than a vpmovdb per row and a shift
+// and an or per row's pairs.
+ENGINE_INLINE Vi rows4(const Vi* lo, const Vi* hi) {
+  const Vi bytes = _mm512_or_si512(pack4(lo), _mm512_slli_epi16(pack4(hi), 4));
+  return _mm512_permutexvar_epi32(_mm512_load_si512(kTables.quad_rows), bytes);
 }
 
 // ------------------------------------------------------------------------------ stochastic rounding
@@ -143,12 +158,10 @@ ENGINE_INLINE Vi carried(Vi lo, Vi lo0, Vi hk0, Vi hk1) {
   return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(lo, lo0), hk0, hk1);
 }
 
-// w shifted up a nibble, the code c with the sign (sv: sign_bits, bit 3) in the low one: rows fed 7..0 leave row
-// k in nibble k.
-ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vi sv, Vi low3) {
-  const Vi n = _mm512_ternarylogic_epi32(low3, c, sv, 0xCA);  // low3 ? c : sv
-  return _mm512_or_si512(_mm512_slli_epi32(w, 4), n);
-}
+// w shifted down a nibble, the code c with the sign (sv: sign_bits, bit 3) in the top one (VBMI2's funnel shift:
+// one instruction for the shift and the or; the bits of the nibble above bit 3 drop out): rows fed 0..7 leave
+// row k in nibble k.
+ENGINE_INLINE Vi push_nibble(Vi w, Vi c, Vi sv, Vi low3) { return _mm512_shrdi_epi32(w, low3_or(c, sv, low3), 4); }
 
 template <int... I, typename F>
 ENGINE_INLINE void unroll(std::integer_sequence<int, I...>, F&& f) {
@@ -246,6 +259,10 @@ ENGINE_INLINE void scales_8x64(const uint8_t* src, int64_t ld, uint8_t* dst, int
 struct Band {
   int64_t first = -1;  // the band's first strip (-1: none)
   int64_t cols = 0;    // the columns, rounded up to whole tiles
+  // Strip strides of `lines` (words) and `scales` (bytes): one cache line more than a strip's columns, so that the
+  // 8 strips' entries of a column, read together by the flush, fall in different L1 sets (cols * 8 bytes is often
+  // a multiple of 4 KiB, which would put all 8 in one set).
+  int64_t line_ld = 0, scale_ld = 0;
   std::unique_ptr<uint64_t[]> line_store;
   uint64_t* lines = nullptr;  // [strip][column slot]: a group of 32 columns in band_cols' order (col_slot; read only
                               // where `filled`: left uninitialised); 64-byte aligned
@@ -256,16 +273,17 @@ struct Band {
   explicit Band(const Nvfp4Job& job) {
     const int64_t col_tiles = (job.K + kT - 1) / kT;
     cols = col_tiles * kT;
-    const size_t n = static_cast<size_t>(cols * kNvfp4BandStrips);
-    line_store.reset(new uint64_t[n + 8]);
+    line_ld = cols + 8;
+    scale_ld = cols + 64;
+    line_store.reset(new uint64_t[static_cast<size_t>(line_ld * kNvfp4BandStrips) + 8]);
     lines = line_store.get() + ((64 - (reinterpret_cast<uintptr_t>(line_store.get()) & 63)) & 63) / 8;
-    scale_store.reset(new uint8_t[n + 64]);
+    scale_store.reset(new uint8_t[static_cast<size_t>(scale_ld * kNvfp4BandStrips) + 64]);
     scales = scale_store.get() + ((64 - (reinterpret_cast<uintptr_t>(scale_store.get()) & 63)) & 63);
     filled.assign(static_cast<size_t>(col_tiles), 0u);
   }
 
   // The word of column c (of the whole matrix) in strip k of the band.
-  const uint64_t* word(int64_t k, int64_t c) const { return lines + k * cols + (c & ~int64_t{31}) + kTables.col_slot[c & 31]; }
+  const uint64_t* word(int64_t k, int64_t c) const { return lines + k * line_ld + (c & ~int64_t{31}) + kTables.col_slot[c & 31]; }
 
   void flush(const Nvfp4Job& job) {
     if (first < 0) return;
@@ -284,7 +302,7 @@ struct Band {
       if (whole_lines) {
         for (int64_t q = 0; q < ((b.w + 31) & ~int64_t{31}); q += 8) {  // 8 slots of a written group at a time
           Vi r[8], o[8];
-          for (int k = 0; k < 8; ++k) r[k] = _mm512_load_si512(lines + k * cols + b.c0 + q);
+          for (int k = 0; k < 8; ++k) r[k] = _mm512_load_si512(lines + k * line_ld + b.c0 + q);
           transpose8x8_epi64(r, o);
           for (int j = 0; j < 8; ++j) {
             const int64_t c = (q & ~int64_t{31}) + kTables.slot_col[(q & 31) + j];
@@ -300,11 +318,11 @@ struct Band {
         }
       }
       if (all && h == kNvfp4BandStrips) {
-        for (int64_t c = 0; c < b.w; c += 64) scales_8x64(scales + b.c0 + c, cols, sc + c * nbm, nbm, b.w - c);
+        for (int64_t c = 0; c < b.w; c += 64) scales_8x64(scales + b.c0 + c, scale_ld, sc + c * nbm, nbm, b.w - c);
       } else {
         for (int64_t c = 0; c < b.w; ++c) {
           for (int64_t k = 0; k < h; ++k) {
-            if (f >> k & 1) sc[c * nbm + k] = scales[k * cols + b.c0 + c];
+            if (f >> k & 1) sc[c * nbm + k] = scales[k * scale_ld + b.c0 + c];
           }
         }
       }
@@ -526,8 +544,9 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     }
   }
   const Vi iota2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  Vi lo4[4], hi4[4];  // ROWS: the even / odd nibbles of the rows of the 4-row quad in progress (row 4q + m in [m])
   unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
-    constexpr int i = 15 - decltype(ic)::value;  // rows 15..0: the nibbles of the columnwise words
+    constexpr int i = decltype(ic)::value;  // rows 0..15: the nibbles of the columnwise words (push_nibble)
     Vf e, o;
     const bool valid = i < b.rows;
     load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
@@ -552,8 +571,16 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
         ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic);
         co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
       }
-      _mm_store_si128(reinterpret_cast<__m128i*>(s.row_lines[i] + 16 * g),
-                      _mm512_cvtepi32_epi8(pair_bytes(ce, co, se, so, low3)));
+      lo4[i % 4] = low3_or(ce, se, low3);
+      hi4[i % 4] = low3_or(co, so, low3);
+      if (i % 4 == 3) {  // the quad's last row: its 4 rows leave together
+        const Vi q = rows4(lo4, hi4);
+        uint8_t* dst = s.row_lines[i - 3] + 16 * g;
+        _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm512_castsi512_si128(q));
+        _mm_store_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_extracti32x4_epi32(q, 1));
+        _mm_store_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_extracti32x4_epi32(q, 2));
+        _mm_store_si128(reinterpret_cast<__m128i*>(dst + 192), _mm512_extracti32x4_epi32(q, 3));
+      }
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
@@ -621,11 +648,11 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
         _mm_store_si128(reinterpret_cast<__m128i*>(codes + 32 * g + 16 * h),
                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(ce, table(kTables.interleave[h]), co)));
     }
-    std::memcpy(band.scales + k * band.cols + b.c0, codes, kT);
+    std::memcpy(band.scales + k * band.scale_ld + b.c0, codes, kT);
     clamp = clamp || blocks_need_clamp(keys, col_codes, 8, col_sc);
   }
   for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
-    uint64_t* lines = band.lines + k * band.cols + b.c0 + 32 * g;
+    uint64_t* lines = band.lines + k * band.line_ld + b.c0 + 32 * g;
     if (SR) {
       quantize_group<BF16, ROWS, COLS, RHT, true, true>(job, b, s, g, lines, rkey);
     } else if (clamp) {
