@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <bit>
 #include <cstring>
 #include <initializer_list>
 #include <string>
@@ -708,17 +709,30 @@ struct Decoder {
     std::vector<float> scales;
     std::vector<int16_t> adds;
     bool shifted = false;
+    std::vector<float> batch_scales;  // a batch of rows' scales back to back (decode)
   };
 
   void load(int64_t tile_row, TileRow& t) const {
     t.index = tile_row;
     t.scales.resize(static_cast<size_t>(tiles));
-    for (int64_t j = 0; j < tiles; ++j) {
-      const int64_t at = tile_row * ss0 + j * ss1;
-      t.scales[j] = e8m0 ? e8m0_to_f32(static_cast<const uint8_t*>(sp)[at]) : static_cast<const float*>(sp)[at];
-    }
+    const int64_t at = tile_row * ss0;
+    const uint8_t* c = static_cast<const uint8_t*>(sp) + at;  // E8M0 codes
+    const float* f = static_cast<const float*>(sp) + at;      // or fp32 scales
+    for (int64_t j = 0; j < tiles; ++j) t.scales[j] = e8m0 ? std::bit_cast<float>(e8m0_f32_bits(c[j * ss1])) : f[j * ss1];
     t.shifted = tc == 1 && !decoded;
-    if (t.shifted) t.adds.resize(static_cast<size_t>(tiles));
+    if (!t.shifted) return;
+    t.adds.resize(static_cast<size_t>(tiles));
+    if (e8m0) {  // code c is 2^(c - 127): normal for c in [1, 254], which the shift range lies within
+      const int lo = min_normal_shift(kind), hi = max_normal_shift(kind);
+      bool ok = true;
+      for (int64_t j = 0; j < tiles; ++j) {
+        const int shift = static_cast<int>(c[j * ss1]) - 127;
+        ok = ok & (shift >= lo) & (shift <= hi);
+        t.adds[j] = static_cast<int16_t>(shift * 128);
+      }
+      t.shifted = ok;
+      return;
+    }
     for (int64_t j = 0; j < tiles && t.shifted; ++j) {
       const int shift = pow2_shift(t.scales[j]);
       t.shifted = shift_stays_normal(kind, shift);
@@ -737,6 +751,21 @@ struct Decoder {
         kern.fp8_to_bf16(codes + r0 * k, kind, 0, (r1 - r0) * k, dst);
       }
       if (op.per_tensor()) return;
+    }
+    if (!decoded && tc > 1 && k % tc == 0) {
+      // whole tiles in every row: consecutive rows are one sequence of runs, decoded by one kernel call per batch
+      // (the per-call cost is that of a few hundred elements: MXFP8's weight rows are 256)
+      const int64_t batch = std::max<int64_t>(1, 8192 / k);
+      for (int64_t r = r0; r < r1; r += batch) {
+        const int64_t e = std::min(r1, r + batch);
+        t.batch_scales.resize(static_cast<size_t>((e - r) * tiles));
+        for (int64_t i = r; i < e; ++i) {
+          if (i / tr != t.index) load(i / tr, t);
+          std::copy(t.scales.begin(), t.scales.end(), t.batch_scales.begin() + (i - r) * tiles);
+        }
+        kern.fp8_to_bf16_scaled(codes + r * k, kind, (e - r) * k, dst + (r - r0) * k, t.batch_scales.data(), tc);
+      }
+      return;
     }
     for (int64_t r = r0; r < r1; ++r) {
       if (r / tr != t.index) load(r / tr, t);

@@ -174,6 +174,12 @@ static inline uint8_t e8m0_floor(float amax, int max_exponent) {
 
 // The scale_inv an E8M0 code stands for: 2^(code - 127) exactly (code 0 gives the subnormal
 // 2^-127); code 255 gives NaN.
+// e8m0_to_f32's bits, without branches (loops over codes vectorise).
+static inline uint32_t e8m0_f32_bits(uint8_t code) {
+  const uint32_t normal = static_cast<uint32_t>(code) << 23;
+  return code == 0 ? 0x00400000u : code == kE8M0NaN ? 0x7FC00000u : normal;
+}
+
 static inline float e8m0_to_f32(uint8_t code) {
   if (code == kE8M0NaN) return bits_f32(0x7FC00000u);
   if (code == 0) return bits_f32(0x00400000u);
@@ -245,9 +251,10 @@ static inline int pow2_shift(float s) {
 // Whether every finite nonzero value of `kind` times 2^shift is a normal number: then scaling by 2^shift is an add
 // of shift * 128 to the bf16 word of each finite nonzero value, exactly. (Smallest magnitudes: E4M3 2^-9, E5M2
 // 2^-16; largest below 2^9 and 2^16.)
+static inline int min_normal_shift(Fp8Kind kind) { return kind == Fp8Kind::E4M3 ? -117 : -110; }
+static inline int max_normal_shift(Fp8Kind kind) { return kind == Fp8Kind::E4M3 ? 119 : 112; }
 static inline bool shift_stays_normal(Fp8Kind kind, int shift) {
-  const int lo = kind == Fp8Kind::E4M3 ? -9 : -16, hi = kind == Fp8Kind::E4M3 ? 8 : 15;
-  return shift != kNoShift && lo + shift >= -126 && hi + shift <= 127;
+  return shift != kNoShift && shift >= min_normal_shift(kind) && shift <= max_normal_shift(kind);
 }
 
 }  // namespace engine_native

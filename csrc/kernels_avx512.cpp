@@ -823,38 +823,62 @@ void fp8_to_bf16_shifted(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t
   }
 }
 
+// For the scales s[0, count): bit j of `plain` (count bits, zeroed first) set when s[j] is a power of two 2^shift
+// with shift_stays_normal(kind, shift), adds[j] = shift * 128 then; 16 scales at a time. (Such shifts keep the
+// biased exponent within [10, 246], so "positive, mantissa zero, shift in range" is the whole test.)
+ENGINE_INLINE void plain_adds(const float* s, int64_t count, Fp8Kind kind, int16_t* adds, uint64_t* plain) {
+  const __m512i min_shift = _mm512_set1_epi32(min_normal_shift(kind));
+  const __m512i max_shift = _mm512_set1_epi32(max_normal_shift(kind));
+  for (int64_t j = 0; j < (count + 63) / 64; ++j) plain[j] = 0;
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 m = first16(count - j);
+    const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, s + j));
+    const __m512i shift = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(0xFF)),
+                                           _mm512_set1_epi32(127));
+    const __mmask16 ok = m & _mm512_testn_epi32_mask(b, _mm512_set1_epi32(static_cast<int>(0x807FFFFFu))) &
+                         _mm512_cmpge_epi32_mask(shift, min_shift) & _mm512_cmple_epi32_mask(shift, max_shift);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(adds + j), _mm512_cvtepi32_epi16(_mm512_slli_epi32(shift, 7)));
+    plain[j / 64] |= static_cast<uint64_t>(ok) << (j % 64);
+  }
+}
+
 // fp8_to_bf16 of codes [0, n) and scale_bf16 of the result in one pass (a multiple-of-32 run: in registers).
 // A scale that keeps every code normal adds to the exponents of the lanes whose codes are finite and nonzero
-// (zeros, infinities and NaNs keep their decoded words, as scaled32 gives them); others take scaled32.
+// (zeros, infinities and NaNs keep their decoded words, as scaled32 gives them); others take scaled32. Which
+// scales do is found 16 at a time before the element loop (plain_adds), for up to kChunkTiles runs at once.
 void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s, int64_t run) {
   if (run % 32 != 0) {
     fp8_to_bf16(codes, kind, 0, n, out);
     scale_bf16(out, s, n, run);
     return;
   }
+  constexpr int64_t kChunkTiles = 256;
+  alignas(64) int16_t adds[kChunkTiles + 16];
+  uint64_t plain[kChunkTiles / 64];
   const Fp8Bf16Table& t = fp8_bf16_table(kind);
   const int64_t halves_per_run = run / 32;
-  int64_t tile = 0, half = 0;  // the run of the current 32 lanes, and which 32 of that run they are
-  float scale = s[0];
-  int shift = pow2_shift(scale);
-  bool plain = shift_stays_normal(kind, shift);
-  for (int64_t i = 0; i < n; i += 64) {
-    const int64_t len = imin(64, n - i);
-    __m512i w[2];
-    decode64(t, codes + i, len, w[0], w[1]);
-    const __mmask64 live = live_codes64(codes + i, len, kind);
-    for (int h = 0; h < 2 && 32 * h < len; ++h) {
-      if (half == halves_per_run) {
-        half = 0;
-        scale = s[++tile];
-        shift = pow2_shift(scale);
-        plain = shift_stays_normal(kind, shift);
+  for (int64_t c0 = 0; c0 < n; c0 += kChunkTiles * run) {
+    const int64_t cn = imin(kChunkTiles * run, n - c0);
+    const float* cs = s + c0 / run;
+    plain_adds(cs, (cn + run - 1) / run, kind, adds, plain);
+    int64_t tile = 0, half = 0;  // the run of the current 32 lanes, and which 32 of that run they are
+    for (int64_t i = 0; i < cn; i += 64) {
+      const int64_t len = imin(64, cn - i);
+      __m512i w[2];
+      decode64(t, codes + c0 + i, len, w[0], w[1]);
+      const __mmask64 live = live_codes64(codes + c0 + i, len, kind);
+      for (int h = 0; h < 2 && 32 * h < len; ++h) {
+        if (half == halves_per_run) {
+          half = 0;
+          ++tile;
+        }
+        ++half;
+        const __m512i y = (plain[tile / 64] >> (tile % 64)) & 1
+                              ? _mm512_mask_add_epi16(w[h], static_cast<__mmask32>(live >> (32 * h)), w[h],
+                                                      _mm512_set1_epi16(adds[tile]))
+                              : scaled32(w[h], cs[tile], pow2_shift(cs[tile]));
+        _mm512_mask_storeu_epi16(out + c0 + i + 32 * h, first32(len - 32 * h), y);
       }
-      ++half;
-      const __m512i y = plain ? _mm512_mask_add_epi16(w[h], static_cast<__mmask32>(live >> (32 * h)), w[h],
-                                                      _mm512_set1_epi16(static_cast<int16_t>(shift * 128)))
-                              : scaled32(w[h], scale, shift);
-      _mm512_mask_storeu_epi16(out + i + 32 * h, first32(len - 32 * h), y);
     }
   }
 }
