@@ -712,13 +712,23 @@ struct Decoder {
     std::vector<float> batch_scales;  // a batch of rows' scales back to back (decode)
   };
 
+  // fp32 scales of the `count` tiles from scale_inv's element `at` on, `step` elements apart.
+  void scales_at(int64_t at, int64_t count, int64_t step, float* out) const {
+    if (e8m0) {
+      const uint8_t* c = static_cast<const uint8_t*>(sp) + at;
+      for (int64_t j = 0; j < count; ++j) out[j] = std::bit_cast<float>(e8m0_f32_bits(c[j * step]));
+    } else {
+      const float* f = static_cast<const float*>(sp) + at;
+      for (int64_t j = 0; j < count; ++j) out[j] = f[j * step];
+    }
+  }
+
   void load(int64_t tile_row, TileRow& t) const {
     t.index = tile_row;
     t.scales.resize(static_cast<size_t>(tiles));
     const int64_t at = tile_row * ss0;
     const uint8_t* c = static_cast<const uint8_t*>(sp) + at;  // E8M0 codes
-    const float* f = static_cast<const float*>(sp) + at;      // or fp32 scales
-    for (int64_t j = 0; j < tiles; ++j) t.scales[j] = e8m0 ? std::bit_cast<float>(e8m0_f32_bits(c[j * ss1])) : f[j * ss1];
+    scales_at(at, tiles, ss1, t.scales.data());
     t.shifted = tc == 1 && !decoded;
     if (!t.shifted) return;
     t.adds.resize(static_cast<size_t>(tiles));
@@ -759,9 +769,13 @@ struct Decoder {
       for (int64_t r = r0; r < r1; r += batch) {
         const int64_t e = std::min(r1, r + batch);
         t.batch_scales.resize(static_cast<size_t>((e - r) * tiles));
-        for (int64_t i = r; i < e; ++i) {
-          if (i / tr != t.index) load(i / tr, t);
-          std::copy(t.scales.begin(), t.scales.end(), t.batch_scales.begin() + (i - r) * tiles);
+        if (tr == 1 && ss1 == 1 && ss0 == tiles) {  // the batch's scales are contiguous: one flat conversion
+          scales_at(r * ss0, (e - r) * tiles, 1, t.batch_scales.data());
+        } else {
+          for (int64_t i = r; i < e; ++i) {
+            if (i / tr != t.index) load(i / tr, t);
+            std::copy(t.scales.begin(), t.scales.end(), t.batch_scales.begin() + (i - r) * tiles);
+          }
         }
         kern.fp8_to_bf16_scaled(codes + r * k, kind, (e - r) * k, dst + (r - r0) * k, t.batch_scales.data(), tc);
       }

@@ -14,6 +14,7 @@ A dim that is not a multiple of its block ends in a partial block, stored compac
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -53,6 +54,10 @@ class Block:
         return self.rows == 0 and self.cols == 0
 
     def transposed(self) -> Block:
+        return self._transposed
+
+    @functools.cached_property
+    def _transposed(self) -> Block:  # built once per block: GEMM operands ask for it on every call
         return Block(self.cols, self.rows)
 
     def grid(self, m: int, k: int) -> tuple[int, ...]:
