@@ -238,6 +238,9 @@ static inline uint16_t fp8_to_bf16_bits(uint8_t code, Fp8Kind kind) {
   return sign | static_cast<uint16_t>(f32_bits(value) >> 16);
 }
 
+// The smallest magnitude code (code & 0x7F) that is not a finite number: E4M3's NaN 0x7F, E5M2's infinity 0x7C.
+static inline uint8_t first_special_magnitude(Fp8Kind kind) { return kind == Fp8Kind::E4M3 ? 0x7F : 0x7C; }
+
 // log2(s) when s is a positive normal power of two, else kNoShift.
 constexpr int kNoShift = 1000;
 

@@ -799,12 +799,12 @@ void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
   }
 }
 
-// Lanes whose codes are finite and nonzero (magnitudes 1 .. special - 1: E4M3's only special is NaN 0x7F, E5M2's
-// start at 0x7C), for the 64 codes at `codes` (n of them).
+// Lanes whose codes are finite and nonzero (magnitudes 1 .. first_special_magnitude - 1), for the 64 codes at
+// `codes` (n of them).
 ENGINE_INLINE __mmask64 live_codes64(const uint8_t* codes, int64_t n, Fp8Kind kind) {
   const __m512i mag = _mm512_and_si512(_mm512_maskz_loadu_epi8(first64(n), codes), _mm512_set1_epi8(0x7F));
   return _mm512_cmplt_epu8_mask(_mm512_sub_epi8(mag, _mm512_set1_epi8(1)),
-                                _mm512_set1_epi8(kind == Fp8Kind::E4M3 ? 0x7E : 0x7B));
+                                _mm512_set1_epi8(static_cast<char>(first_special_magnitude(kind) - 1)));
 }
 
 void fp8_to_bf16_shifted(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const int16_t* adds) {

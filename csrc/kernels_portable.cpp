@@ -223,7 +223,7 @@ void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t*
 }
 
 void fp8_to_bf16_shifted(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const int16_t* adds) {
-  const uint8_t special = kind == Fp8Kind::E4M3 ? 0x7F : 0x7C;  // the first magnitude that is not finite
+  const uint8_t special = first_special_magnitude(kind);
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t mag = codes[i] & 0x7F;
     const uint16_t w = fp8_to_bf16_bits(codes[i], kind);

@@ -99,8 +99,7 @@ def general_gemm(
     """out[M, N] = op(a)[M, K] @ op(b)[N, K]^T (+ bias[N]); with `accumulate`, added into `out` (fp32)."""
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
-    if not (isinstance(a, QuantizedTensorBase) and isinstance(b, QuantizedTensorBase)) and (
-            is_high_precision(a) or is_high_precision(b)):  # two storages (the modules' GEMMs): no more checks
+    if is_high_precision(a) or is_high_precision(b):
         result = _high_precision(a, b, a_transposed, b_transposed, bias)
     else:
         lhs = gemm_operand(a, transposed=a_transposed, name="a")

@@ -62,10 +62,9 @@ class GemmOperand:
         """Which GEMM numerics apply: one scale ("tensor"), power-of-2 tiles ("pow2"), fp32 tiles ("block")."""
         if self.per_tensor:
             return "tensor"
-        encoding = self.encoding
-        if encoding is ScaleEncoding.E4M3:
+        if self.encoding is ScaleEncoding.E4M3:
             return "nvfp4"
-        return "pow2" if encoding is ScaleEncoding.E8M0 or encoding is ScaleEncoding.FP32_POW2 else "block"
+        return "pow2" if self.encoding.is_pow2 else "block"
 
     @property
     def tile(self) -> tuple[int, int]:
