@@ -1,13 +1,13 @@
-"""Bandwidth of the NVFP4 quantize kernel against `torch.Tensor.copy_` of its input.
+"""Bandwidth of the NVFP4 quantize kernel, against a plain copy and the reference path.
 
-    python benchmarks/bench_nvfp4.py [--size 4096 4096] [--dtype bf16] [--threads 1,2] [--isa auto]
+    python benchmarks/bench_nvfp4.py [--size 4096 4096] [--dtype bf16] [--runs 15] [--threads 1,2] [--isa auto]
 
-For each variant (both usages; plain or with the RHT'd columnwise usage; round-to-nearest or stochastic
-rounding) the per-call thread CPU time of the C++ kernel as a quantizer calls it (no out_* buffers: the
-packed data land in idle reused buffers, `engine.memory.output_buffer`, the scales in fresh memory),
-the least over interleaved blocks (`common.least_disturbed_cpu_seconds`: the machine is shared), next to
-`y.copy_(x)` measured the same way. Bytes counted: x read once, each usage's packed data and E4M3 scales
-written once. "of copy_" is the kernel's bandwidth as a fraction of copy_'s (2 * x's bytes per call).
+As bench_quantize.py (the same table): for each variant (both usages, plain or with the RHT'd columnwise
+usage, round-to-nearest or stochastic rounding; the weights' 16x16 tiles; one usage alone) the median wall
+time of the C++ kernel into preallocated outputs, the bandwidth counted as bytes read + written (x once per
+pass over it: twice, since the per-tensor amax comes before any scale; each usage's packed data and E4M3
+scales once), and that as a fraction of `y.copy_(x)` timed alternately with it; the module path
+(`NVFP4Quantizer(...)(x)`, new outputs per call) and the reference. One table per thread count.
 `main(argv)` is the entry point for `python -m engine bench nvfp4`.
 """
 
@@ -17,66 +17,90 @@ import argparse
 
 import torch
 
-from common import least_disturbed_cpu_seconds, print_table, torch_threads
+from bench_quantize import DTYPES, Row, Scheme, format_table, interleaved_medians, median_seconds
+from common import torch_threads
 from engine.ops import native
+from engine.ops import nvfp4 as ref
+from engine.quantizers import NVFP4Quantizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+VARIANTS = {  # name -> (rowwise, columnwise, two_d, rht, stochastic rounding)
+    "both usages": (True, True, False, False, False),
+    "both usages rht": (True, True, False, True, False),
+    "both usages sr": (True, True, False, False, True),
+    "both usages rht sr": (True, True, False, True, True),
+    "16x16 tiles (weights)": (True, True, True, False, False),
+    "rowwise only": (True, False, False, False, False),
+    "columnwise only rht": (False, True, False, True, False),
+}
 
 
-def variants(x: torch.Tensor) -> dict[str, tuple[object, int]]:
-    """name -> (call, bytes read + written)."""
+def schemes(x: torch.Tensor) -> list[Scheme]:
     m, k = x.shape
-    usage_bytes = -(-k // 2) * m + -(-k // 16) * m  # packed data and scales of one usage (same for the other)
     read = x.numel() * x.element_size()
     counter = torch.tensor([1234, 0])
-    out = {}
-    for rht in (False, True):
-        for sr in (False, True):
-            name = f"both usages{' rht' if rht else ''}{' sr' if sr else ''}"
-            out[name] = (lambda r=rht, s=sr: native.quantize_nvfp4(x, rht=r, counter=counter if s else None),
-                         read + 2 * usage_bytes)
-    out["rowwise only"] = (lambda: native.quantize_nvfp4(x, columnwise=False), read + usage_bytes)
-    out["columnwise only rht"] = (lambda: native.quantize_nvfp4(x, rowwise=False, rht=True), read + usage_bytes)
+    out = []
+    for name, (rows, cols, two_d, rht, sr) in VARIANTS.items():
+        bufs = {}
+        if rows:
+            bufs |= {"out_row_data": torch.empty(m, -(-k // 2), dtype=torch.uint8),
+                     "out_row_scales": torch.empty(m, -(-k // 16), dtype=torch.float8_e4m3fn)}
+        if cols:
+            bufs |= {"out_col_data": torch.empty(k, -(-m // 2), dtype=torch.uint8),
+                     "out_col_scales": torch.empty(k, -(-m // 16), dtype=torch.float8_e4m3fn)}
+        opts = {"rowwise": rows, "columnwise": cols, "two_d": two_d, "rht": rht}
+        quantizer = NVFP4Quantizer(with_rht=rht, with_2d_quantization=two_d, stochastic_rounding=sr,
+                                   rowwise=rows, columnwise=cols)
+        rbits = {}
+        if sr:  # the reference takes the random bits as tensors: made once, outside the timing
+            rbits = {"rbits": torch.randint(0, 256, (m, k), dtype=torch.uint8) if rows else None,
+                     "rbits_t": torch.randint(0, 256, (k, m), dtype=torch.uint8) if cols else None}
+        out.append(Scheme(
+            name,
+            lambda o=opts, b=bufs, s=sr: native.quantize_nvfp4(x, **o, counter=counter if s else None, **b),
+            lambda o=opts, r=rbits: ref.quantize(x, **o, **r),
+            lambda q=quantizer: q(x),
+            2 * read + sum(t.numel() for t in bufs.values()), "out= all; x read twice"))
     return out
 
 
-def run(m: int, k: int, dtype: torch.dtype, threads: int, blocks: int, calls: int) -> list[list[str]]:
+def run(m: int, k: int, dtype: torch.dtype, runs: int, warmup: int, reference_runs: int) -> tuple[list[Row], float]:
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 9, (m, k), generator=g).float())).to(dtype)
-    dst = torch.empty_like(x)
+    copy_dst = torch.empty_like(x)
     copy_bytes = 2 * x.numel() * x.element_size()
-    cases = variants(x)
-    fns = {"copy_": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in cases.items()}}
-    with torch_threads(threads):
-        seconds = least_disturbed_cpu_seconds(fns, blocks=blocks, calls=calls, warmup=2)
-    copy_bw = copy_bytes / seconds["copy_"] / 1e9
-    rows = [[str(threads), "copy_", f"{seconds['copy_'] * 1e3:.2f}", f"{copy_bw:.2f}", "1.00"]]
-    for name, (_, moved) in cases.items():
-        bw = moved / seconds[name] / 1e9
-        rows.append([str(threads), name, f"{seconds[name] * 1e3:.2f}", f"{bw:.2f}", f"{bw / copy_bw:.2f}"])
-    return rows
+    back_to_back = copy_bytes / median_seconds(lambda: copy_dst.copy_(x), runs, warmup) / 1e9
+    rows = []
+    for s in schemes(x):
+        t, ct, mt = interleaved_medians([s.native, lambda: copy_dst.copy_(x), s.module], runs, warmup)
+        rt = median_seconds(s.reference, reference_runs, 1) if reference_runs > 0 else None
+        rows.append(Row(s.name, t * 1e3, s.bytes_moved / t / 1e9, copy_bytes / ct / 1e9, mt * 1e3,
+                        s.bytes_moved / mt / 1e9, None if rt is None else rt * 1e3,
+                        None if rt is None else s.bytes_moved / rt / 1e9, s.note))
+    return rows, back_to_back
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, nargs=2, default=(4096, 4096), metavar=("M", "K"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    parser.add_argument("--blocks", type=int, default=7, help="interleaved blocks; the least disturbed one counts")
-    parser.add_argument("--calls", type=int, default=3, help="calls per block")
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reference-runs", type=int, default=1)
+    parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: torch's)")
     parser.add_argument("--isa", choices=("auto", "avx512", "portable"), default="auto")
     args = parser.parse_args(argv)
     if not native.available():
         print(f"the C++ kernels are unavailable: {native.why_unavailable()}")
         return 1
     m, k = args.size
-    rows = []
+    counts = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     with native.use_isa(args.isa):
-        for threads in (int(t) for t in args.threads.split(",")):
-            rows += run(m, k, DTYPES[args.dtype], threads, args.blocks, args.calls)
-        print(f"NVFP4 quantize {m}x{k} {args.dtype}, kernels: {native.isa()}, outputs as a quantizer gets them, "
-              f"thread CPU time (least of {args.blocks} interleaved blocks of {args.calls} calls)")
-    print_table(["threads", "variant", "ms", "GB/s", "of copy_"], rows)
+        for threads in counts:
+            with torch_threads(threads):
+                rows, back_to_back = run(m, k, DTYPES[args.dtype], args.runs, args.warmup, args.reference_runs)
+            header = (f"NVFP4 quantize {m}x{k} {args.dtype}, kernels: {native.isa()}, threads: {threads}, "
+                      f"median of {args.runs} runs")
+            print(format_table(rows, back_to_back, header))
     return 0
 
 

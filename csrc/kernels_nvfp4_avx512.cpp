@@ -122,6 +122,14 @@ ENGINE_INLINE Vi rows4(const Vi* lo, const Vi* hi) {
   return _mm512_permutexvar_epi32(_mm512_load_si512(kTables.quad_rows), bytes);
 }
 
+// rows4's 4 rows of 16 bytes to row lines dst, dst + 64, dst + 128, dst + 192.
+ENGINE_INLINE void store_quad(Vi q, uint8_t* dst) {
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm512_castsi512_si128(q));
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_extracti32x4_epi32(q, 1));
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_extracti32x4_epi32(q, 2));
+  _mm_store_si128(reinterpret_cast<__m128i*>(dst + 192), _mm512_extracti32x4_epi32(q, 3));
+}
+
 // ------------------------------------------------------------------------------ stochastic rounding
 // nvfp4_kernels.h e2m1_stochastic of p (finite) with rr = r + 1024 (r the random byte), in the low 3 bits of the
 // result. The header's n = floor(a / step * 256) and code ((n + r) >> 8) + (0, 2, 4), read off fp32 bits: with
@@ -511,16 +519,21 @@ ENGINE_INLINE void band_cols(Vi lo_e, Vi hi_e, Vi lo_o, Vi hi_o, uint64_t* lines
 
 // The elements of group g (32 columns) of a tile, all 16 rows (zeros past b.rows: code 0, written nowhere): the
 // rowwise bytes into s.row_lines, the columnwise words into the band buffer at `lines` (column-major, strip k).
-template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP, bool SR>
+// TWO_D (16x16 tiles, round to nearest, one tensor scale): every row and column of group g has the factors of
+// its two tiles (s.row_enc[0] lane t: tile t % 8), so both usages have the same codes, computed once.
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool CLAMP, bool SR, bool TWO_D = false>
 ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTile& s, int g, uint64_t* lines,
                                   uint32_t rkey) {
+  static_assert(!TWO_D || (!RHT && !SR), "16x16 tiles: no RHT, round to nearest");
   const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
   const int64_t row_bytes = job.ld * (BF16 ? 2 : 4), n = b.w - 32 * g;
   const Vi magic = table(kTables.magic), low3 = u32(7);
   const Vi pick0 = _mm512_set_epi32(2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1,
                                     2 * g + 1, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g);
   const Vi pick1 = _mm512_add_epi32(pick0, u32(8));
-  const Vf enc_e = _mm512_load_ps(s.col_enc[g][0]), enc_o = _mm512_load_ps(s.col_enc[g][1]);
+  const Vf tile_enc = TWO_D ? _mm512_permutexvar_ps(pick0, _mm512_load_ps(s.row_enc[0])) : _mm512_setzero_ps();
+  const Vf enc_e = TWO_D ? tile_enc : _mm512_load_ps(s.col_enc[g][0]);
+  const Vf enc_o = TWO_D ? tile_enc : _mm512_load_ps(s.col_enc[g][1]);
   Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
   // SR: the counter indices (nvfp4_sr.random_bits) of the columnwise elements: column c's run of 16 starts at
   // col_offset + c * M + r0 (lo0, hi keys hk0 / hk1 per parity: columns 32g + 2j + parity), rows add 1 each
@@ -551,8 +564,18 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     const bool valid = i < b.rows;
     load_pair<BF16>(base + (valid ? i : 0) * row_bytes, g, valid ? n : 0, e, o);
     const Vi se = sign_bits(e), so = sign_bits(o);
+    if (TWO_D && ROWS && COLS) {  // one code per element for both usages
+      const Vi ne = low3_or(e2m1_code3<CLAMP>(_mm512_mul_ps(e, tile_enc), magic), se, low3);
+      const Vi no = low3_or(e2m1_code3<CLAMP>(_mm512_mul_ps(o, tile_enc), magic), so, low3);
+      lo4[i % 4] = ne;
+      hi4[i % 4] = no;
+      if (i % 4 == 3) store_quad(rows4(lo4, hi4), s.row_lines[i - 3] + 16 * g);
+      w[i / 8][0] = _mm512_shrdi_epi32(w[i / 8][0], ne, 4);
+      w[i / 8][1] = _mm512_shrdi_epi32(w[i / 8][1], no, 4);
+      return;
+    }
     if (ROWS) {
-      const Vf enc = _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
+      const Vf enc = TWO_D ? tile_enc : _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
       Vi ce, co;
       if (SR) {  // element (r, c): counter index row_offset + r * K + c; lanes: columns 32g + 2j (+ 1)
         const uint64_t first = job.row_offset + static_cast<uint64_t>(b.r0 + i) * static_cast<uint64_t>(job.K) +
@@ -573,14 +596,7 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
       }
       lo4[i % 4] = low3_or(ce, se, low3);
       hi4[i % 4] = low3_or(co, so, low3);
-      if (i % 4 == 3) {  // the quad's last row: its 4 rows leave together
-        const Vi q = rows4(lo4, hi4);
-        uint8_t* dst = s.row_lines[i - 3] + 16 * g;
-        _mm_store_si128(reinterpret_cast<__m128i*>(dst), _mm512_castsi512_si128(q));
-        _mm_store_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_extracti32x4_epi32(q, 1));
-        _mm_store_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_extracti32x4_epi32(q, 2));
-        _mm_store_si128(reinterpret_cast<__m128i*>(dst + 192), _mm512_extracti32x4_epi32(q, 3));
-      }
+      if (i % 4 == 3) store_quad(rows4(lo4, hi4), s.row_lines[i - 3] + 16 * g);  // the quad's 4 rows together
     }
     if (COLS) {
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
@@ -600,6 +616,20 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
     }
   });
   if (COLS) band_cols(w[0][0], w[1][0], w[0][1], w[1][1], lines);
+}
+
+// The tile's packed rows (s.row_lines) to the rowwise data: whole aligned lines written around the caches.
+ENGINE_INLINE void store_row_lines(const Nvfp4Job& job, const TileBox& b, const FastTile& s) {
+  const int64_t kp = (job.K + 1) / 2;
+  for (int64_t i = 0; i < b.rows; ++i) {
+    uint8_t* dst = job.row_data + (b.r0 + i) * kp + b.c0 / 2;
+    const Vi line = _mm512_load_si512(s.row_lines[i]);
+    if (b.w == kT && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
+    } else {
+      _mm512_mask_storeu_epi8(dst, first64((b.w + 1) / 2), line);
+    }
+  }
 }
 
 // Both usages of one tile, 1x16 blocks, round to nearest even or stochastic (SR, with the seed's key rkey);
@@ -661,18 +691,43 @@ bool fast_tile(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, c
       quantize_group<BF16, ROWS, COLS, RHT, false, false>(job, b, s, g, lines, rkey);
     }
   }
+  if (ROWS) store_row_lines(job, b, s);
+  return true;
+}
+
+// fast_tile for 16x16 tiles, round to nearest, both usages (if asked) from one tensor scale `sc`: a tile's key is
+// the max of its 16 rows' block keys; every row of the tile gets its 8 codes, every column its tile's code.
+template <bool BF16, bool ROWS, bool COLS>
+bool fast_tile_2d(const Nvfp4Job& job, const TileBox& b, FastTile& s, Band& band, const Scales& sc) {
+  Vi col_key[4][2];
+  if (!x_keys<BF16>(job, b, s, col_key)) return false;
+  Vi key = _mm512_load_si512(s.row_code[0]);
+  for (int p = 1; p < 8; ++p) key = _mm512_max_epu32(key, _mm512_load_si512(s.row_code[p]));
+  key = _mm512_max_epu32(key, _mm512_shuffle_i64x2(key, key, 0x4E));  // lanes t and t + 8: tile t's key
+  scales16(key, sc, s.row_code[0], s.row_enc[0]);
+  const Vi codes = _mm512_load_si512(s.row_code[0]);
+  const int64_t blocks = (b.w + kB - 1) / kB;
   if (ROWS) {
-    const int64_t kp = (job.K + 1) / 2;
+    const int64_t nbk = (job.K + kB - 1) / kB;
+    const __m128i c = _mm512_cvtepi32_epi8(codes);
     for (int64_t i = 0; i < b.rows; ++i) {
-      uint8_t* dst = job.row_data + (b.r0 + i) * kp + b.c0 / 2;
-      const Vi line = _mm512_load_si512(s.row_lines[i]);
-      if (b.w == kT && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
-      } else {
-        _mm512_mask_storeu_epi8(dst, first64((b.w + 1) / 2), line);
-      }
+      _mm_mask_storeu_epi8(job.row_scales + (b.r0 + i) * nbk + b.c0 / kB, static_cast<__mmask16>(first16(blocks)), c);
     }
   }
+  if (COLS) {
+    uint8_t* dst = band.scales + (b.r0 / kB - band.first) * band.scale_ld + b.c0;
+    for (int t = 0; t < kT / kB; ++t) std::memset(dst + kB * t, static_cast<int>(s.row_code[0][t]), kB);
+  }
+  const bool clamp = blocks_need_clamp(&key, &codes, 1, sc);
+  for (int g = 0; g < 4 && 32 * g < b.w; ++g) {
+    uint64_t* lines = band.lines + (b.r0 / kB - band.first) * band.line_ld + b.c0 + 32 * g;
+    if (clamp) {
+      quantize_group<BF16, ROWS, COLS, false, true, false, true>(job, b, s, g, lines, 0);
+    } else {
+      quantize_group<BF16, ROWS, COLS, false, false, false, true>(job, b, s, g, lines, 0);
+    }
+  }
+  if (ROWS) store_row_lines(job, b, s);
   return true;
 }
 
@@ -773,7 +828,7 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
   }
 }
 
-template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR>
+template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR, bool TWO_D = false>
 void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) FastTile s;
   alignas(64) float t[kB][kT];
@@ -789,7 +844,9 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
       band.flush(job);
       band.first = first;
     }
-    if (fast_tile<BF16, ROWS, COLS, RHT, SR>(job, b, s, band, row_sc, col_sc, rkey)) {
+    const bool fast = TWO_D ? fast_tile_2d<BF16, ROWS, COLS>(job, b, s, band, ROWS ? row_sc : col_sc)
+                            : fast_tile<BF16, ROWS, COLS, RHT, SR>(job, b, s, band, row_sc, col_sc, rkey);
+    if (fast) {
       if (cols) band.filled[static_cast<size_t>(b.c0 / kT)] |= 1u << (strip - first);
     } else {
       quantize_tile<BF16, SR>(job, b, t, y, rkey);
@@ -817,7 +874,19 @@ void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_k
   return amax_fast<false>(job, u0, u1, x_key, rht_key);
 }
 
+// 16x16 tiles take the fast path when both usages' codes are the same: round to nearest, one tensor scale.
+template <bool BF16>
+void quantize_fast_2d(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (!job.col_data) return quantize_fast<BF16, true, false, false, false, true>(job, u0, u1);
+  if (!job.row_data) return quantize_fast<BF16, false, true, false, false, true>(job, u0, u1);
+  return quantize_fast<BF16, true, true, false, false, true>(job, u0, u1);
+}
+
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  const bool one_scale = !job.row_data || !job.col_data || std::memcmp(&job.row_amax, &job.col_amax, 4) == 0;
+  if (job.two_d && !job.sr && one_scale) {
+    return job.bf16 ? quantize_fast_2d<true>(job, u0, u1) : quantize_fast_2d<false>(job, u0, u1);
+  }
   if (!job.two_d) {
     if (job.bf16) {
       return job.sr ? quantize_fast_usages<true, true>(job, u0, u1) : quantize_fast_usages<true, false>(job, u0, u1);
