@@ -828,6 +828,20 @@ void amax_fast(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uin
   }
 }
 
+// Asks for tile b's lines of x (into L2), kPrefetchTiles tiles before the quantize pass reaches it: its first reads
+// (x_keys) otherwise wait on memory with little to overlap. 1 thread, 4096x4096 bf16: 2-4% faster than none, and
+// than 2 tiles ahead into L1 or 16 into L2.
+constexpr int64_t kPrefetchTiles = 4;
+
+template <bool BF16>
+ENGINE_INLINE void prefetch_tile(const Nvfp4Job& job, const TileBox& b) {
+  const int64_t bytes = b.w * (BF16 ? 2 : 4), row_bytes = job.ld * (BF16 ? 2 : 4);
+  const char* base = static_cast<const char*>(job.x) + (b.r0 * job.ld + b.c0) * (BF16 ? 2 : 4);
+  for (int64_t i = 0; i < b.rows; ++i) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(base + i * row_bytes + o, _MM_HINT_T1);
+  }
+}
+
 template <bool BF16, bool ROWS, bool COLS, bool RHT, bool SR, bool TWO_D = false>
 void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) FastTile s;
@@ -839,6 +853,7 @@ void quantize_fast(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   const uint32_t rkey = seed_key(job.seed);
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
+    if (u + kPrefetchTiles < u1) prefetch_tile<BF16>(job, tile_box(job, u + kPrefetchTiles));
     const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
     if (cols && first != band.first) {
       band.flush(job);
