@@ -60,9 +60,13 @@ struct Tables {
   alignas(64) uint32_t block_order[16];    // the max tree's lane (4l + m: block 4m + l) of each block
   alignas(64) uint32_t interleave[2][16];  // vpermt2d: (e, o) -> natural order, elements 0-15 and 16-31
   alignas(64) uint32_t quad_rows[16];      // vpermd: 4 rows' packed bytes (see rows4) -> row m in dwords 4m..4m+3
+  // SR, rowwise: element 2j + parity of a 32-element run whose first counter index j0 has j0 & 3 = a takes byte
+  // 2j + parity + a of the run's mixes (word q: indices 4 (j0 >> 2) + 4q ..): its word and bit shift, [2a + parity]
+  alignas(64) uint32_t sr_word[8][16], sr_shift[8][16];
   int8_t col_slot[32];  // column 2j + parity of a group: its qword in the group's column words (see band_cols)
   int8_t slot_col[32];  // the inverse
-  constexpr Tables() : magic{}, even{}, odd{}, block_order{}, interleave{}, quad_rows{}, col_slot{}, slot_col{} {
+  constexpr Tables()
+      : magic{}, even{}, odd{}, block_order{}, interleave{}, quad_rows{}, sr_word{}, sr_shift{}, col_slot{}, slot_col{} {
     for (uint32_t f = 125; f <= 129; ++f) {
       const uint32_t e = f < 127 ? 127 : f;  // nvfp4_kernels.h e2m1_magnitude: field max(f, 127)
       magic[f & 15] = ((e + 22u) << 23) + ((e - 127u) << 1);
@@ -74,6 +78,11 @@ struct Tables {
       interleave[0][j] = (j % 2 ? 16 : 0) + j / 2;
       interleave[1][j] = (j % 2 ? 16 : 0) + 8 + j / 2;
       quad_rows[j] = 4 * (j % 4) + j / 4;
+      for (uint32_t v = 0; v < 8; ++v) {
+        const uint32_t byte = 2 * j + v % 2 + v / 2;
+        sr_word[v][j] = byte / 4;
+        sr_shift[v][j] = 8 * (byte % 4);
+      }
     }
     for (int c = 0; c < 32; ++c) {  // unpacklo/hi_epi32(lo, hi) of lane j: qword 2 (j / 4) + j % 2 of lo / hi
       const int j = c / 2, parity = c % 2, hi = (j % 4) >= 2;
@@ -155,9 +164,12 @@ ENGINE_INLINE Vi hash16(Vi v) {
   return _mm512_xor_si512(v, _mm512_srli_epi32(v, 16));
 }
 
-// rr of e2m1_sr_code: random_byte(lo, hk) + 1024 (the byte's bits below bit 8, bit 10 set).
-ENGINE_INLINE Vi sr_bytes(Vi lo, Vi hk) {
-  return _mm512_ternarylogic_epi32(hash16(_mm512_xor_si512(hash16(lo), hk)), u32(0xFF), u32(0x400), 0xEA);  // a & b | c
+// word_mix (nvfp4_kernels.h) of 16 lanes: the 4 random bytes of the words lo (hi keys hk).
+ENGINE_INLINE Vi mix16(Vi lo, Vi hk) { return hash16(_mm512_xor_si512(hash16(lo), hk)); }
+
+// rr of e2m1_sr_code: the byte of `mix` at bit `shift` + 1024 (the byte's bits below bit 8, bit 10 set).
+ENGINE_INLINE Vi sr_rr(Vi mix, Vi shift) {
+  return _mm512_ternarylogic_epi32(_mm512_srlv_epi32(mix, shift), u32(0xFF), u32(0x400), 0xEA);  // a & b | c
 }
 
 // The hi keys of lanes whose low index is lo, of a run whose first low index is lo0 (hk0: of its high half, hk1:
@@ -535,28 +547,39 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
   const Vf enc_e = TWO_D ? tile_enc : _mm512_load_ps(s.col_enc[g][0]);
   const Vf enc_o = TWO_D ? tile_enc : _mm512_load_ps(s.col_enc[g][1]);
   Vi w[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
-  // SR: the counter indices (nvfp4_sr.random_bits) of the columnwise elements: column c's run of 16 starts at
-  // col_offset + c * M + r0 (lo0, hi keys hk0 / hk1 per parity: columns 32g + 2j + parity), rows add 1 each
-  Vi clo0[2], chk0[2], chk1[2];
-  bool col_carry = false;
+  // SR, columnwise: column c's 16 counter indices (nvfp4_sr.random_bits) run from j0 = col_offset + c * M + r0
+  // (per parity: columns 32g + 2j + parity), so rows i take byte a + i (a = j0 & 3) of the 5 mixes of the words
+  // j0 >> 2 .. (j0 >> 2) + 4: cmix[parity][v], row i's word v = i / 4 or the next (cnext[parity][i % 4]) at bit
+  // cshift[parity][i % 4], 5 mixes per 16 elements instead of 16.
+  alignas(64) uint32_t cmix[2][5][16], cshift[2][4][16];
+  __mmask16 cnext[2][4] = {};
   if (SR && COLS) {
-    alignas(64) uint32_t lo[2][16], k0[2][16], k1[2][16];
+    alignas(64) uint32_t lo[2][16], k0[2][16], k1[2][16], at[2][16];
+    bool carry = false;
     for (int q = 0; q < 2; ++q) {
       for (int j = 0; j < 16; ++j) {
         const uint64_t first = job.col_offset + static_cast<uint64_t>(b.c0 + 32 * g + 2 * j + q) *
                                static_cast<uint64_t>(job.M) + static_cast<uint64_t>(b.r0);
-        const uint32_t hi = static_cast<uint32_t>(first >> 32);
-        lo[q][j] = static_cast<uint32_t>(first);
+        const uint32_t hi = static_cast<uint32_t>(first >> 34);
+        lo[q][j] = static_cast<uint32_t>(first >> 2);
+        at[q][j] = static_cast<uint32_t>(first & 3u);
         k0[q][j] = hi_key(hi, rkey);
         k1[q][j] = hi_key(hi + 1u, rkey);
-        col_carry = col_carry || lo[q][j] > 0xFFFFFFFFu - 15u;
+        carry = carry || lo[q][j] > 0xFFFFFFFFu - 4u;
       }
-      clo0[q] = _mm512_load_si512(lo[q]);
-      chk0[q] = _mm512_load_si512(k0[q]);
-      chk1[q] = _mm512_load_si512(k1[q]);
+      const Vi lo0 = _mm512_load_si512(lo[q]), hk0 = _mm512_load_si512(k0[q]), a = _mm512_load_si512(at[q]);
+      for (int v = 0; v < 5; ++v) {
+        const Vi lv = _mm512_add_epi32(lo0, u32(static_cast<uint32_t>(v)));
+        _mm512_store_si512(cmix[q][v], mix16(lv, carry ? carried(lv, lo0, hk0, _mm512_load_si512(k1[q])) : hk0));
+      }
+      for (int r = 0; r < 4; ++r) {
+        const Vi rel = _mm512_add_epi32(a, u32(static_cast<uint32_t>(r)));
+        cnext[q][r] = _mm512_cmpge_epu32_mask(rel, u32(4));
+        _mm512_store_si512(cshift[q][r], _mm512_slli_epi32(_mm512_and_si512(rel, u32(3)), 3));
+      }
     }
   }
-  const Vi iota2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const Vi iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   Vi lo4[4], hi4[4];  // ROWS: the even / odd nibbles of the rows of the 4-row quad in progress (row 4q + m in [m])
   unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
     constexpr int i = decltype(ic)::value;  // rows 0..15: the nibbles of the columnwise words (push_nibble)
@@ -578,18 +601,20 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
       const Vf enc = TWO_D ? tile_enc : _mm512_permutexvar_ps(i % 2 ? pick1 : pick0, _mm512_load_ps(s.row_enc[i / 2]));
       Vi ce, co;
       if (SR) {  // element (r, c): counter index row_offset + r * K + c; lanes: columns 32g + 2j (+ 1)
+        // the run's 32 indices from j0 = first: the mixes of its words (j0 >> 2) + 0..8, byte a + t for element t
         const uint64_t first = job.row_offset + static_cast<uint64_t>(b.r0 + i) * static_cast<uint64_t>(job.K) +
                                static_cast<uint64_t>(b.c0 + 32 * g);
-        const uint32_t lo_first = static_cast<uint32_t>(first), hi = static_cast<uint32_t>(first >> 32);
-        const Vi lo0 = u32(lo_first), lo_e = _mm512_add_epi32(lo0, iota2), lo_o = _mm512_add_epi32(lo_e, u32(1));
-        Vi hk_e = u32(hi_key(hi, rkey)), hk_o = hk_e;
-        if (lo_first > 0xFFFFFFFFu - 31u) {  // the run carries into hi + 1
-          const Vi hk1 = u32(hi_key(hi + 1u, rkey));
-          hk_e = carried(lo_e, lo0, hk_e, hk1);
-          hk_o = carried(lo_o, lo0, hk_o, hk1);
-        }
-        ce = e2m1_sr_code(_mm512_mul_ps(e, enc), sr_bytes(lo_e, hk_e));
-        co = e2m1_sr_code(_mm512_mul_ps(o, enc), sr_bytes(lo_o, hk_o));
+        const uint32_t lo_first = static_cast<uint32_t>(first >> 2), hi = static_cast<uint32_t>(first >> 34);
+        const uint32_t a = static_cast<uint32_t>(first & 3u);
+        const Vi lo0 = u32(lo_first), lo = _mm512_add_epi32(lo0, iota);
+        Vi hk = u32(hi_key(hi, rkey));
+        if (lo_first > 0xFFFFFFFFu - 8u) hk = carried(lo, lo0, hk, u32(hi_key(hi + 1u, rkey)));  // into hi + 1
+        const Vi mix = mix16(lo, hk);
+        const Vi rr_e = sr_rr(_mm512_permutexvar_epi32(table(kTables.sr_word[2 * a]), mix), table(kTables.sr_shift[2 * a]));
+        const Vi rr_o =
+            sr_rr(_mm512_permutexvar_epi32(table(kTables.sr_word[2 * a + 1]), mix), table(kTables.sr_shift[2 * a + 1]));
+        ce = e2m1_sr_code(_mm512_mul_ps(e, enc), rr_e);
+        co = e2m1_sr_code(_mm512_mul_ps(o, enc), rr_o);
       } else {
         ce = e2m1_code3<CLAMP>(_mm512_mul_ps(e, enc), magic);
         co = e2m1_code3<CLAMP>(_mm512_mul_ps(o, enc), magic);
@@ -602,11 +627,14 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
       const Vf ye = RHT ? s.y[i][g][0] : e, yo = RHT ? s.y[i][g][1] : o;
       Vi ce, co;
       if (SR) {
-        const Vi lo_e = _mm512_add_epi32(clo0[0], u32(i)), lo_o = _mm512_add_epi32(clo0[1], u32(i));
-        const Vi hk_e = col_carry ? carried(lo_e, clo0[0], chk0[0], chk1[0]) : chk0[0];
-        const Vi hk_o = col_carry ? carried(lo_o, clo0[1], chk0[1], chk1[1]) : chk0[1];
-        ce = e2m1_sr_code(_mm512_mul_ps(ye, enc_e), sr_bytes(lo_e, hk_e));
-        co = e2m1_sr_code(_mm512_mul_ps(yo, enc_o), sr_bytes(lo_o, hk_o));
+        Vi rr[2];
+        for (int q = 0; q < 2; ++q) {
+          const Vi word = _mm512_mask_blend_epi32(cnext[q][i % 4], _mm512_load_si512(cmix[q][i / 4]),
+                                                  _mm512_load_si512(cmix[q][i / 4 + 1]));
+          rr[q] = sr_rr(word, _mm512_load_si512(cshift[q][i % 4]));
+        }
+        ce = e2m1_sr_code(_mm512_mul_ps(ye, enc_e), rr[0]);
+        co = e2m1_sr_code(_mm512_mul_ps(yo, enc_o), rr[1]);
       } else {
         ce = e2m1_code3<CLAMP>(_mm512_mul_ps(ye, enc_e), magic);
         co = e2m1_code3<CLAMP>(_mm512_mul_ps(yo, enc_o), magic);

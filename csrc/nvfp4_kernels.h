@@ -136,16 +136,22 @@ inline uint32_t seed_key(uint64_t seed) {
   return hash32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32);
 }
 
-// The random bytes of counter indices j = (hi << 32) + lo (nvfp4_sr.random_bits), from lo and the part of the
-// mix that depends on hi alone (hi_key, of hi_key()): shared by the lanes of a run that carries into no new hi.
+// The random byte of counter index j (nvfp4_sr.random_bits): byte j & 3 of the mix of the word w = j >> 2 =
+// (hi << 32) + lo, from lo and the part of the mix that depends on hi alone (hi_key, of hi_key()): shared by
+// the lanes of a run that carries into no new hi. One mix serves 4 consecutive indices.
 template <typename U>
 NVFP4_INLINE U hi_key(U hi, uint32_t key) {
   return key ^ (hi * 0x9E3779B9u);
 }
 
 template <typename U>
-NVFP4_INLINE U random_byte(U lo, U hi_key) {
-  return hash32(hash32(lo) ^ hi_key) & 0xFFu;
+NVFP4_INLINE U word_mix(U lo, U hi_key) {
+  return hash32(hash32(lo) ^ hi_key);
+}
+
+template <typename U>
+NVFP4_INLINE U random_byte(U mix, U j_mod4) {
+  return (mix >> (j_mod4 * 8u)) & 0xFFu;
 }
 
 // ------------------------------------------------------------------------------ scales
@@ -418,13 +424,14 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
       const F16 v = vload<F16>(t[i] + j * kB) * enc[at + j];
       U16 q;
       if (SR) {
-        const uint64_t first = base + static_cast<uint64_t>(j * kB);
-        const uint32_t lo_first = static_cast<uint32_t>(first), hi_first = static_cast<uint32_t>(first >> 32);
+        const uint64_t first = base + static_cast<uint64_t>(j * kB), w0 = first >> 2;
+        const U16 rel = (U16{} + static_cast<uint32_t>(first & 3u)) + iota;  // lane l: j - 4 * w0
+        const uint32_t lo_first = static_cast<uint32_t>(w0), hi_first = static_cast<uint32_t>(w0 >> 32);
         const U16 lo0 = U16{} + lo_first;
-        const U16 lo = lo0 + iota;
-        const U16 hk = lo_first <= 0xFFFFFFFFu - 15u ? U16{} + hi_key(hi_first, rkey)  // no carry into hi in the run
-                                                     : hi_key(hi_first + ((U16)(lo < lo0) & 1u), rkey);
-        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, hk));
+        const U16 lo = lo0 + (rel >> 2u);
+        const U16 hk = lo_first <= 0xFFFFFFFFu - 4u ? U16{} + hi_key(hi_first, rkey)  // no carry into hi in the run
+                                                    : hi_key(hi_first + ((U16)(lo < lo0) & 1u), rkey);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(word_mix(lo, hk), rel & 3u));
       } else {
         q = e2m1_rne<F16, U16, I16>(v);
       }
@@ -472,14 +479,16 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
   for (int64_t c = 0; c < b.w; c += 16) {
     const F16 e = vload<F16>(enc + c);
-    U16 lo0, hk0, hk1;  // the column's first index (low half), the hi keys of its high half and of one more
+    U16 lo0, hk0, hk1, at;  // the column's first index j0: its word's low half, the hi keys of its high half and
+                            // of one more, and j0 & 3
     if (SR) {
       U16 hi0;
       for (int l = 0; l < 16; ++l) {
         const uint64_t first = col_offset + static_cast<uint64_t>(b.c0 + c + l) * static_cast<uint64_t>(M) +
                                static_cast<uint64_t>(b.r0);
-        lo0[l] = static_cast<uint32_t>(first);
-        hi0[l] = static_cast<uint32_t>(first >> 32);
+        lo0[l] = static_cast<uint32_t>(first >> 2);
+        hi0[l] = static_cast<uint32_t>(first >> 34);
+        at[l] = static_cast<uint32_t>(first & 3u);
       }
       hk0 = hi_key(hi0, rkey);
       hk1 = hi_key(hi0 + 1u, rkey);
@@ -490,8 +499,8 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       const F16 v = vload<F16>(src[k] + c) * e;
       U16 q;
       if (SR) {
-        const U16 lo = lo0 + static_cast<uint32_t>(k);
-        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(lo, sel(lo < lo0, hk1, hk0)));
+        const U16 rel = at + static_cast<uint32_t>(k), lo = lo0 + (rel >> 2u);
+        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(word_mix(lo, sel(lo < lo0, hk1, hk0)), rel & 3u));
       } else {
         q = e2m1_rne<F16, U16, I16>(v);
       }

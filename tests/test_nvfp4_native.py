@@ -302,9 +302,10 @@ def test_large_tensor_spans_threads_and_tiles(isa):
 
 def test_stochastic_rounding_bits_and_counter():
     """The in-kernel bits are nvfp4_sr.random_bits of the counter (rowwise first, then columnwise), across the
-    offset's 32-bit carry and for negative seeds, and the counter advances by both usages' elements."""
+    carries of the offset's word into its high half and for negative seeds and offsets, and the counter advances by
+    both usages' elements."""
     x = torch.randn(16, 300) * 3
-    for seed, offset in ((0, 0), (-5, 2**32 - 1000), (2**62 + 12345, -(2**40))):
+    for seed, offset in ((0, 0), (-5, 2**34 - 1001), (2**62 + 12345, -(2**40) - 3)):
         got_counter, want_counter = torch.tensor([seed, offset]), torch.tensor([seed, offset])
         got = kernel(x, PLAIN_SCHEME, got_counter, rowwise=True, columnwise=True)
         want = reference(x, PLAIN_SCHEME, want_counter, rowwise=True, columnwise=True)
@@ -317,17 +318,18 @@ def test_stochastic_rounding_bits_and_counter():
 
 
 def test_stochastic_rounding_counter_carries_at_every_lane(isa):
-    """The counter's low half wrapping inside a run of elements the kernel hashes together (32 columns of a row, 16
-    rows of a column), at every position of the run: the lanes past it take the next high half."""
+    """The low half of the counter's word (index >> 2) wrapping inside a run of elements the kernel mixes together
+    (32 columns of a row: 9 words, 16 rows of a column: 5), at every position of the run and every index mod 4:
+    the lanes past it take the next high half."""
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(32, 160, generator=g) * 3).bfloat16()
     m, k = x.shape
-    offsets = [2**32 - d for d in range(1, 33)] + [2**32 - m * k - d for d in range(1, 17)]  # rows, then columns
+    offsets = [2**34 - d for d in range(1, 37)] + [2**34 - m * k - d for d in range(1, 21)]  # rows, then columns
     bad = []
     for offset in offsets:
         got = kernel(x, PLAIN_SCHEME, torch.tensor([77, offset]), rowwise=True, columnwise=True)
         want = reference(x, PLAIN_SCHEME, torch.tensor([77, offset]), rowwise=True, columnwise=True)
-        bad += [f"offset 2^32 - {2**32 - offset}: {b}" for b in mismatches(got, want)]
+        bad += [f"offset 2^34 - {2**34 - offset}: {b}" for b in mismatches(got, want)]
     assert not bad, bad[:10]
 
 

@@ -96,13 +96,16 @@ def _lowbias32(v: int) -> int:
     return v ^ (v >> 16)
 
 
-@pytest.mark.parametrize("seed,offset", [(0, 0), (12345, 99), (2**40 + 3, 2**33 - 5)])
+@pytest.mark.parametrize("seed,offset", [(0, 0), (12345, 99), (2**40 + 3, 2**33 - 5), (5, 2**34 - 9), (-7, -6)])
 def test_random_bits_are_the_documented_hash(seed, offset):
-    """The bits a backend must reproduce, from the module doc's formula in plain Python ints."""
+    """The bits a backend must reproduce, from the module doc's formula in plain Python ints (offsets whose
+    words carry into the next 2^32, and a negative one: j is taken mod 2^64)."""
     got = nvfp4_sr.random_bits((37,), torch.tensor([seed, offset])).tolist()
-    key = _lowbias32(seed & 0xFFFFFFFF) ^ (seed >> 32)
+    key = (_lowbias32(seed & 0xFFFFFFFF) ^ (seed >> 32)) & 0xFFFFFFFF
     want = []
     for i in range(37):
-        idx = offset + i
-        want.append(_lowbias32(_lowbias32(idx) ^ key ^ (((idx >> 32) * 0x9E3779B9) & 0xFFFFFFFF)) & 0xFF)
+        j = (offset + i) % 2**64
+        w = j // 4
+        mix = _lowbias32(_lowbias32(w) ^ key ^ (((w >> 32) * 0x9E3779B9) & 0xFFFFFFFF))
+        want.append((mix >> (8 * (j % 4))) & 0xFF)
     assert got == want

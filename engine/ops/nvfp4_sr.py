@@ -8,9 +8,11 @@ Rounding (TE's `cvt.rs.satfinite.e2m1x4.f32` with 8 random bits per element): `a
 differently). E[q] = a up to step/256. The sign is kept; NaN -> code 0, +-inf -> +-6, as RNE.
 
 Random bits: a stateless counter-based hash of element i of the row-major tensor, from a `[2]` int64
-tensor `(seed, offset)`: with `j = offset + i`, `key = h(seed mod 2^32) ^ (seed >> 32)`,
-`rbits[i] = h(h(j mod 2^32) ^ key ^ ((j >> 32) * 0x9E3779B9 mod 2^32)) & 0xFF`, `h` the 32-bit
-"lowbias32" mixer. The caller owns
+tensor `(seed, offset)`: with `j = offset + i` (mod 2^64) and its word `w = j >> 2`,
+`key = h(seed mod 2^32) ^ (seed >> 32)`, `mix(w) = h(h(w mod 2^32) ^ key ^ ((w >> 32) * 0x9E3779B9 mod 2^32))`
+and `rbits[i]` = byte `j mod 4` of `mix(w)` (`(mix(w) >> (8 * (j mod 4))) & 0xFF`), `h` the 32-bit
+"lowbias32" mixer: one mix gives four elements their bytes, so the kernels hash once per 4 elements.
+The caller owns
 that tensor (a recipe state's counter) and advances `offset` by the element count after each
 call (`advance`), in place on the device: no global generator, no host sync; the same seed gives
 the same bits run to run.
@@ -44,9 +46,10 @@ def random_bits(shape: tuple[int, ...], counter: torch.Tensor) -> torch.Tensor:
     for d in shape:
         n *= d
     index = torch.arange(n, dtype=torch.int64, device=counter.device) + counter[1]
+    word = (index >> 2) & ((1 << 62) - 1)  # j >> 2 of j = index mod 2^64 (a logical shift)
     key = _hash32(counter[0] & _MASK32) ^ ((counter[0] >> 32) & _MASK32)
-    mixed = _hash32(_hash32(index & _MASK32) ^ key ^ ((index >> 32) * 0x9E3779B9))
-    return (mixed & 0xFF).to(torch.uint8).reshape(shape)
+    mixed = _hash32(_hash32(word & _MASK32) ^ key ^ ((word >> 32) * 0x9E3779B9))
+    return ((mixed >> (8 * (index & 3))) & 0xFF).to(torch.uint8).reshape(shape)
 
 
 def advance(counter: torch.Tensor, count: int) -> None:

@@ -63,9 +63,10 @@ def _hash32(v):
 @triton.jit
 def _random_bits(index, seed):
     """uint8-valued int32 random bits of int64 element indices (offset included), as `nvfp4_sr.random_bits`."""
+    word = (index >> 2) & 0x3FFFFFFFFFFFFFFF  # index mod 2^64, shifted logically: one mix per 4 elements
     key = _hash32(seed & 0xFFFFFFFF) ^ ((seed >> 32) & 0xFFFFFFFF)
-    mixed = _hash32(_hash32(index & 0xFFFFFFFF) ^ key ^ ((index >> 32) * 0x9E3779B9))
-    return (mixed & 0xFF).to(tl.int32)
+    mixed = _hash32(_hash32(word & 0xFFFFFFFF) ^ key ^ ((word >> 32) * 0x9E3779B9))
+    return ((mixed >> ((index & 3) * 8)) & 0xFF).to(tl.int32)
 
 
 @triton.jit
