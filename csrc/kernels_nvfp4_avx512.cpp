@@ -3,8 +3,8 @@
 // is compiled here too, for what the fast path below does not take: 2D tiles and tiles holding an inf or NaN.
 // The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
-//             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the 16 sums
-//             share their common prefixes, same operations in the same order) into an fp32 tile y;
+//             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the header's
+//             butterflies, 16 lanes at a time) into an fp32 tile y;
 //   scales:   E4M3 codes of 16 blocks at a time (the FP8 kernels' magic-number rounding, the rule of block_code),
 //             their factors looked up (block_encode of each code, once per call); a tile whose scales are all
 //             normal and unsaturated takes the element loop without the clamp at 6 (Scales::clamp_free_key);
@@ -416,22 +416,16 @@ bool x_keys(const Nvfp4Job& job, const TileBox& b, FastTile& s, Vi col_key[4][2]
   return _mm512_cmpge_epu32_mask(any, u32(0x7F800000u)) == 0;
 }
 
-// y[k] = bf16(sum_i x_i H[i][k]) for the 16 tokens x_i of 16 columns, as rht_tile: after term i the partial
-// sums differ only by k & mask(i) (the bits H's signs of rows 0..i read), so each distinct one is computed once.
-constexpr int prefix_mask(int i) { return i == 0 ? 0 : i == 1 ? 1 : i < 4 ? 3 : i < 8 ? 7 : 15; }
-
+// acc[k] = sum_i x_i H[i][k] (before the bf16 rounding) for the 16 tokens x_i of 16 columns, as rht_tile: the
+// quarters q_of(i) = x_i * 0.25 signed by s_i (a sign flip: x * -0.25 exactly), then fwht16 (64 adds / subs).
 template <typename Load>
 ENGINE_INLINE void rht16(const Load& q_of, Vf acc[16]) {
-  acc[0] = h_positive(0, 0) ? q_of(0) : _mm512_sub_ps(_mm512_setzero_ps(), q_of(0));
-  unroll(std::make_integer_sequence<int, 15>{}, [&](auto ic) __attribute__((always_inline)) {
-    constexpr int i = decltype(ic)::value + 1;
-    const Vf q = q_of(i);
-    unroll(std::make_integer_sequence<int, prefix_mask(i) + 1>{}, [&](auto kc) __attribute__((always_inline)) {
-      constexpr int k = prefix_mask(i) - decltype(kc)::value;  // descending: parents (k & mask(i - 1) <= k) last
-      constexpr int parent = k & prefix_mask(i - 1);
-      acc[k] = h_positive(i, k) ? _mm512_add_ps(acc[parent], q) : _mm512_sub_ps(acc[parent], q);
-    });
+  unroll(std::make_integer_sequence<int, 16>{}, [&](auto ic) __attribute__((always_inline)) {
+    constexpr int i = decltype(ic)::value;
+    acc[i] = kRhtSigns[i] > 0 ? q_of(i) : _mm512_xor_ps(q_of(i), _mm512_set1_ps(-0.0f));
   });
+  fwht16(acc, [](Vf a, Vf b) __attribute__((always_inline)) { return _mm512_add_ps(a, b); },
+         [](Vf a, Vf b) __attribute__((always_inline)) { return _mm512_sub_ps(a, b); });
 }
 
 // bf16_round of finite or infinite values.
@@ -794,8 +788,8 @@ uint32_t x_key_rows(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int
 }
 
 // Raises m (lane-wise |RHT output| bits before the bf16 rounding, which is monotonic: the caller rounds the max)
-// to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 15
-// sums and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
+// to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 4
+// butterfly stages and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
 // most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the tensor's
 // max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip. `xm` (when x's amax is asked too):
 // raised lane-wise to the |x| bits (as fp32) of the same loads, so that x is read once.

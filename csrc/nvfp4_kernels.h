@@ -214,11 +214,24 @@ inline void block_scales(uint32_t* __restrict keys, float* __restrict enc, int64
 }
 
 // ------------------------------------------------------------------------------ the RHT
-// Sign of H[i][k]: TE's sign vector times Sylvester's H16 (-1 where popcount(i & k) is odd).
+// TE's sign vector s: H = diag(s) * H16 / 4 (engine.ops.nvfp4.rht_transform).
 constexpr int kRhtSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
 
-constexpr bool h_positive(int i, int k) {
-  return (kRhtSigns[i] > 0) == ((__builtin_popcount(static_cast<unsigned>(i & k)) & 1) == 0);
+// The fast Walsh-Hadamard transform of v[0..15] in place, in rht_transform's order: stages h = 1, 2, 4, 8, each
+// pair (v[i], v[i + h]) with i & h == 0 becoming (v[i] + v[i + h], v[i] - v[i + h]). add / sub: the lane-wise
+// operations of the vector type V.
+template <typename V, typename Add, typename Sub>
+NVFP4_INLINE void fwht16(V* v, const Add& add, const Sub& sub) {
+#pragma GCC unroll 4
+  for (int h = 1; h < 16; h *= 2) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      const V a = v[i], b = v[i + h];
+      v[i] = add(a, b);
+      v[i + h] = sub(a, b);
+    }
+  }
 }
 
 template <typename F, typename U>
@@ -228,20 +241,16 @@ NVFP4_INLINE F bf16_round(F v) {
   return (F)sel((u & 0x7FFFFFFFu) > 0x7F800000u, U{} + 0x7FC00000u, r);
 }
 
-// y[k][c] = bf16(sum_i t[i][c] * H[i][k]) for the 16 tokens t[0..15][c] of each column c. x_i * (+-1/4) is
-// +-(x_i * 0.25) exactly, so each term adds or subtracts q_i = x_i * 0.25, in the order i = 0..15.
+// y[k][c] = bf16(sum_i t[i][c] * H[i][k]) for the 16 tokens t[0..15][c] of each column c: t[i][c] * s_i / 4
+// (exact; -(x * 0.25) is x * -0.25, signed zeros included), then fwht16.
 inline void rht_tile(const float (*__restrict t)[kT], float (*__restrict y)[kT]) {
   for (int64_t c = 0; c < kT; c += 16) {
-    F16 q[16];
+    F16 v[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) q[i] = vload<F16>(t[i] + c) * 0.25f;
+    for (int i = 0; i < 16; ++i) v[i] = vload<F16>(t[i] + c) * (0.25f * static_cast<float>(kRhtSigns[i]));
+    fwht16(v, [](F16 a, F16 b) { return a + b; }, [](F16 a, F16 b) { return a - b; });
 #pragma GCC unroll 16
-    for (int k = 0; k < 16; ++k) {
-      F16 acc = h_positive(0, k) ? q[0] : -q[0];
-#pragma GCC unroll 16
-      for (int i = 1; i < 16; ++i) acc = h_positive(i, k) ? acc + q[i] : acc - q[i];
-      vstore(y[k] + c, bf16_round<F16, U16>(acc));
-    }
+    for (int k = 0; k < 16; ++k) vstore(y[k] + c, bf16_round<F16, U16>(v[k]));
   }
 }
 

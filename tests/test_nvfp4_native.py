@@ -95,6 +95,11 @@ def cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out["nan"] = nan_bits
     # bf16 rounding ties of the RHT: integers whose +-1/4 sums need more than 8 significant bits
     out["rht-ties"] = torch.randint(-256, 257, (32, 48), generator=g).float().to(dtype)
+    # the RHT's summation order shows: tokens 2 and 3 of every 16 cancel in the first butterfly stage (for even
+    # outputs) and would swallow token 0 in a plain sum over the tokens
+    order = torch.randn(32, 48, generator=g)
+    order.view(2, 16, 48)[:, 2:4] = 2.0**12 if dtype == torch.float16 else 2.0**40
+    out["rht-order"] = order.to(dtype)
     for shape in ((17, 33), (1, 1), (16, 7), (33, 17), (0, 64), (32, 0), (0, 0)):
         out[f"shape {shape}"] = (torch.randn(*shape, generator=g) * 10).to(dtype)
     out["3d"] = (torch.randn(2, 24, 35, generator=g) * 3).to(dtype)

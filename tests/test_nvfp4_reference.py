@@ -134,6 +134,38 @@ def test_rht_leaves_wgrad_unchanged_in_exact_arithmetic():
     assert torch.allclose(dyt @ xt.t(), dy.t() @ x, rtol=0, atol=1e-12)
 
 
+def test_rht_transform_sums_in_the_butterfly_order():
+    """Where fp32 sums round (exponents spread over 2^+-40), the bits are those of the documented butterflies,
+    written out here per run in numpy float32, not those of the plain sum over i (which differ)."""
+    g = torch.Generator().manual_seed(8)
+    xt = (torch.randn(6, 64, generator=g) * torch.exp2(torch.randint(-40, 41, (6, 64), generator=g).float())).bfloat16()
+    xt[0, :16] = 0.0
+    xt[0, 1] = -0.0  # signed zeros keep the signs the butterflies give them
+    xt[1, 16:32] = 1.0  # 2^40 at tokens 2 and 3 cancel in the first stage (s_2 = 1, s_3 = -1) for even outputs;
+    xt[1, 18:20] = 2.0**40  # the plain sum meets them after token 0's 1/4 and loses it
+    quarters = np.array(nvfp4.RHT_SIGNS, dtype=np.float32) / np.float32(4)
+    want, plain = [], []
+    for run in xt.float().numpy().reshape(-1, 16):
+        v = [np.float32(x) * q for x, q in zip(run, quarters)]
+        h = 1
+        while h < 16:
+            for i in range(16):
+                if not i & h:
+                    v[i], v[i + h] = v[i] + v[i + h], v[i] - v[i + h]
+            h *= 2
+        want.append(v)
+        hm = nvfp4.hadamard_matrix(torch.float32).numpy()
+        acc = [np.float32(run[0]) * hm[0, c] for c in range(16)]
+        for i in range(1, 16):
+            acc = [acc[c] + np.float32(run[i]) * hm[i, c] for c in range(16)]
+        plain.append(acc)
+    want_bits = torch.from_numpy(np.array(want, dtype=np.float32).reshape(6, 64)).bfloat16().view(torch.int16)
+    plain_bits = torch.from_numpy(np.array(plain, dtype=np.float32).reshape(6, 64)).bfloat16().view(torch.int16)
+    got = nvfp4.rht_transform(xt).view(torch.int16)
+    assert torch.equal(got, want_bits)
+    assert not torch.equal(got, plain_bits)  # the order matters for these inputs
+
+
 def test_rht_transform_values_and_rule():
     g = torch.Generator().manual_seed(2)
     xt = torch.randn(5, 32, generator=g).to(torch.bfloat16)

@@ -55,6 +55,14 @@ def near_subnormal(shape) -> torch.Tensor:
     return ((exp.clamp(min=0) << 23) | mant | sign).view(torch.float32)
 
 
+def rht_order(shape, dtype) -> torch.Tensor:
+    """Tokens 2 and 3 of every 16 huge: they cancel in the RHT's first butterfly stage (for even outputs) and
+    would swallow token 0 in a plain sum over the tokens, so the bits show the summation order."""
+    x = rand(shape, F32)
+    x.view(-1, 16, shape[-1])[:, 2:4] = 2.0**40
+    return x.to(dtype)
+
+
 def rand(shape, dtype, scale=1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(math.prod(shape) + 7)
     return (torch.randn(*shape, generator=g) * scale).to(dtype)
@@ -87,6 +95,7 @@ CASES = [
     ("rht-rowwise-odd-m", lambda: rand((20, 48), F32), "nvfp4_rht", dict(columnwise=False)),
     ("rht-near-subnormal", lambda: near_subnormal((32, 48)), "nvfp4_rht", dict(rowwise=False)),
     ("sr-edges-nan", lambda: edges((32, 40), F32), "nvfp4", dict(rng_counter=(3, 5))),
+    ("rht-order-bf16", lambda: rht_order((32, 48), BF16), "nvfp4_rht", {}),
     ("sr-f32-both", lambda: rand((48, 80), F32), "nvfp4", dict(rng_counter=(2**40 + 7, 2**34 - 101))),
     ("sr-rht-bf16", lambda: edges((32, 48), BF16, nan=False), "nvfp4_rht", dict(rng_counter=(-5, 123))),
     ("sr-2d-rowwise", lambda: rand((40, 40), F16), "nvfp4", dict(two_d=True, columnwise=False,

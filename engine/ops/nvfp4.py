@@ -173,17 +173,22 @@ def hadamard_matrix(dtype: torch.dtype = torch.float32, device: torch.device | s
 def rht_transform(xt: torch.Tensor) -> torch.Tensor:
     """Each run of 16 along the last dim (the token axis of the transposed tensor) times H, rounded to bf16.
 
-    `y[r, 16j + c] = sum_i xt[r, 16j + i] * H[i, c]`, accumulated in fp32 in the order i = 0..15 (every
-    product is exact: H's entries are +-1/4; the fixed order makes the sum reproducible by any
-    backend), then rounded once to bf16 (TE's RHT output dtype).
+    `y[r, 16j + c] = sum_i xt[r, 16j + i] * H[i, c]` in fp32 by the fast Walsh-Hadamard transform: the run
+    times the signed quarters `s_i / 4` (exact), then 4 butterfly stages, h = 1, 2, 4, 8, each replacing the
+    pair (v_i, v_{i+h}) (i & h == 0) by (v_i + v_{i+h}, v_i - v_{i+h}); 64 fp32 sums in a fixed order that
+    every backend follows (a plain sum over i would take 240), then one rounding to bf16 (TE's RHT output
+    dtype). Sylvester's H16[i, c] = (-1)^popcount(i & c) is what the stages compute.
     """
     rows, cols = xt.shape
     if cols % NVFP4_BLOCK:
         raise ValueError(f"x: the random Hadamard transform mixes {NVFP4_BLOCK} tokens, so the token count "
                          f"(M, the product of the leading dims) must be a multiple of {NVFP4_BLOCK}, got {cols}")
-    groups = xt.float().reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK, 1)
-    h = hadamard_matrix(device=xt.device)
-    acc = groups[:, :, 0] * h[0]
-    for i in range(1, NVFP4_BLOCK):
-        acc = acc + groups[:, :, i] * h[i]
-    return acc.reshape(rows, cols).to(torch.bfloat16)
+    quarters = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=xt.device) / 4
+    v = xt.float().reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK) * quarters
+    h = 1
+    while h < NVFP4_BLOCK:
+        pairs = v.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK // (2 * h), 2, h)
+        a, b = pairs[:, :, :, 0], pairs[:, :, :, 1]
+        v = torch.stack([a + b, a - b], dim=3).reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+        h *= 2
+    return v.reshape(rows, cols).to(torch.bfloat16)

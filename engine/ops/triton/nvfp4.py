@@ -15,10 +15,10 @@ The bits of `engine.ops.nvfp4.quantize` (read its docstring for the numerics), o
   with the counter-based bits of `engine.ops.nvfp4_sr` (the same hash, on int64 lanes masked to 32
   bits, of the element's row-major index in ``[R, C]`` plus the counter's offset).
 * ``_rht_kernel``: the columnwise input of the RHT layout, ``y[k, 16j + c] = sum_i x[16j + i, k] * H[i, c]``
-  accumulated in fp32 in the order i = 0..15 (the reference's order), rounded to bf16 by integer RNE,
-  stored ``[K, M]``. H's entries are +-1/4: each product is x / 4 rounded to fp32 (exact unless it is
-  subnormal), made by integer ops and a sign flip, so no multiply can fuse with the adds (an FMA would
-  skip that rounding).
+  by the reference's butterflies (`rht_transform`: 4 stages of (a + b, a - b) over the 16 tokens, as
+  reshape / split / join of a ``[J, 16, K]`` block), rounded to bf16 by integer RNE, stored ``[K, M]``.
+  H's entries are +-1/4: each term is x / 4 rounded to fp32 (exact unless it is subnormal), made by
+  integer ops and a sign flip, so no multiply can fuse with the adds (an FMA would skip that rounding).
 
 No fp32 multiply feeds an add anywhere (the GPU compile check in tests/test_triton.py finds no FMA), and
 the one division is ``div_rn``.
@@ -163,19 +163,18 @@ def _rht_kernel(x_ptr, h_ptr, y_ptr, M, K, stride_xm, stride_xk, BLOCK_J: tl.con
     offs_j = (pid // tiles_k).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)  # groups of 16 tokens
     offs_k = (pid % tiles_k).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.arange(0, 16)
-    mask = (offs_j[:, None] < M // 16) & (offs_k[None, :] < K)
-    acc = tl.zeros([BLOCK_J, 16, BLOCK_K], dtype=tl.float32)
-    for i in tl.static_range(16):
-        xi = to_fp32(tl.load(x_ptr + (offs_j[:, None] * 16 + i) * stride_xm + offs_k[None, :] * stride_xk,
-                             mask=mask, other=0.0))
-        negative = tl.load(h_ptr + i * 16 + cols) < 0  # H[i, :] = +-1/4
-        q = _quarter(xi)[:, None, :]
-        term = tl.where(negative[None, :, None], -q, q)  # x * H[i, c], exactly as fp32 rounds it
-        if i == 0:
-            acc = term
-        else:
-            acc = acc + term
-    bits = acc.to(tl.int32, bitcast=True)
+    mask = (offs_j[:, None, None] < M // 16) & (offs_k[None, None, :] < K)
+    x = to_fp32(tl.load(x_ptr + (offs_j[:, None, None] * 16 + cols[None, :, None]) * stride_xm
+                        + offs_k[None, None, :] * stride_xk, mask=mask, other=0.0))  # [J, 16 tokens, K]
+    negative = tl.load(h_ptr + cols * 16) < 0  # H[i, 0] = s_i / 4
+    q = _quarter(x)  # x / 4 by integer ops: no float multiply to fuse with the sums below
+    v = tl.where(negative[None, :, None], -q, q)
+    for stage in tl.static_range(4):  # the butterflies of rht_transform, h = 1, 2, 4, 8
+        h: tl.constexpr = 1 << stage
+        pairs = tl.permute(tl.reshape(v, [BLOCK_J, 8 // h, 2, h, BLOCK_K]), (0, 1, 3, 4, 2))
+        a, b = tl.split(pairs)  # tokens i and i + h (i & h == 0)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3)), [BLOCK_J, 16, BLOCK_K])
+    bits = v.to(tl.int32, bitcast=True)
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
     bf16 = tl.where(is_nan, 0x7FC0, rounded)
