@@ -1,7 +1,8 @@
 // The NVFP4 kernels compiled for AVX-512 (F, BW, DQ, VL, VBMI2) by the target pragma below, whatever flags the
 // build uses; called only after a CPUID check (kernels_nvfp4.cpp). nvfp4_kernels.h (where the rules are written out)
-// is compiled here too, for what the fast path below does not take: 2D tiles and tiles holding an inf or NaN.
-// The fast path computes the same bits with intrinsics, a 16 x 128 tile at a time:
+// is compiled here too, for what the fast path below does not take: tiles holding an inf or NaN, and 16x16 tiles
+// with stochastic rounding or with two tensor scales (given amaxes that differ). The fast path computes the same
+// bits with intrinsics, a 16 x 128 tile at a time (16x16 tiles: one code per element for both usages):
 //   keys:     |x| bits, read from x: the maxima of the 1x16 row blocks (a transposing max tree, 16 blocks per
 //             vector) and of the columns; with the RHT, the columns' 16 tokens are transformed (the header's
 //             butterflies, 16 lanes at a time) into an fp32 tile y;
@@ -604,9 +605,10 @@ ENGINE_INLINE void quantize_group(const Nvfp4Job& job, const TileBox& b, FastTil
         Vi hk = u32(hi_key(hi, rkey));
         if (lo_first > 0xFFFFFFFFu - 8u) hk = carried(lo, lo0, hk, u32(hi_key(hi + 1u, rkey)));  // into hi + 1
         const Vi mix = mix16(lo, hk);
-        const Vi rr_e = sr_rr(_mm512_permutexvar_epi32(table(kTables.sr_word[2 * a]), mix), table(kTables.sr_shift[2 * a]));
-        const Vi rr_o =
-            sr_rr(_mm512_permutexvar_epi32(table(kTables.sr_word[2 * a + 1]), mix), table(kTables.sr_shift[2 * a + 1]));
+        const uint32_t* word_e = kTables.sr_word[2 * a];  // [2a + 1]: the odd elements'
+        const uint32_t* shift_e = kTables.sr_shift[2 * a];
+        const Vi rr_e = sr_rr(_mm512_permutexvar_epi32(table(word_e), mix), table(shift_e));
+        const Vi rr_o = sr_rr(_mm512_permutexvar_epi32(table(word_e + 16), mix), table(shift_e + 16));
         ce = e2m1_sr_code(_mm512_mul_ps(e, enc), rr_e);
         co = e2m1_sr_code(_mm512_mul_ps(o, enc), rr_o);
       } else {
@@ -789,9 +791,9 @@ uint32_t x_key_rows(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int
 
 // Raises m (lane-wise |RHT output| bits before the bf16 rounding, which is monotonic: the caller rounds the max)
 // to tile b's. A 16-column group whose bound 0.25 * 1.01 * sum_i |x_i| + 2^-140 (every |y| is below it: the 4
-// butterfly stages and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is low by at
-// most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the tensor's
-// max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip. `xm` (when x's amax is asked too):
+// butterfly stages and the bf16 rounding add a relative error below 2^-19 + 2^-8, the fp32 sum of the |x_i| is
+// low by at most 2^-19, and q_i = x_i * 0.25 rounds up by at most 2^-150) is below the max of m cannot raise the
+// tensor's max: the sums are skipped. Inf and NaN give no bound (inf, NaN), so no skip. `xm` (when x's amax is asked too):
 // raised lane-wise to the |x| bits (as fp32) of the same loads, so that x is read once.
 template <bool BF16>
 ENGINE_INLINE Vi rht_tile_max(const Nvfp4Job& job, const TileBox& b, Vi m, Vi* xm) {
