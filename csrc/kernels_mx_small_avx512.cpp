@@ -288,35 +288,30 @@ MX_INLINE __m512i reduce16(const __m512i v[16]) {
 }
 
 // ------------------------------------------------------------------------------------ scales
-// E8M0 codes of 16 amax keys: mx_small_kernels.h `scale_code`, lane-wise.
+// E8M0 codes of 16 amax keys: mx_small_kernels.h `scale_code`, lane-wise, where the fast path needs it: a code
+// of 254 or more (an inf or NaN amax, or an amax * fp32(1 / max) at or above 2^127) only has to be one (it makes
+// the block `unusual`, and the scalar tiles then write every code of the segment again). RCEIL: with d the
+// product's bits, the exponent rounded up, d rounded up to a whole binade, is (d + 2^23 - 1) >> 23 for a normal
+// d; a subnormal d rounds up to 2^-126 (code 1) only above 2^-127, (d + 2^22 - 1) >> 23.
 template <typename F, bool RCEIL>
 MX_INLINE __m512i scale_codes(__m512i key) {
-  const __m512i all = _mm512_set1_epi32(0xFF);
   if constexpr (RCEIL) {
     const float rcp_max = static_cast<float>(1.0 / static_cast<double>(float_of(F::kMaxBits)));
-    const __m512i d = _mm512_and_si512(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(key), _mm512_set1_ps(rcp_max))),
-                                       _mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i exponent = _mm512_srli_epi32(d, 23), mantissa = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
-    const __mmask16 up = _mm512_test_epi32_mask(mantissa, mantissa) &
-                         _mm512_cmpneq_epu32_mask(exponent, _mm512_set1_epi32(0xFE)) &
-                         ~(_mm512_cmpeq_epu32_mask(exponent, _mm512_setzero_si512()) &
-                           _mm512_cmple_epu32_mask(mantissa, _mm512_set1_epi32(0x400000)));
-    __m512i code = _mm512_mask_add_epi32(exponent, up, exponent, _mm512_set1_epi32(1));
-    code = _mm512_mask_mov_epi32(code, _mm512_cmpeq_epu32_mask(d, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0xFE));
-    return _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(d, _mm512_set1_epi32(0x7F800000)), all);
+    const __m512i d = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(key), _mm512_set1_ps(rcp_max)));
+    const __m512i half = _mm512_add_epi32(d, _mm512_set1_epi32(0x3FFFFF));
+    const __mmask16 normal = _mm512_cmpge_epu32_mask(d, _mm512_set1_epi32(0x800000));
+    return _mm512_srli_epi32(_mm512_mask_add_epi32(half, normal, half, _mm512_set1_epi32(0x400000)), 23);
   } else {
+    const __m512i all = _mm512_set1_epi32(0xFF);
     const __m512i biased = _mm512_srli_epi32(key, 23);
     const __m512i code = _mm512_max_epi32(_mm512_sub_epi32(biased, _mm512_set1_epi32(F::kEmax)), _mm512_setzero_si512());
     return _mm512_mask_mov_epi32(code, _mm512_cmpeq_epu32_mask(biased, all), all);
   }
 }
 
-// 2^(127 - code) per lane (code 254: the subnormal 2^-127; code 255, which the fast path never uses: NaN).
+// 2^(127 - code) per lane for codes below 254 (the only ones the fast path casts with).
 MX_INLINE __m512 element_scales(__m512i code) {
-  __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epu32_mask(code, _mm512_set1_epi32(254)), _mm512_set1_epi32(0x00400000));
-  return _mm512_castsi512_ps(
-      _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epu32_mask(code, _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(0x7FC00000)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23));
 }
 
 // ------------------------------------------------------------------------------------ a segment
@@ -441,6 +436,7 @@ bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, i
     const int64_t base = (r0 + r) * ld + c0;
     for (int64_t g = 0; g < groups; ++g) {
       __m512i block_key[16];
+#pragma GCC unroll 8
       for (int q = 0; q < 8; ++q) {
         const int64_t j = 8 * g + q;
         __m512i key[4];
