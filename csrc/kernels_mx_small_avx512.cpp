@@ -419,10 +419,9 @@ void cast_rows(const MxSmallJob& job, const Segment& seg, int64_t r0, int64_t r1
 // scalar tiles).
 template <typename F, bool BF16, bool RCEIL>
 bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int64_t next) {
-  constexpr bool kPacked = F::kBits == 4;
   constexpr int kKeyVectors = BF16 ? 2 : 4;  // key vectors per 64 columns
   const int64_t K = job.K, ld = job.ld, rows = r1 - r0, w = c1 - c0;
-  const int64_t kp = kPacked ? (K + 1) / 2 : K, nb = (K + kBlock - 1) / kBlock;
+  const int64_t nb = (K + kBlock - 1) / kBlock;
   const int64_t blocks = (w + kBlock - 1) / kBlock, chunks = (w + 63) / 64, groups = (w + 511) / 512;
   const void* x = job.x;
   __mmask16 slow = 0;  // lanes of `unusual` blocks (padding blocks, all zeros, never are)
