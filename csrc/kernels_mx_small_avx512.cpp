@@ -526,10 +526,12 @@ void tiles(const MxSmallJob& job, int64_t u0, int64_t u1) {
       last = t;
       ++v;
     }
-    int64_t next = 0;  // element offset of the next segment's start, when this thread has one of the same shape
+    // element offset of the next segment's start when this thread has one of as many rows (its lines are
+    // prefetched at this segment's offsets: past a narrower one's end, harmlessly)
+    int64_t next = 0;
     if (v < u1) {
       const TileBounds t = tile_bounds(job, v);
-      if (t.c0 == first.c0 && t.r1 - t.r0 == first.r1 - first.r0) next = (t.r0 - first.r0) * job.ld;
+      if (t.r1 - t.r0 == first.r1 - first.r0) next = (t.r0 - first.r0) * job.ld + (t.c0 - first.c0);
     }
     if (!fast_segment<F, BF16, RCEIL>(job, seg, first.r0, first.r1, first.c0, last.c1, next)) {
       for (int64_t t = u; t < v; ++t) {
