@@ -31,10 +31,10 @@ namespace {
 
 using at::Tensor;
 
-// The MX kernels also use VBMI's byte permutes.
+// The MX kernels also use VBMI's byte permutes and BMI2's pext.
 bool cpu_has_avx512() {
 #if defined(ENGINE_MX_X86) && (defined(__GNUC__) || defined(__clang__))
-  return glue::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
+  return glue::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("bmi2");
 #else
   return false;
 #endif

@@ -1,17 +1,19 @@
-// MXFP4 / MXFP6 quantize with AVX-512 intrinsics (F, BW, DQ, VL, VBMI) by the target pragma below, whatever
-// flags the build uses; called only after a CPUID check (kernels_mx_small.cpp). The rules are those of
+// MXFP4 / MXFP6 quantize with AVX-512 intrinsics (F, BW, DQ, VL, VBMI) and BMI2 by the target pragma below,
+// whatever flags the build uses; called only after a CPUID check (kernels_mx_small.cpp). The rules are those of
 // mx_small_kernels.h (and engine/ops/mx_elements.py): this file computes the same bits 16 lanes at a time.
 //
 // Work goes in segments: 32 rows (one columnwise block) x up to 4096 columns (a run of the glue's tiles in one
 // strip; a whole strip of a 4096-wide x is one contiguous read), each read twice:
 //   pass 1, from memory, in order: |x| keys -> the column amaxes (a running max per column) and the amax of
 //            each 1x32 block (a transposing max-reduction, 16 blocks at a time) -> both usages' E8M0 codes,
-//            multipliers 2^(127 - code) and field offsets k;
-//   pass 2, from L2: each row cast twice, with its blocks' and with the columns' multipliers, while the next
-//            segment is prefetched; codes leave as whole 64-byte lines written around the caches.
-// The cast (chunk_codes) is the magic-number rounding of mx_small_kernels.h `encode`, with the magic number
-// looked up by the product's exponent field (x's field + k, one 16-bit add for 32 bf16 lanes) and the scaling
-// and rounding fused in one fma. A segment with a block the fast path does not take (`unusual`: NaN and inf
+//            multipliers 2^(127 - code) and field offsets kneg;
+//   pass 2, from L2 (cast_rows): each row cast twice, with its blocks' and with the columns' multipliers, while
+//            the next segment is prefetched; codes leave as whole 64-byte lines written around the caches.
+// The cast (chunk_sums) is the magic-number rounding of mx_small_kernels.h `encode`, with the magic number
+// looked up by the product's exponent field above emin's (x's field - kneg, one saturating 16-bit subtract for
+// 32 bf16 lanes) and the scaling and rounding fused in one fma; each code is then the low byte of its fp32 lane,
+// gathered into bytes (fp6_codes) or, for E2M1, even and odd elements gathered apart and merged into nibbles
+// with one rotate (e2m1_codes). A segment with a block the fast path does not take (`unusual`: NaN and inf
 // scale codes, E3M2 blocks of amax below 2^-120) runs the scalar `tile` instead.
 #include <cstdint>
 
@@ -20,11 +22,11 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi"))), \
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,bmi2"))), \
                              apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,bmi2")
 #endif
 
 #define MX_SMALL_NAMESPACE mx_small_avx512
@@ -49,16 +51,16 @@ struct Tables {
   alignas(64) uint8_t gather[64];   // vpermt2b: byte q <- low byte of element q (q mod 32) of (x[2h], x[2h+1])
   alignas(64) uint8_t top_bf16[64]; // vpermt2b: byte q <- top byte of bf16 element q (byte 2q + 1)
   alignas(64) uint8_t top_f32[64];  // vpermt2b: byte q <- top byte of fp32 element q of 32 (byte 4q + 3)
-  alignas(64) uint8_t low_bytes[64];  // vpermt2b: byte q <- byte 2q of (a, b): the low bytes of 16-bit lanes
+  alignas(64) uint8_t pack[64];     // vpermt2b: byte p <- low byte of lane p mod 16 of (a, b), a for p mod 32 < 16
   alignas(64) uint32_t even[16], odd[16];  // vpermt2ps: even / odd elements of 32 fp32 lanes
   alignas(64) uint32_t reduce_order[16];
-  constexpr Tables() : gather{}, top_bf16{}, top_f32{}, low_bytes{}, even{}, odd{}, reduce_order{} {
+  constexpr Tables() : gather{}, top_bf16{}, top_f32{}, pack{}, even{}, odd{}, reduce_order{} {
     for (int q = 0; q < 64; ++q) {
       const int e = q & 31;
       gather[q] = static_cast<uint8_t>((e & 1 ? 64 : 0) + 4 * (e >> 1));
       top_bf16[q] = static_cast<uint8_t>(2 * q + 1);
       top_f32[q] = static_cast<uint8_t>((4 * q + 3) & 127);
-      low_bytes[q] = static_cast<uint8_t>(2 * q);
+      pack[q] = static_cast<uint8_t>((q & 16 ? 64 : 0) + 4 * (q & 15));
     }
     for (int j = 0; j < 16; ++j) {
       even[j] = static_cast<uint32_t>(2 * j);
@@ -71,26 +73,26 @@ constexpr Tables kTables{};
 
 MX_INLINE __m512i load_table(const void* p) { return _mm512_load_si512(p); }
 
-// The cast's magic numbers by fp32 exponent field (mod 16): those of mx_small_kernels.h `encode`.
+// The cast's magic numbers by g = max(the product's exponent field - emin's field, 0): those of
+// mx_small_kernels.h `encode` (g = 0 for products below the smallest normal).
 template <typename F>
 struct Magic {
   alignas(64) uint32_t m[16];
   constexpr Magic() : m{} {
-    static_assert(F::kMaxField - F::kMinField < 16, "binades must have distinct fields mod 16");
-    for (uint32_t f = F::kMinField; f <= F::kMaxField; ++f)
-      m[f & 15] = ((f + 23u - F::kMant) << 23) + ((f - F::kMinField) << F::kMant);
+    static_assert(F::kMaxField - F::kMinField < 16, "binades must fit a 16-entry table");
+    for (uint32_t g = 0; g <= F::kMaxField - F::kMinField; ++g)
+      m[g] = ((g + F::kMinField + 23u - F::kMant) << 23) + (g << F::kMant);
   }
 };
 
 // The loop-invariant vectors of a cast.
 template <typename F>
 struct CastConsts {
-  __m512i min_field, magic, gather, max_code, sign_bit;
+  __m512i magic, gather, max_code, sign_bit;
   MX_INLINE CastConsts() {
     static constexpr Magic<F> magic_table{};
-    min_field = _mm512_set1_epi16(static_cast<int16_t>(F::kMinField));
     magic = load_table(magic_table.m);
-    gather = load_table(kTables.gather);
+    gather = load_table(F::kBits == 4 ? kTables.pack : kTables.gather);
     max_code = _mm512_set1_epi8(static_cast<char>((1u << (F::kBits - 1)) - 1u));
     sign_bit = _mm512_set1_epi8(static_cast<char>(1u << (F::kBits - 1)));
   }
@@ -99,35 +101,72 @@ struct CastConsts {
 // ------------------------------------------------------------------------------------ the cast
 // One chunk of 64 elements of x: |x| in fp32 in "pair order" (mag[2h] lane j: element 32h + 2j, mag[2h + 1]:
 // element 32h + 2j + 1; the order in which bf16 pairs split, with a shift and a mask), the fp32 exponent field
-// of each |x| in 16-bit lanes in element order (0 for zeros and subnormals), and x's top bytes (the sign in
-// bit 7) in element order.
+// of each |x| in 16-bit lanes in element order (0 for zeros and subnormals), x's top bytes (the sign in
+// bit 7) in element order (FP6) and the sign bits (bit q: element q; E2M1).
 struct Chunk {
   __m512 mag[4];
   __m512i field[2];
   __m512i top;
+  uint64_t signs;
 };
 
-// Codes of the 64 elements of `ch` scaled by s (pair order; powers of two), as bytes in element order.
-// k (16-bit lanes, element order) is min(127 - scale code, emin field): field + k is the exponent field of
-// |x| * s, whose magic number (the one of emin's field for smaller or zero products) c + M needs. One fma
-// gives |x| * s + M rounded once: |x| * s is exact (a power of two), or, below fp32's normals, far below
-// half an element step, where it rounds to M either way. Never above the top binade (the scale rules
-// bound |x| * s below 2^(emax + 1)), the sum's low byte is at most one above the largest code: one byte min
-// saturates. Signs: bit bits - 1 of `tops`, x's top bytes shifted into place.
+// The fma sums of the 64 elements of `ch` scaled by s (pair order; powers of two): the code of each element
+// in the low byte of its lane (the bits above, up to the exponent, are zero). kneg (16-bit lanes, element
+// order) is emin's field - min(127 - scale code, emin's field) >= 0, so g = max(field - kneg, 0) (one
+// saturating subtract) is max(the exponent field of |x| * s - emin's field, 0), which picks the magic number
+// M. One fma gives |x| * s + M rounded once: |x| * s is exact (a power of two), or, below fp32's normals, far
+// below half an element step, where it rounds to M either way. Never above the top binade (the scale rules
+// bound |x| * s below 2^(emax + 1)), the code is at most one above the largest (FLOOR scales only: RCEIL's
+// bound |x| * s below max (1 + 2^-23), which never rounds up past max).
 template <typename F>
-MX_INLINE __m512i chunk_codes(const Chunk& ch, const __m512 s[4], const __m512i k[2], __m512i tops,
-                              const CastConsts<F>& c) {
-  __m512i bytes[2];
+MX_INLINE void chunk_sums(const Chunk& ch, const __m512 s[4], const __m512i kneg[2], const CastConsts<F>& c,
+                          __m512i sums[4]) {
   for (int h = 0; h < 2; ++h) {
-    const __m512i f = _mm512_max_epi16(_mm512_add_epi16(ch.field[h], k[h]), c.min_field);
-    const __m512i m_even = _mm512_permutexvar_epi32(f, c.magic);  // vpermd reads the low 4 bits of each lane
-    const __m512i m_odd = _mm512_permutexvar_epi32(_mm512_srli_epi32(f, 16), c.magic);
-    const __m512 even = _mm512_fmadd_ps(ch.mag[2 * h], s[2 * h], _mm512_castsi512_ps(m_even));
-    const __m512 odd = _mm512_fmadd_ps(ch.mag[2 * h + 1], s[2 * h + 1], _mm512_castsi512_ps(m_odd));
-    bytes[h] = _mm512_permutex2var_epi8(_mm512_castps_si512(even), c.gather, _mm512_castps_si512(odd));
+    const __m512i g = _mm512_subs_epu16(ch.field[h], kneg[h]);
+    const __m512i m_even = _mm512_permutexvar_epi32(g, c.magic);  // vpermd reads the low 4 bits of each lane
+    const __m512i m_odd = _mm512_permutexvar_epi32(_mm512_srli_epi32(g, 16), c.magic);
+    sums[2 * h] = _mm512_castps_si512(_mm512_fmadd_ps(ch.mag[2 * h], s[2 * h], _mm512_castsi512_ps(m_even)));
+    sums[2 * h + 1] = _mm512_castps_si512(_mm512_fmadd_ps(ch.mag[2 * h + 1], s[2 * h + 1], _mm512_castsi512_ps(m_odd)));
   }
-  const __m512i codes = _mm512_min_epu8(_mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, bytes[0], bytes[1]), c.max_code);
-  return _mm512_ternarylogic_epi32(codes, tops, c.sign_bit, 0xF8);  // codes | (tops & sign_bit)
+}
+
+// FP6: the 64 codes of `sums` as bytes in element order, signs from `signs` (x's sign bits at bit bits - 1).
+template <typename F, bool RCEIL>
+MX_INLINE __m512i fp6_codes(const __m512i sums[4], __m512i signs, const CastConsts<F>& c) {
+  const __m512i lo = _mm512_maskz_permutex2var_epi8(0x00000000FFFFFFFFull, sums[0], c.gather, sums[1]);
+  const __m512i hi = _mm512_maskz_permutex2var_epi8(0xFFFFFFFF00000000ull, sums[2], c.gather, sums[3]);
+  if constexpr (RCEIL) return _mm512_ternarylogic_epi32(lo, hi, signs, 0xFE);  // lo | hi | signs
+  return _mm512_or_si512(_mm512_min_epu8(_mm512_or_si512(lo, hi), c.max_code), signs);
+}
+
+// E2M1: the 128 codes of two chunks' sums (a, b) packed two per byte (element 2p in the low nibble of byte p).
+// Even and odd elements are gathered apart (E, O: byte p <- element 2p, 2p + 1); `signs` holds, in byte p, the
+// sign of element 2p + 1 at bit 3 and that of element 2p' at bit 7, p' the next byte of p's 32-bit lane
+// (cyclically). Rotating each 32-bit lane of O | signs left by 4 moves O's code and sign to the high nibble and
+// each bit 7 to bit 3 of the next byte, where it is the sign of that byte's even element.
+template <typename F, bool RCEIL>
+MX_INLINE __m512i e2m1_codes(const __m512i a[4], const __m512i b[4], __m512i signs, const CastConsts<F>& c) {
+  const __m512i even_a = _mm512_maskz_permutex2var_epi8(0x00000000FFFFFFFFull, a[0], c.gather, a[2]);
+  const __m512i even_b = _mm512_maskz_permutex2var_epi8(0xFFFFFFFF00000000ull, b[0], c.gather, b[2]);
+  const __m512i odd_a = _mm512_maskz_permutex2var_epi8(0x00000000FFFFFFFFull, a[1], c.gather, a[3]);
+  const __m512i odd_b = _mm512_maskz_permutex2var_epi8(0xFFFFFFFF00000000ull, b[1], c.gather, b[3]);
+  if constexpr (RCEIL) {
+    const __m512i odd = _mm512_rol_epi32(_mm512_ternarylogic_epi32(odd_a, odd_b, signs, 0xFE), 4);
+    return _mm512_ternarylogic_epi32(even_a, even_b, odd, 0xFE);
+  }
+  const __m512i odd = _mm512_min_epu8(_mm512_or_si512(odd_a, odd_b), c.max_code);
+  const __m512i even = _mm512_min_epu8(_mm512_or_si512(even_a, even_b), c.max_code);
+  return _mm512_or_si512(even, _mm512_rol_epi32(_mm512_or_si512(odd, signs), 4));
+}
+
+// The `signs` of e2m1_codes from the sign bits of 128 elements (lo: elements 0-63, hi: 64-127).
+MX_INLINE __m512i e2m1_signs(uint64_t lo, uint64_t hi) {
+  constexpr uint64_t kEven = 0x5555555555555555ull;
+  const uint64_t even = _pext_u64(lo, kEven) | (_pext_u64(hi, kEven) << 32);  // bit p: element 2p
+  const uint64_t odd = _pext_u64(lo, ~kEven) | (_pext_u64(hi, ~kEven) << 32);  // bit p: element 2p + 1
+  const uint64_t next = ((even >> 1) & 0x7777777777777777ull) | ((even << 3) & 0x8888888888888888ull);
+  const __m512i v = _mm512_maskz_mov_epi8(odd, _mm512_set1_epi8(0x08));
+  return _mm512_mask_add_epi8(v, next, v, _mm512_set1_epi8(static_cast<char>(0x80)));  // bit 7 is clear in v
 }
 
 // 64 bytes at dst, around the caches when the line is whole and aligned (no read for ownership of output
@@ -144,26 +183,13 @@ MX_INLINE void store64(uint8_t* dst, __m512i v, int64_t n) {
   }
 }
 
-// Stores the codes of 128 elements (two chunks' codes; n <= 128 of them) at dst: E2M1 two per byte, low
-// nibble first, in ceil(n / 2) bytes; FP6 one per byte.
-template <typename F>
-MX_INLINE void store_codes(uint8_t* dst, __m512i a, __m512i b, int64_t n) {
-  if constexpr (F::kBits == 4) {
-    // 16-bit lane i: element 2i in its low byte, 2i + 1 in its high byte (both < 16) -> (2i) + 16 (2i + 1)
-    const __m512i pa = _mm512_maddubs_epi16(a, _mm512_set1_epi16(0x1001));
-    const __m512i pb = _mm512_maddubs_epi16(b, _mm512_set1_epi16(0x1001));
-    store64(dst, _mm512_permutex2var_epi8(pa, load_table(kTables.low_bytes), pb), (n + 1) / 2);
-  } else {
-    store64(dst, a, n);
-    store64(dst + 64, b, n - 64);
-  }
-}
-
 // ------------------------------------------------------------------------------------ loading x
-// Elements [i, i + n) of x (n <= 64; the rest read as +0) as a Chunk.
-template <bool BF16>
+// Elements [i, i + n) of x (n <= 64; the rest read as +0) as a Chunk: with the sign bits (SIGNS, E2M1) or the
+// top bytes (FP6).
+template <bool BF16, bool SIGNS>
 MX_INLINE Chunk load_chunk(const void* base, int64_t i, int64_t n) {
   Chunk ch;
+  ch.signs = 0;
   if constexpr (BF16) {
     const uint16_t* p = static_cast<const uint16_t*>(base) + i;
     __m512i raw[2];
@@ -175,7 +201,12 @@ MX_INLINE Chunk load_chunk(const void* base, int64_t i, int64_t n) {
       ch.mag[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(key, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
       ch.field[h] = _mm512_srli_epi16(key, 7);
     }
-    ch.top = _mm512_permutex2var_epi8(raw[0], load_table(kTables.top_bf16), raw[1]);
+    if constexpr (SIGNS) {
+      ch.signs = _cvtmask32_u32(_mm512_movepi16_mask(raw[0])) |
+                 (static_cast<uint64_t>(_cvtmask32_u32(_mm512_movepi16_mask(raw[1]))) << 32);
+    } else {
+      ch.top = _mm512_permutex2var_epi8(raw[0], load_table(kTables.top_bf16), raw[1]);
+    }
   } else {
     const float* p = static_cast<const float*>(base) + i;
     __m512 raw[4];
@@ -193,10 +224,15 @@ MX_INLINE Chunk load_chunk(const void* base, int64_t i, int64_t n) {
       ch.field[h] = _mm512_or_si512(_mm512_srli_epi32(e, 23), _mm512_and_si512(_mm512_srli_epi32(o, 7),
                                                                                _mm512_set1_epi32(0x00FF0000)));
     }
-    const __m512i top = load_table(kTables.top_f32);
-    const __m512i lo = _mm512_permutex2var_epi8(_mm512_castps_si512(raw[0]), top, _mm512_castps_si512(raw[1]));
-    const __m512i hi = _mm512_permutex2var_epi8(_mm512_castps_si512(raw[2]), top, _mm512_castps_si512(raw[3]));
-    ch.top = _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi);
+    if constexpr (SIGNS) {
+      for (int s = 0; s < 4; ++s)
+        ch.signs |= static_cast<uint64_t>(_cvtmask16_u32(_mm512_movepi32_mask(_mm512_castps_si512(raw[s])))) << (16 * s);
+    } else {
+      const __m512i top = load_table(kTables.top_f32);
+      const __m512i lo = _mm512_permutex2var_epi8(_mm512_castps_si512(raw[0]), top, _mm512_castps_si512(raw[1]));
+      const __m512i hi = _mm512_permutex2var_epi8(_mm512_castps_si512(raw[2]), top, _mm512_castps_si512(raw[3]));
+      ch.top = _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi);
+    }
   }
   return ch;
 }
@@ -252,35 +288,30 @@ MX_INLINE __m512i reduce16(const __m512i v[16]) {
 }
 
 // ------------------------------------------------------------------------------------ scales
-// E8M0 codes of 16 amax keys: mx_small_kernels.h `scale_code`, lane-wise.
+// E8M0 codes of 16 amax keys: mx_small_kernels.h `scale_code`, lane-wise, where the fast path needs it: a code
+// of 254 or more (an inf or NaN amax, or an amax * fp32(1 / max) at or above 2^127) only has to be one (it makes
+// the block `unusual`, and the scalar tiles then write every code of the segment again). RCEIL: with d the
+// product's bits, the exponent rounded up, d rounded up to a whole binade, is (d + 2^23 - 1) >> 23 for a normal
+// d; a subnormal d rounds up to 2^-126 (code 1) only above 2^-127, (d + 2^22 - 1) >> 23.
 template <typename F, bool RCEIL>
 MX_INLINE __m512i scale_codes(__m512i key) {
-  const __m512i all = _mm512_set1_epi32(0xFF);
   if constexpr (RCEIL) {
     const float rcp_max = static_cast<float>(1.0 / static_cast<double>(float_of(F::kMaxBits)));
-    const __m512i d = _mm512_and_si512(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(key), _mm512_set1_ps(rcp_max))),
-                                       _mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i exponent = _mm512_srli_epi32(d, 23), mantissa = _mm512_and_si512(d, _mm512_set1_epi32(0x7FFFFF));
-    const __mmask16 up = _mm512_test_epi32_mask(mantissa, mantissa) &
-                         _mm512_cmpneq_epu32_mask(exponent, _mm512_set1_epi32(0xFE)) &
-                         ~(_mm512_cmpeq_epu32_mask(exponent, _mm512_setzero_si512()) &
-                           _mm512_cmple_epu32_mask(mantissa, _mm512_set1_epi32(0x400000)));
-    __m512i code = _mm512_mask_add_epi32(exponent, up, exponent, _mm512_set1_epi32(1));
-    code = _mm512_mask_mov_epi32(code, _mm512_cmpeq_epu32_mask(d, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0xFE));
-    return _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(d, _mm512_set1_epi32(0x7F800000)), all);
+    const __m512i d = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(key), _mm512_set1_ps(rcp_max)));
+    const __m512i half = _mm512_add_epi32(d, _mm512_set1_epi32(0x3FFFFF));
+    const __mmask16 normal = _mm512_cmpge_epu32_mask(d, _mm512_set1_epi32(0x800000));
+    return _mm512_srli_epi32(_mm512_mask_add_epi32(half, normal, half, _mm512_set1_epi32(0x400000)), 23);
   } else {
+    const __m512i all = _mm512_set1_epi32(0xFF);
     const __m512i biased = _mm512_srli_epi32(key, 23);
     const __m512i code = _mm512_max_epi32(_mm512_sub_epi32(biased, _mm512_set1_epi32(F::kEmax)), _mm512_setzero_si512());
     return _mm512_mask_mov_epi32(code, _mm512_cmpeq_epu32_mask(biased, all), all);
   }
 }
 
-// 2^(127 - code) per lane (code 254: the subnormal 2^-127; code 255, which the fast path never uses: NaN).
+// 2^(127 - code) per lane for codes below 254 (the only ones the fast path casts with).
 MX_INLINE __m512 element_scales(__m512i code) {
-  __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epu32_mask(code, _mm512_set1_epi32(254)), _mm512_set1_epi32(0x00400000));
-  return _mm512_castsi512_ps(
-      _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epu32_mask(code, _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(0x7FC00000)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23));
 }
 
 // ------------------------------------------------------------------------------------ a segment
@@ -288,7 +319,6 @@ MX_INLINE __m512 element_scales(__m512i code) {
 // most kSegCols wide. Pass 1 reads its rows in order (a contiguous stretch of x when the segment spans the
 // whole width, which keeps the hardware prefetchers streaming); pass 2 reads them again from L2.
 constexpr int64_t kSegCols = 16 * kTileCols;  // bf16: 256 KiB of x per segment (fp32 takes half as many columns)
-constexpr int64_t kSegGroups = kSegCols / 512;  // groups of 16 rowwise blocks per row
 
 template <bool BF16>
 constexpr int64_t seg_cols() { return BF16 ? kSegCols : kSegCols / 2; }
@@ -297,15 +327,17 @@ constexpr int64_t seg_cols() { return BF16 ? kSegCols : kSegCols / 2; }
 struct Segment {
   alignas(64) __m512i col_key[kSegCols / 32];       // running column maxima: 16-bit keys (bf16) or 32-bit (fp32)
   alignas(64) __m512 col_scale[kSegCols / 16];      // column multipliers, pair order per 64 columns
-  alignas(64) __m512i col_k[kSegCols / 32];         // min(127 - code, emin field), 16-bit lanes, column order
+  alignas(64) __m512i col_k[kSegCols / 32];         // field_offsets (kneg), 16-bit lanes, column order
   alignas(64) float row_scale[kBlock][kSegCols / kBlock];   // [row][block] multipliers
-  alignas(64) int32_t row_k[kBlock][kSegCols / kBlock];     // [row][block] the same k, in both 16-bit halves
+  alignas(64) int32_t row_k[kBlock][kSegCols / kBlock];     // [row][block] the same kneg, in both 16-bit halves
 };
 
-// k = min(127 - code, emin field) (see chunk_codes) of 16 scale codes.
+// kneg = emin's field - min(127 - code, emin's field) = max(code - (127 - emin's field), 0) (see chunk_sums) of 16
+// scale codes: 0..253, one byte.
 template <typename F>
 MX_INLINE __m512i field_offsets(__m512i code) {
-  return _mm512_min_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), code), _mm512_set1_epi32(F::kMinField));
+  return _mm512_max_epi32(_mm512_sub_epi32(code, _mm512_set1_epi32(127 - static_cast<int>(F::kMinField))),
+                          _mm512_setzero_si512());
 }
 
 // Lanes whose block the fast path cannot take: scale code 254 (RCEIL's code of an inf: inf * 2^-127 is inf)
@@ -321,14 +353,75 @@ MX_INLINE __mmask16 unusual(__m512i code, __m512i key) {
   return special;
 }
 
+// Pass 2 of a segment (see fast_segment): rows [r0, r1), w columns from c0, cast with the scales of `seg` for
+// the usages asked for (ROW, COL), two chunks (one 64-byte line of E2M1 codes) at a time.
+template <typename F, bool BF16, bool RCEIL, bool ROW, bool COL>
+void cast_rows(const MxSmallJob& job, const Segment& seg, int64_t r0, int64_t r1, int64_t c0, int64_t w, int64_t next) {
+  constexpr bool kPacked = F::kBits == 4;
+  const CastConsts<F> c;
+  const int64_t K = job.K, ld = job.ld, kp = kPacked ? (K + 1) / 2 : K, chunks = (w + 63) / 64;
+  const int64_t data_col = kPacked ? c0 / 2 : c0;
+  const void* x = job.x;
+  for (int64_t r = 0; r < r1 - r0; ++r) {
+    const int64_t base = (r0 + r) * ld + c0, out = (r0 + r) * kp + data_col;
+    const float* row_scale = seg.row_scale[r];
+    const int32_t* row_k = seg.row_k[r];
+    for (int64_t j = 0; j < chunks; j += 2) {
+      __m512i row_sums[2][4], col_sums[2][4], row_codes[2], col_codes[2];
+      uint64_t signs[2] = {0, 0};
+      for (int q = 0; q < 2; ++q) {
+        const int64_t i = j + q;
+        if (i >= chunks) {  // past the end: zero sums (code 0)
+          for (int l = 0; l < 4; ++l) row_sums[q][l] = col_sums[q][l] = _mm512_setzero_si512();
+          row_codes[q] = col_codes[q] = _mm512_setzero_si512();
+          break;
+        }
+        if (next) {
+          const char* p = static_cast<const char*>(x) + (base + next + 64 * i) * (BF16 ? 2 : 4);
+          for (int l = 0; l < (BF16 ? 128 : 256); l += 64) __builtin_prefetch(p + l, 0, 2);
+        }
+        const Chunk ch = load_chunk<BF16, kPacked>(x, base + 64 * i, w - 64 * i);
+        signs[q] = ch.signs;
+        __m512i tops = _mm512_setzero_si512();
+        if constexpr (!kPacked) tops = _mm512_and_si512(_mm512_srli_epi16(ch.top, 8 - F::kBits), c.sign_bit);
+        if constexpr (ROW) {
+          const __m512 s0 = _mm512_set1_ps(row_scale[2 * i]), s1 = _mm512_set1_ps(row_scale[2 * i + 1]);
+          const __m512 s[4] = {s0, s0, s1, s1};
+          const __m512i k[2] = {_mm512_set1_epi32(row_k[2 * i]), _mm512_set1_epi32(row_k[2 * i + 1])};
+          chunk_sums<F>(ch, s, k, c, row_sums[q]);
+          if constexpr (!kPacked) row_codes[q] = fp6_codes<F, RCEIL>(row_sums[q], tops, c);
+        }
+        if constexpr (COL) {
+          chunk_sums<F>(ch, &seg.col_scale[4 * i], &seg.col_k[2 * i], c, col_sums[q]);
+          if constexpr (!kPacked) col_codes[q] = fp6_codes<F, RCEIL>(col_sums[q], tops, c);
+        }
+      }
+      const int64_t at = out + (kPacked ? 32 : 64) * j, n = w - 64 * j;
+      if constexpr (kPacked) {
+        const __m512i sg = e2m1_signs(signs[0], signs[1]);
+        if constexpr (ROW) store64(job.row_data + at, e2m1_codes<F, RCEIL>(row_sums[0], row_sums[1], sg, c), (n + 1) / 2);
+        if constexpr (COL) store64(job.col_data + at, e2m1_codes<F, RCEIL>(col_sums[0], col_sums[1], sg, c), (n + 1) / 2);
+      } else {
+        if constexpr (ROW) {
+          store64(job.row_data + at, row_codes[0], n);
+          store64(job.row_data + at + 64, row_codes[1], n - 64);
+        }
+        if constexpr (COL) {
+          store64(job.col_data + at, col_codes[0], n);
+          store64(job.col_data + at + 64, col_codes[1], n - 64);
+        }
+      }
+    }
+  }
+}
+
 // Returns false, having written nothing but scale codes, when a block is `unusual` (the caller then runs the
 // scalar tiles).
 template <typename F, bool BF16, bool RCEIL>
 bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int64_t next) {
-  constexpr bool kPacked = F::kBits == 4;
   constexpr int kKeyVectors = BF16 ? 2 : 4;  // key vectors per 64 columns
   const int64_t K = job.K, ld = job.ld, rows = r1 - r0, w = c1 - c0;
-  const int64_t kp = kPacked ? (K + 1) / 2 : K, nb = (K + kBlock - 1) / kBlock;
+  const int64_t nb = (K + kBlock - 1) / kBlock;
   const int64_t blocks = (w + kBlock - 1) / kBlock, chunks = (w + 63) / 64, groups = (w + 511) / 512;
   const void* x = job.x;
   __mmask16 slow = 0;  // lanes of `unusual` blocks (padding blocks, all zeros, never are)
@@ -337,10 +430,12 @@ bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, i
   if (job.col_data) {
     for (int64_t j = 0; j < chunks * kKeyVectors; ++j) seg.col_key[j] = _mm512_setzero_si512();
   }
+  // Two rows at a time (one update of the column maxima), 256 columns (8 blocks of each row) per reduction.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = (r0 + r) * ld + c0;
     for (int64_t g = 0; g < groups; ++g) {
       __m512i block_key[16];
+#pragma GCC unroll 8
       for (int q = 0; q < 8; ++q) {
         const int64_t j = 8 * g + q;
         __m512i key[4];
@@ -368,8 +463,7 @@ bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, i
         slow |= unusual<F>(code, key);
         _mm512_store_ps(&seg.row_scale[r][16 * g], element_scales(code));
         const __m512i k = field_offsets<F>(code);
-        _mm512_store_si512(&seg.row_k[r][16 * g], _mm512_or_si512(_mm512_and_si512(k, _mm512_set1_epi32(0xFFFF)),
-                                                                  _mm512_slli_epi32(k, 16)));
+        _mm512_store_si512(&seg.row_k[r][16 * g], _mm512_or_si512(k, _mm512_slli_epi32(k, 16)));
         _mm512_mask_cvtepi32_storeu_epi8(job.row_codes + (r0 + r) * nb + c0 / kBlock + 16 * g, first16(blocks - 16 * g),
                                          code);
       }
@@ -407,34 +501,12 @@ bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, i
   if (slow) return false;
 
   // ---- pass 2: the casts
-  const CastConsts<F> c;
-  const int64_t data_col = kPacked ? c0 / 2 : c0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t base = (r0 + r) * ld + c0, out = (r0 + r) * kp + data_col;
-    for (int64_t j = 0; j < chunks; j += 2) {  // two chunks: one 64-byte line of E2M1 codes
-      __m512i row_codes[2], col_codes[2];
-      for (int q = 0; q < 2; ++q) {
-        const int64_t i = j + q;
-        row_codes[q] = col_codes[q] = _mm512_setzero_si512();
-        if (i >= chunks) break;
-        if (next) {
-          const char* p = static_cast<const char*>(x) + (base + next + 64 * i) * (BF16 ? 2 : 4);
-          for (int l = 0; l < (BF16 ? 128 : 256); l += 64) __builtin_prefetch(p + l, 0, 2);
-        }
-        const Chunk ch = load_chunk<BF16>(x, base + 64 * i, w - 64 * i);
-        const __m512i tops = _mm512_srli_epi16(ch.top, 8 - F::kBits);  // bit 7 of each byte -> bit kBits - 1
-        if (job.row_data) {
-          const __m512 s0 = _mm512_set1_ps(seg.row_scale[r][2 * i]), s1 = _mm512_set1_ps(seg.row_scale[r][2 * i + 1]);
-          const __m512 s[4] = {s0, s0, s1, s1};
-          const __m512i k[2] = {_mm512_set1_epi32(seg.row_k[r][2 * i]), _mm512_set1_epi32(seg.row_k[r][2 * i + 1])};
-          row_codes[q] = chunk_codes<F>(ch, s, k, tops, c);
-        }
-        if (job.col_data) col_codes[q] = chunk_codes<F>(ch, &seg.col_scale[4 * i], &seg.col_k[2 * i], tops, c);
-      }
-      const int64_t at = out + (kPacked ? 32 : 64) * j;
-      if (job.row_data) store_codes<F>(job.row_data + at, row_codes[0], row_codes[1], w - 64 * j);
-      if (job.col_data) store_codes<F>(job.col_data + at, col_codes[0], col_codes[1], w - 64 * j);
-    }
+  if (job.row_data && job.col_data) {
+    cast_rows<F, BF16, RCEIL, true, true>(job, seg, r0, r1, c0, w, next);
+  } else if (job.row_data) {
+    cast_rows<F, BF16, RCEIL, true, false>(job, seg, r0, r1, c0, w, next);
+  } else {
+    cast_rows<F, BF16, RCEIL, false, true>(job, seg, r0, r1, c0, w, next);
   }
   return true;
 }
@@ -454,10 +526,12 @@ void tiles(const MxSmallJob& job, int64_t u0, int64_t u1) {
       last = t;
       ++v;
     }
-    int64_t next = 0;  // element offset of the next segment's start, when this thread has one of the same shape
+    // element offset of the next segment's start when this thread has one of as many rows (its lines are
+    // prefetched at this segment's offsets: past a narrower one's end, harmlessly)
+    int64_t next = 0;
     if (v < u1) {
       const TileBounds t = tile_bounds(job, v);
-      if (t.c0 == first.c0 && t.r1 - t.r0 == first.r1 - first.r0) next = (t.r0 - first.r0) * job.ld;
+      if (t.r1 - t.r0 == first.r1 - first.r0) next = (t.r0 - first.r0) * job.ld + (t.c0 - first.c0);
     }
     if (!fast_segment<F, BF16, RCEIL>(job, seg, first.r0, first.r1, first.c0, last.c1, next)) {
       for (int64_t t = u; t < v; ++t) {

@@ -351,6 +351,31 @@ def test_native_quantize_of_finite_inputs_is_bitwise_the_reference(isa, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_quantize_of_one_usage_is_bitwise_the_reference(dtype):
+    """The AVX-512 kernel's cast loop is compiled apart for both usages, rowwise only and columnwise only: each,
+    on finite inputs (its vector path), with both scale rules."""
+    if "avx512" not in native.available_isas():
+        pytest.skip("no avx512 on this CPU")
+    cases = fast_path_cases(dtype)
+    bad = []
+    with native.use_isa("avx512"):
+        for case in ("midpoints", "odd"):
+            x = cases[case]
+            for name in NAMES:
+                scheme = SCHEMES[f"mx_{name}"]
+                for mode in ("rceil", "floor"):
+                    for usage in ("rowwise", "columnwise"):
+                        got = native.quantize_mx_coded(x, scheme.element, scale_mode=mode, rowwise=usage == "rowwise",
+                                                       columnwise=usage == "columnwise")
+                        i = 0 if usage == "rowwise" else 2
+                        data, scales = ref.quantize_blocked(x, scheme, columnwise=usage == "columnwise", scale_mode=mode)
+                        if not (torch.equal(got[i], data) and torch.equal(got[i + 1], scales)):
+                            bad.append(f"{case} {name} {mode} {usage}")
+    assert not bad, bad[:10]
+
+
+@needs_native
 def test_native_quantize_ignores_flush_denormal():
     x = torch.full((32, 32), 1e-39) * torch.linspace(0.5, 2, 32)  # fp32 subnormals, scaled into range
     want = ref.quantize_blocked(x, SCHEMES["mx_e2m3"], scale_mode="rceil")
