@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench_quantize import DTYPES, Row, Scheme, format_table, interleaved_medians, median_seconds
+from bench_quantize import DTYPES, Row, Scheme, bench_input, format_table, measure
 from common import torch_threads
 from engine.ops import native
 from engine.ops import nvfp4 as ref
@@ -64,19 +64,8 @@ def schemes(x: torch.Tensor) -> list[Scheme]:
 
 
 def run(m: int, k: int, dtype: torch.dtype, runs: int, warmup: int, reference_runs: int) -> tuple[list[Row], float]:
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 9, (m, k), generator=g).float())).to(dtype)
-    copy_dst = torch.empty_like(x)
-    copy_bytes = 2 * x.numel() * x.element_size()
-    back_to_back = copy_bytes / median_seconds(lambda: copy_dst.copy_(x), runs, warmup) / 1e9
-    rows = []
-    for s in schemes(x):
-        t, ct, mt = interleaved_medians([s.native, lambda: copy_dst.copy_(x), s.module], runs, warmup)
-        rt = median_seconds(s.reference, reference_runs, 1) if reference_runs > 0 else None
-        rows.append(Row(s.name, t * 1e3, s.bytes_moved / t / 1e9, copy_bytes / ct / 1e9, mt * 1e3,
-                        s.bytes_moved / mt / 1e9, None if rt is None else rt * 1e3,
-                        None if rt is None else s.bytes_moved / rt / 1e9, s.note))
-    return rows, back_to_back
+    x = bench_input(m, k, dtype)
+    return measure(x, schemes(x), runs, warmup, reference_runs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,18 +178,20 @@ def schemes(x: torch.Tensor, fp8: torch.dtype) -> list[Scheme]:
     ]
 
 
-def run(m: int, k: int, dtype: torch.dtype, fp8: torch.dtype, runs: int, warmup: int,
-        reference_runs: int) -> tuple[list[Row], float]:
-    """The table rows, and the bandwidth of copies run back to back."""
-    if not native.available():
-        raise SystemExit(f"the C++ kernels are unavailable: {native.why_unavailable()}")
+def bench_input(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The quantize benches' x: seeded normals times powers of two in [2^-8, 2^8]."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 9, (m, k), generator=g).float())).to(dtype)
+    return (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 9, (m, k), generator=g).float())).to(dtype)
+
+
+def measure(x: torch.Tensor, schemes: list[Scheme], runs: int, warmup: int,
+            reference_runs: int) -> tuple[list[Row], float]:
+    """The table rows of `schemes` on x, and the bandwidth of copies of x run back to back."""
     copy_dst = torch.empty_like(x)
     copy_bytes = 2 * x.numel() * x.element_size()
     back_to_back = copy_bytes / median_seconds(lambda: copy_dst.copy_(x), runs, warmup) / 1e9
     rows = []
-    for s in schemes(x, fp8):
+    for s in schemes:
         # the copy runs in turn with the scheme's two paths: each row has its own baseline
         t, ct, mt = interleaved_medians([s.native, lambda: copy_dst.copy_(x), s.module], runs, warmup)
         rt = median_seconds(s.reference, reference_runs, 1) if reference_runs > 0 else None
@@ -197,6 +199,15 @@ def run(m: int, k: int, dtype: torch.dtype, fp8: torch.dtype, runs: int, warmup:
                         mt * 1e3, s.bytes_moved / mt / 1e9,
                         None if rt is None else rt * 1e3, None if rt is None else s.bytes_moved / rt / 1e9, s.note))
     return rows, back_to_back
+
+
+def run(m: int, k: int, dtype: torch.dtype, fp8: torch.dtype, runs: int, warmup: int,
+        reference_runs: int) -> tuple[list[Row], float]:
+    """The table rows, and the bandwidth of copies run back to back."""
+    if not native.available():
+        raise SystemExit(f"the C++ kernels are unavailable: {native.why_unavailable()}")
+    x = bench_input(m, k, dtype)
+    return measure(x, schemes(x, fp8), runs, warmup, reference_runs)
 
 
 def format_table(rows: list[Row], back_to_back_gbs: float, header: str) -> str:
