@@ -156,6 +156,15 @@ def _quarter(x):
 
 
 @triton.jit
+def _butterfly(v, H: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One butterfly stage of `rht_transform` on v [J, 16 tokens, K]: tokens i and i + H (i & H == 0) become
+    their sum and difference."""
+    pairs = tl.permute(tl.reshape(v, [BLOCK_J, 8 // H, 2, H, BLOCK_K]), (0, 1, 3, 4, 2))
+    a, b = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3)), [BLOCK_J, 16, BLOCK_K])
+
+
+@triton.jit
 def _rht_kernel(x_ptr, h_ptr, y_ptr, M, K, stride_xm, stride_xk, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
     """y [K, M] (bf16 bits as int16) = the 16-point RHT of x^T along M (module doc); M % 16 == 0."""
     pid = tl.program_id(0)
@@ -169,11 +178,10 @@ def _rht_kernel(x_ptr, h_ptr, y_ptr, M, K, stride_xm, stride_xk, BLOCK_J: tl.con
     negative = tl.load(h_ptr + cols * 16) < 0  # H[i, 0] = s_i / 4
     q = _quarter(x)  # x / 4 by integer ops: no float multiply to fuse with the sums below
     v = tl.where(negative[None, :, None], -q, q)
-    for stage in tl.static_range(4):  # the butterflies of rht_transform, h = 1, 2, 4, 8
-        h: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(v, [BLOCK_J, 8 // h, 2, h, BLOCK_K]), (0, 1, 3, 4, 2))
-        a, b = tl.split(pairs)  # tokens i and i + h (i & h == 0)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3)), [BLOCK_J, 16, BLOCK_K])
+    v = _butterfly(v, 1, BLOCK_J, BLOCK_K)  # the stages of rht_transform, h = 1, 2, 4, 8
+    v = _butterfly(v, 2, BLOCK_J, BLOCK_K)
+    v = _butterfly(v, 4, BLOCK_J, BLOCK_K)
+    v = _butterfly(v, 8, BLOCK_J, BLOCK_K)
     bits = v.to(tl.int32, bitcast=True)
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
