@@ -430,7 +430,7 @@ bool fast_segment(const MxSmallJob& job, Segment& seg, int64_t r0, int64_t r1, i
   if (job.col_data) {
     for (int64_t j = 0; j < chunks * kKeyVectors; ++j) seg.col_key[j] = _mm512_setzero_si512();
   }
-  // Two rows at a time (one update of the column maxima), 256 columns (8 blocks of each row) per reduction.
+  // Row by row, 512 columns (16 blocks of the row, 8 chunks) per reduction.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = (r0 + r) * ld + c0;
     for (int64_t g = 0; g < groups; ++g) {

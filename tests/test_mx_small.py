@@ -356,7 +356,7 @@ def test_native_quantize_of_one_usage_is_bitwise_the_reference(dtype):
     """The AVX-512 kernel's cast loop is compiled apart for both usages, rowwise only and columnwise only: each,
     on finite inputs (its vector path), with both scale rules."""
     if "avx512" not in native.available_isas():
-        pytest.skip("no avx512 on this CPU")
+        pytest.skip("the one-usage cast loops exist only in the AVX-512 kernels, which this CPU cannot run")
     cases = fast_path_cases(dtype)
     bad = []
     with native.use_isa("avx512"):
