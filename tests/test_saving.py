@@ -185,6 +185,113 @@ def test_fp8_weight_keys_hold_plain_tensors():
     assert keep["weight"] is lin.weight and "weight_scale_inv" not in keep
 
 
+def exported_recipes():
+    """Every recipe class `engine.recipes` exports, with its defaults: a new recipe is tested without a change here."""
+    classes = [getattr(engine.recipes, name) for name in engine.recipes.__all__]
+    return [cls() for cls in classes
+            if isinstance(cls, type) and issubclass(cls, engine.recipes.Recipe) and cls is not engine.recipes.Recipe]
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = engine.LayerNormMLP(64, 64, activation="swiglu")
+        self.out = engine.Linear(64, 32)
+
+    def forward(self, x):
+        return self.out(self.mlp(x))
+
+
+@pytest.mark.parametrize("recipe", exported_recipes(), ids=lambda r: type(r).__name__)
+def test_fp8_model_init_models_reload_bit_exactly_under_every_exported_recipe(recipe):
+    """fp8_model_init model -> state_dict -> an identical fresh model, fresh and after a training step, in memory
+    and through torch.save / torch.load(weights_only=True): every buffer (NVFP4's amaxes too) and the outputs
+    bit for bit; plain_state_dict of both loads strictly into the high-precision model."""
+    def make(seed, fp8_weights=True):
+        torch.manual_seed(seed)
+        with engine.fp8_model_init(enabled=fp8_weights, recipe=recipe):
+            return TwoLayers()
+
+    src = make(0)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    optimizer = torch.optim.SGD(src.parameters(), lr=0.1)
+    for trained in (False, True):
+        if trained:
+            with engine.fp8_autocast(recipe=recipe):
+                src(x).pow(2).mean().backward()
+            optimizer.step()
+        state = src.state_dict()
+        from_file = via_torch(state, None)
+        with engine.fp8_autocast(recipe=recipe):
+            want = src(x)
+        for loaded in (state, from_file):
+            dst = make(1)
+            dst.load_state_dict(loaded, strict=True)
+            for name, p in src.named_parameters():
+                q = dst.get_parameter(name)
+                assert type(q) is type(p), name
+                if isinstance(p, QuantizedTensor):
+                    assert q.quantizer is not None
+                    mine, theirs = p.qstorage.buffers(), q.qstorage.buffers()  # NVFP4's amaxes among them
+                    assert list(mine) == list(theirs)
+                    for field, t in mine.items():
+                        assert (t is None) == (theirs[field] is None), (name, field)
+                        assert t is None or torch.equal(bits(t), bits(theirs[field])), (name, field)
+                else:
+                    assert torch.equal(p, q), name
+            with engine.fp8_autocast(recipe=recipe):
+                assert torch.equal(dst(x), want)
+            hp = make(2, fp8_weights=False)
+            hp.load_state_dict(engine.plain_state_dict(loaded), strict=True)
+            for name, p in src.named_parameters():
+                value = p.dequantize() if isinstance(p, QuantizedTensor) else p
+                assert torch.equal(hp.get_parameter(name), value), name
+
+
+def test_an_nvfp4_weight_record_holds_its_amaxes():
+    """The record's tensors are the layout's own buffers, read here by the independent reader."""
+    recipe = engine.recipes.NVFP4BlockScaling()
+    torch.manual_seed(0)
+    amax = engine.Linear(64, 32).weight.abs().max()  # the weight's own amax, in high precision
+    torch.manual_seed(0)
+    with engine.fp8_model_init(recipe=recipe):
+        lin = engine.Linear(64, 32)
+    state = lin.state_dict()
+    _, version, header, arrays = parse_record(state["weight_quantization"])
+    st = lin.weight.qstorage
+    assert version == 1 and header["scheme"] == "nvfp4_e2m1" and sorted(arrays) == ["amax_columnwise", "amax_rowwise"]
+    for name, t in arrays.items():
+        assert t.tolist() == getattr(st, name).tolist() == [amax.item()]
+    old = dict(state, weight_quantization=write_record({**header, "tensors": []}, magic=b"ENGQTENS", version=1))
+    with engine.fp8_model_init(recipe=recipe):
+        target = engine.Linear(64, 32)
+    with pytest.raises(ValueError, match=r"^weight_quantization: a nvfp4_e2m1 tensor keeps .* save the model again"):
+        target.load_state_dict(old)  # what engine wrote before: the amaxes are lost
+
+
+def test_nvfp4_weight_scales_are_checked_at_load():
+    """E4M3 block scales are >= 0 and the NaN code only comes with a NaN amax (a block with a NaN, whose NaN is
+    the tensor's amax too): what quantizing makes loads, anything else is a ValueError naming the key."""
+    recipe = engine.recipes.NVFP4BlockScaling()
+    with engine.fp8_model_init(recipe=recipe):
+        lin, target = engine.Linear(64, 32), engine.Linear(64, 32)
+    state = lin.state_dict()
+    for key, value in (("weight_scale_inv", math.nan), ("weight_scale_inv", -2.0),
+                       ("weight_columnwise_scale_inv", math.nan)):
+        bad = dict(state, **{key: state[key].clone()})
+        bad[key][3, 1] = value
+        with pytest.raises(ValueError, match=f"^{key}: expected E4M3 block scales >= 0"):
+            target.load_state_dict(bad)
+    with torch.no_grad():
+        weight = lin.weight.dequantize()
+        weight[5, 7] = math.nan
+        lin.weight.copy_(weight)  # requantized: NaN amaxes, the NaN code in the scales of that tile
+    state = via_torch(lin.state_dict(), None)
+    assert torch.isnan(state["weight_scale_inv"].float()).any()
+    target.load_state_dict(state)
+    assert torch.isnan(target.weight.qstorage.amax_rowwise).all()
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
 def test_fp8_weights_load_into_a_high_precision_module_dequantized(recipe, tmp_path):
     src = make("LayerNormMLP", recipe, True, seed=0)
@@ -398,7 +505,9 @@ BAD_WEIGHTS = {
     "no usage": (_meta(lambda h: h.update(rowwise=False, columnwise=False)), "^weight_quantization: 'rowwise'"),
     "unknown field": (_meta(lambda h: h.update(colour="red")), "^weight_quantization: expected the fields"),
     "bad quantizer": (_meta(lambda h: h.update(quantizer="MXFP8")), "^weight_quantization: 'quantizer'"),
-    "not a record": (lambda s: s.update(weight_quantization=torch.ones(3)), "^weight_quantization: expected a 1-D"),
+    "a tensor in the record": (lambda s: s.update(weight_quantization=write_record(
+        {**parse_record(s["weight_quantization"])[2], "tensors": [["amax_rowwise", "float32", [1]]]},
+        struct.pack("<f", 1.0), magic=b"ENGQTENS", version=1)), r"^weight_quantization: unknown tensors \['amax_rowwise'\]"),
 }
 
 

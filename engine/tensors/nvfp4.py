@@ -73,16 +73,28 @@ class NVFP4TensorStorage(QuantizedTensorBase):
         return vt.t().to(dtype).reshape(self.shape)
 
     def check_values(self) -> None:
-        """ValueError naming the field: each usage with data has an fp32 [1] amax that is >= 0 (or NaN)."""
+        """ValueError naming the field unless each usage with data has what quantizing makes: an fp32 [1] amax
+        >= 0 (or NaN), and E4M3 block scales >= 0 that hold the NaN code only when the amax is NaN (only a
+        block with a NaN gets it, and that NaN is the tensor's amax too)."""
         for usage in ("rowwise", "columnwise"):
-            if getattr(self, f"{usage}_data") is None:
-                continue
             a = getattr(self, f"amax_{usage}")
+            if getattr(self, f"{usage}_data") is None:
+                if a is not None:
+                    raise ValueError(f"amax_{usage}: expected None, as {usage}_data is None; got {a!r:.100}")
+                continue
             if not isinstance(a, torch.Tensor) or a.dtype != torch.float32 or tuple(a.shape) != (1,):
                 got = a if not isinstance(a, torch.Tensor) else f"{a.dtype} {tuple(a.shape)}"
                 raise ValueError(f"amax_{usage}: expected a float32 tensor of shape (1,), got {got}")
             if bool((a < 0).any()):
                 raise ValueError(f"amax_{usage}: expected an amax >= 0, got {a.tolist()}")
+            scales = getattr(self, f"{usage}_scale_inv").float()
+            bad = scales < 0
+            if not bool(torch.isnan(a).any()):
+                bad |= torch.isnan(scales)
+            if bool(bad.any()):
+                raise ValueError(f"{usage}_scale_inv: expected E4M3 block scales >= 0 (the NaN code only with a NaN "
+                                 f"amax, amax_{usage} = {a.item()}), got {scales[bad][:4].tolist()} "
+                                 f"({int(bad.sum())} of {scales.numel()})")
 
 
 class NVFP4Tensor(QuantizedTensor):

@@ -176,7 +176,11 @@ def to_components(key: str, tensor: QuantizedTensor | QuantizedTensorBase) -> di
                                    nominal shape and dtype, which usages the tensor had (so both
                                    come back), and the kind and settings of its quantizer
                                    ({"class": name, "config": Quantizer.config()} or null); the
-                                   quantizer's state (delayed scaling's) is the module's to save
+                                   quantizer's state (delayed scaling's) is the module's to save.
+                                   Its tensors are the layout's own buffers beside the four above
+                                   (`extra_fields`: NVFP4's fp32 [1] `amax_rowwise` /
+                                   `amax_columnwise`), by field name; other layouts have none (their
+                                   records are as they always were)
 
     No buffer is shared between two keys (safetensors refuses that).
     """
@@ -198,7 +202,8 @@ def to_components(key: str, tensor: QuantizedTensor | QuantizedTensorBase) -> di
               "rowwise": st.has_rowwise, "columnwise": st.has_columnwise,
               "quantizer": None if st.quantizer is None else {"class": type(st.quantizer).__name__,
                                                                "config": st.quantizer.config()}}
-    out[key + META_SUFFIX] = encode_record(QUANTIZED_MAGIC, QUANTIZED_VERSION, header, {})
+    extras = {name: t.detach() for name in type(st).extra_fields if (t := getattr(st, name)) is not None}
+    out[key + META_SUFFIX] = encode_record(QUANTIZED_MAGIC, QUANTIZED_VERSION, header, extras)
     return out
 
 
@@ -214,10 +219,9 @@ def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[Quan
     ValueError naming the key.
     """
     meta_key = key + META_SUFFIX
-    _, header, tensors = decode_record(state_dict[meta_key], QUANTIZED_MAGIC, (QUANTIZED_VERSION,), meta_key)
-    if tensors or set(header) != set(_META_FIELDS):
-        raise ValueError(f"{meta_key}: expected the fields {list(_META_FIELDS)} and no tensors, got "
-                         f"{sorted(header)} and {sorted(tensors)}")
+    _, header, extras = decode_record(state_dict[meta_key], QUANTIZED_MAGIC, (QUANTIZED_VERSION,), meta_key)
+    if set(header) != set(_META_FIELDS):
+        raise ValueError(f"{meta_key}: expected the fields {list(_META_FIELDS)}, got {sorted(header)}")
     had = header["rowwise"], header["columnwise"]
     if not all(type(h) is bool for h in had) or not any(had):
         raise ValueError(f"{meta_key}: 'rowwise' and 'columnwise' must be bools, at least one true; got {had}")
@@ -231,6 +235,7 @@ def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[Quan
         scheme = get_scheme(header["scheme"])
     except (ValueError, TypeError) as err:
         raise ValueError(f"{meta_key}: {err}") from None
+    _check_extras(extras, scheme, meta_key)
     rowwise, columnwise = _saved_usages(scheme, *had)
     names = {field: key + suffix for field, suffix in COMPONENT_SUFFIXES.items()}
     wanted = [f"{usage}_{part}" for usage, saved in (("rowwise", rowwise), ("columnwise", columnwise)) if saved
@@ -242,6 +247,8 @@ def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[Quan
     plain = {"scheme": header["scheme"], "shape": header["shape"], "nominal_dtype": header["nominal_dtype"],
              "quantizer": None, **{field: None for field in BUFFER_FIELDS}}
     plain.update({field: state_dict[names[field]] for field in wanted})
+    device = plain[wanted[0]].device if isinstance(plain[wanted[0]], torch.Tensor) else None
+    plain.update({name: t.to(device) for name, t in extras.items()})
     try:
         storage = rebuild_storage(plain)
     except ValueError as err:
@@ -254,3 +261,16 @@ def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[Quan
         del state_dict[names[field]]
     del state_dict[meta_key]
     return storage, saved_quantizer
+
+
+def _check_extras(extras: dict[str, torch.Tensor], scheme: Scheme, meta_key: str) -> None:
+    """A record's tensors are some of the layout's own buffers (their values are the storage's to check)."""
+    declared = QuantizedTensorBase.class_for(scheme).extra_fields
+    unknown = sorted(set(extras) - set(declared))
+    if unknown:
+        raise ValueError(f"{meta_key}: unknown tensors {unknown}; a {scheme.name} tensor keeps "
+                         f"{list(declared) or 'none'} beside its data")
+    if declared and not extras:
+        raise ValueError(f"{meta_key}: a {scheme.name} tensor keeps {list(declared)} beside its data, and this "
+                         "record holds none (engine saved NVFP4 weights without their amaxes before; such a "
+                         "checkpoint cannot be read: save the model again)")
