@@ -505,6 +505,14 @@ BAD_WEIGHTS = {
     "no usage": (_meta(lambda h: h.update(rowwise=False, columnwise=False)), "^weight_quantization: 'rowwise'"),
     "unknown field": (_meta(lambda h: h.update(colour="red")), "^weight_quantization: expected the fields"),
     "bad quantizer": (_meta(lambda h: h.update(quantizer="MXFP8")), "^weight_quantization: 'quantizer'"),
+    # an unknown quantizer class would requantize the weight with the module's quantizer, silently
+    "unknown quantizer class": (_meta(lambda h: h["quantizer"].update({"class": "x"})),
+                                r"^weight_quantization: 'quantizer' class: expected one of \[.*'MXFP8Quantizer'.*\], "
+                                r"got 'x'"),
+    "bit-flipped quantizer class": (_meta(lambda h: h["quantizer"].update({"class": "Float8Quantizes"})),
+                                    r"^weight_quantization: 'quantizer' class: expected one of \[.*'Float8Quantizer'"
+                                    r".*\], got 'Float8Quantizes'"),
+    "not a record": (lambda s: s.update(weight_quantization=torch.ones(3)), "^weight_quantization: expected a 1-D"),
     "a tensor in the record": (lambda s: s.update(weight_quantization=write_record(
         {**parse_record(s["weight_quantization"])[2], "tensors": [["amax_rowwise", "float32", [1]]]},
         struct.pack("<f", 1.0), magic=b"ENGQTENS", version=1)), r"^weight_quantization: unknown tensors \['amax_rowwise'\]"),

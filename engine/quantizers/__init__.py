@@ -1,6 +1,6 @@
 """Who makes quantized tensors: one Quantizer (a scheme plus a scale rule), under TE's names too."""
 
-from engine.quantizers.base import Quantizer, quantizer_from_plain
+from engine.quantizers.base import Quantizer, quantizer_class, quantizer_from_plain
 from engine.quantizers.named import (
     Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, MXQuantizer,
 )
@@ -10,6 +10,7 @@ from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRul
 from engine.tensors.serialization import QUANTIZER_LOADERS
 
 QUANTIZER_LOADERS["quantizer"] = quantizer_from_plain
+QUANTIZER_LOADERS["class"] = quantizer_class
 
 __all__ = [
     "CurrentRule", "DelayedRule", "E8M0Rule", "Float8BlockQuantizer", "Float8CurrentScalingQuantizer",

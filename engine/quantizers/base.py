@@ -203,6 +203,14 @@ def quantizer_from_plain(plain: dict[str, Any]) -> Quantizer:
         raise ValueError(f"quantizer state for {cls.__name__} is malformed: {err!r}") from err
 
 
+def quantizer_class(name: Any) -> type[Quantizer]:
+    """The quantizer class a checkpoint names (`type(q).__name__`); ValueError listing the known names otherwise."""
+    known = {"Quantizer": Quantizer, **Quantizer._by_name}
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"expected one of {sorted(known)}, got {name!r:.100}")
+    return known[name]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -37,8 +37,9 @@ def parse_dtype(name: Any, field: str) -> torch.dtype:
     return dtype
 
 
-#: rebuilds a quantizer from its plain state; `engine.quantizers` fills it in when imported (the
-#: quantizers sit above the tensors, which must not import them)
+#: "quantizer": rebuilds a quantizer from its plain state; "class": the quantizer class of a name (ValueError
+#: listing the known ones); `engine.quantizers` fills it in when imported (the quantizers sit above the
+#: tensors, which must not import them)
 QUANTIZER_LOADERS: dict[str, Callable[[Any], Any]] = {}
 
 _LEGACY_LAYOUTS = {"Float8TensorStorage": "tensor", "Float8BlockwiseTensorStorage": "block", "MXFP8TensorStorage": "mx"}
@@ -231,6 +232,11 @@ def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[Quan
             and isinstance(saved_quantizer["class"], str) and isinstance(saved_quantizer["config"], dict)):
         raise ValueError(f"{meta_key}: 'quantizer' must be null or {{'class': str, 'config': dict}}, "
                          f"got {saved_quantizer!r:.200}")
+    if saved_quantizer is not None:  # an unknown class would silently requantize the weight with another one
+        try:
+            QUANTIZER_LOADERS["class"](saved_quantizer["class"])
+        except ValueError as err:
+            raise ValueError(f"{meta_key}: 'quantizer' class: {err}") from None
     try:
         scheme = get_scheme(header["scheme"])
     except (ValueError, TypeError) as err:
