@@ -286,7 +286,7 @@ def test_load_mx_nan_code_only_where_the_block_holds_a_nan(usage, mode):
 
 
 @pytest.mark.parametrize("field, bad", [
-    ("scale", 0.0), ("scale", -2.0), ("scale", math.inf), ("scale", math.nan),
+    ("scale", 0.0), ("scale", -2.0), ("scale", math.inf), ("scale", math.nan), ("scale", 1e-45),
     ("amax", -2.0), ("amax", math.inf), ("amax", math.nan),
 ])
 def test_load_rejects_bad_float8_quantizer_state(field, bad):
@@ -330,10 +330,12 @@ def test_load_to_meta_skips_only_the_value_checks():
 
 
 # ============================================================================ (4) quantizer / dequantize arguments
-@pytest.mark.parametrize("bad", [0.0, -0.0, -1.0, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("bad", [0.0, -0.0, -1.0, math.inf, -math.inf, math.nan, 1e-45, 2.0**-128])
 def test_float8_quantizer_rejects_bad_scale(bad):
+    """... and subnormal scales whose fp32 reciprocal (the data's scale_inv) is inf; 2^-127's is 2^127."""
     with pytest.raises(ValueError, match="scale"):
         Float8Quantizer(torch.tensor([bad]), torch.zeros(1), E4M3)
+    assert Float8Quantizer(torch.tensor([2.0**-127]), torch.zeros(1), E4M3).scale.item() == 2.0**-127
 
 
 @pytest.mark.parametrize("bad", [-2.0, -0.5, math.inf, math.nan])  # -1 is NOT_RECORDED: nothing recorded yet

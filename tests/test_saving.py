@@ -448,6 +448,10 @@ BAD_RECORDS = {
         ["forward.scale", "float32", [3]], ["forward.amax_history", "float32", [1, 3]],
         ["backward.scale", "float32", [2]], ["backward.amax_history", "float32", [1, 2]]]},
         struct.pack("<10f", 1, math.inf, 1, 0, 0, 0, 1, 1, 0, 0)), r"\['forward'\]\['scale'\]"),
+    "scale subnormal": (write_record({**ONE_SCALE, "tensors": [  # its reciprocal (scale_inv) is inf: NaN outputs
+        ["forward.scale", "float32", [3]], ["forward.amax_history", "float32", [1, 3]],
+        ["backward.scale", "float32", [2]], ["backward.amax_history", "float32", [1, 2]]]},
+        struct.pack("<10f", 1, 1e-45, 1, 0, 0, 0, 1, 1, 0, 0)), r"\['forward'\]\['scale'\].*finite reciprocal"),
     "stride 0": (torch.zeros(1, dtype=torch.uint8).expand(10**12), "dense"),
 }
 

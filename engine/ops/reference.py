@@ -115,6 +115,12 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(scale, dtype=torch.float32) / scale.float()
 
 
+def usable_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Where a given per-tensor scale can quantize: finite, > 0 and with a finite fp32 reciprocal (the
+    scale_inv the data is saved with; a subnormal scale below 2^-128 has none, and dequantizes to inf/NaN)."""
+    return torch.isfinite(scale) & (scale > 0) & torch.isfinite(reciprocal(scale))
+
+
 # ------------------------------------------------------------------------ the one blocked rule
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))

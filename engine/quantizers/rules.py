@@ -39,16 +39,18 @@ NOT_RECORDED = ref.NOT_RECORDED
 
 
 def check_state_tensor(t: Any, name: str, *, zero_ok: bool) -> torch.Tensor:
-    """A 1-element fp32 tensor holding a finite value > 0 (an amax: >= 0 or NOT_RECORDED if `zero_ok`);
-    read once, at construction."""
+    """A 1-element fp32 tensor holding a finite value > 0 whose fp32 reciprocal is finite too (an amax: >= 0
+    or NOT_RECORDED if `zero_ok`); read once, at construction."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
         got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"{name}: expected a 1-element float32 tensor, got {got}")
     if t.is_meta:  # no value to check (e.g. a checkpoint loaded with map_location="meta")
         return t
     value = t.detach().reshape(()).item()
-    if not (math.isfinite(value) and ((value >= 0 or value == NOT_RECORDED) if zero_ok else value > 0)):
-        raise ValueError(f"{name}: expected a finite value {'>=' if zero_ok else '>'} 0, got {value}")
+    if zero_ok and not (math.isfinite(value) and (value >= 0 or value == NOT_RECORDED)):
+        raise ValueError(f"{name}: expected a finite value >= 0, got {value}")
+    if not zero_ok and not bool(ref.usable_scales(t.detach()).all()):
+        raise ValueError(f"{name}: expected a finite value > 0 with a finite reciprocal (scale_inv), got {value}")
     return t
 
 

@@ -39,7 +39,7 @@ from pydantic import Field
 
 from engine.formats import fp8_max
 from engine.ops import quantize as qops
-from engine.ops.reference import FLT_MAX
+from engine.ops.reference import FLT_MAX, usable_scales
 from engine.quantizers import Float8Quantizer
 from engine.quantizers.rules import NOT_RECORDED
 from engine.recipes.base import SLOT_OF, SLOTS_PER_GEMM, Recipe, RecipeState
@@ -103,8 +103,11 @@ class DelayedScaling(Recipe):
         if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != slots:
             raise ValueError(f"{where}['amax_history']: expected shape (rows >= 1, {slots}), "
                              f"got {tuple(history.shape)}")
-        if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-            raise ValueError(f"{where}['scale']: every scale must be finite and > 0, got {scale.tolist()}")
+        usable = usable_scales(scale)
+        if not bool(usable.all()):
+            raise ValueError(f"{where}['scale']: every scale must be finite and > 0 with a finite reciprocal "
+                             f"(scale_inv), got {scale[~usable][:4].tolist()} ({int((~usable).sum())} of "
+                             f"{scale.numel()})")
         valid = torch.isfinite(history) & (history >= 0)
         valid[0] |= history[0] == NOT_RECORDED
         if not bool(valid.all()):
