@@ -4,6 +4,7 @@ round trips bit for bit, and bad checkpoints are ValueErrors naming the key."""
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import safetensors.torch
@@ -12,6 +13,7 @@ import torch
 import engine
 from engine.inference.weight import QuantizedWeight
 from test_inference import ALL_CONFIGS, ids
+from test_saving import parse_record, write_record
 
 pytestmark = pytest.mark.filterwarnings("ignore:engine. NVFP4 quantization")
 
@@ -79,7 +81,7 @@ def test_bad_checkpoints_are_named() -> None:
     mx = quantized(torch.nn.Linear, engine.MXWeightOnly("e4m3"), seed=0).state_dict()
     nan_scale = mx["0.weight_scale_inv"].clone()
     nan_scale[0, 0] = 255  # E8M0 NaN for a block whose data holds no NaN
-    with pytest.raises(ValueError, match=r"0\.weight: .*scale_inv"):
+    with pytest.raises(ValueError, match=r"^0\.weight_scale_inv: E8M0 code 255"):
         quantized(torch.nn.Linear, engine.MXWeightOnly("e4m3"), seed=1).load_state_dict(
             dict(mx, **{"0.weight_scale_inv": nan_scale}))
     with pytest.raises(RuntimeError, match="Unexpected key"):  # a plain model refuses quantized entries
@@ -98,3 +100,118 @@ def test_assign_load_deepcopy_and_dtype_moves() -> None:
     assert torch.equal(copy.deepcopy(source)(x), expected)
     source.float()  # the nominal dtype moves; the parts and the bf16 output of bf16 inputs stay
     assert source[0].weight.dtype == torch.float32 and torch.equal(source(x), expected)
+
+
+# ---------------------------------------------------------------------------- every load error names its key
+def nested(cls: type, config: object, seed: int) -> torch.nn.Module:
+    """A quantized layer two modules deep: its keys are "0.0.weight", "0.0.weight_qformat", ..."""
+    torch.manual_seed(seed)
+    return engine.quantize_(torch.nn.Sequential(torch.nn.Sequential(cls(64, 32))).bfloat16(), config)
+
+
+def _record_edit(change):
+    def edit(state: dict, record: str) -> None:
+        _, version, header, _ = parse_record(state[record])
+        change(header)
+        state[record] = write_record({**header, "tensors": []}, magic=b"ENGQWGHT", version=version)
+    return edit
+
+
+def _set(field, value):
+    return _record_edit(lambda h: h.update({field: value}))
+
+
+def _config_set(field, value):
+    return _record_edit(lambda h: h["config"].update({field: value}))
+
+
+RECORD_CORRUPTIONS = {  # each field of the record (the config's own fields are added per config below)
+    "config not a dict": _set("config", [1]),
+    "config name unknown": _config_set("name", "x"),
+    "config name unhashable": _config_set("name", ["x"]),
+    "config name missing": _record_edit(lambda h: h["config"].pop("name")),
+    "config field unknown": _config_set("colour", "red"),
+    "shape": _set("shape", [32, 65]),
+    "shape not a list": _set("shape", "32x64"),
+    "dtype": _set("dtype", "int8"),
+    "dtype not a string": _set("dtype", 3),
+    "parts": _set("parts", ["data"]),
+    "parts not a list": _set("parts", 7),
+    "unknown field": _set("colour", "red"),
+    "missing field": _record_edit(lambda h: h.pop("dtype")),
+    "truncated": lambda s, r: s.update({r: s[r][:20].clone()}),
+    "not uint8": lambda s, r: s.update({r: s[r].float()}),
+    "version 9": lambda s, r: s.update({r: write_record({**parse_record(s[r])[2], "tensors": []}, magic=b"ENGQWGHT",
+                                                        version=9)}),
+}
+PART_CORRUPTIONS = {
+    "missing": lambda t: None,
+    "float64": lambda t: t.double(),
+    "flattened twice over": lambda t: torch.cat([t.reshape(-1), t.reshape(-1)]),
+    "not dense": lambda t: torch.stack([t, t], -1)[..., 0],
+}
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=ids)
+@pytest.mark.parametrize("cls", [torch.nn.Linear, engine.Linear])
+def test_every_corrupted_field_is_a_value_error_naming_its_full_key(config: object, cls: type) -> None:
+    """Each field of the record (the config's fields included) and each part, corrupted: a ValueError whose
+    message starts with the key it came from, layer prefix included (and only once)."""
+    source = nested(cls, config, seed=0).state_dict()
+    record = "0.0.weight_qformat"
+    cases = {name: (record, edit) for name, edit in RECORD_CORRUPTIONS.items()}
+    for field in parse_record(source[record])[2]["config"]:
+        if field != "name":
+            for bad in (-1, None, "x", [1]):
+                cases[f"config {field}={bad!r}"] = (record, _config_set(field, bad))
+    for key in [k for k in source if k.startswith("0.0.weight") and k != record]:
+        for name, change in PART_CORRUPTIONS.items():
+            def edit(state: dict, _: str, key: str = key, change=change) -> None:
+                value = change(state[key])
+                if value is None:
+                    del state[key]
+                else:
+                    state[key] = value
+            cases[f"{key} {name}"] = (key, edit)
+    target = nested(cls, config, seed=1)
+    for name, (key, edit) in cases.items():
+        state = {k: v.clone() for k, v in source.items()}
+        edit(state, record)
+        with pytest.raises(ValueError) as info:
+            target.load_state_dict(state)
+        message = str(info.value)
+        assert message.startswith(key + ":") or message.startswith(key + "["), (name, message)
+        assert "0.0.0.0." not in message, (name, message)
+
+
+BAD_VALUES = {  # (config, part, where in it, value, the error's start): values quantizing never makes
+    **{f"int8 scale {v}": (engine.Int8WeightOnly(), "weight_scale", (0,), v, r"0\.weight_scale: expected finite scales > 0")
+       for v in (-1.0, math.nan, math.inf)},
+    **{f"int8 dynamic scale {v}": (engine.Int8DynamicActivationInt8Weight(), "weight_scale", (3,), v,
+                                   r"0\.weight_scale: expected finite scales > 0") for v in (-1.0, math.nan, math.inf)},
+    **{f"int4 scale {v}": (engine.Int4WeightOnly(group_size=32), "weight_scale_and_zero", (1, 2, 0), v,
+                           r"0\.weight_scale_and_zero: expected finite scales") for v in (-1.0, math.nan, math.inf)},
+    **{f"int4 zero {v}": (engine.Int4WeightOnly(group_size=32), "weight_scale_and_zero", (0, 5, 1), v,
+                          r"0\.weight_scale_and_zero: expected finite zeros") for v in (math.nan, -math.inf)},
+    **{f"nvfp4 amax {v}": (engine.NVFP4WeightOnly(), "weight_amax", (0,), v, r"0\.weight_amax: expected finite amax")
+       for v in (math.nan, math.inf)},
+    "nvfp4 E4M3 NaN scale": (engine.NVFP4WeightOnly(), "weight_scale_inv", (2, 1), math.nan,
+                             r"0\.weight_scale_inv: expected E4M3 block scales >= 0"),
+    "nvfp4 negative scale": (engine.NVFP4WeightOnly(), "weight_scale_inv", (2, 1), -2.0,
+                             r"0\.weight_scale_inv: expected E4M3 block scales >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_scale_values_are_checked_at_load(case: str) -> None:
+    """A scale quantizing never makes (negative, NaN, inf; NVFP4's amax NaN or inf, an E4M3 NaN scale code) is a
+    ValueError naming its key at load, not outputs 11-175x off or NaN later."""
+    config, part, index, value, match = BAD_VALUES[case]
+    state = quantized(torch.nn.Linear, config, seed=0).state_dict()
+    target = quantized(torch.nn.Linear, config, seed=1)
+    good = {k: v.clone() for k, v in state.items()}
+    state[f"0.{part}"] = state[f"0.{part}"].clone()
+    state[f"0.{part}"][index] = value
+    with pytest.raises(ValueError, match="^" + match):
+        target.load_state_dict(state)
+    target.load_state_dict(good)  # the unchanged checkpoint loads

@@ -96,14 +96,17 @@ class NVFP4WeightOnly(InferenceConfig):
 
 def config_from_plain(plain: Any, where: str = "config") -> InferenceConfig:
     """Inverse of `to_plain`; anything else is a ValueError naming `where`."""
-    if not isinstance(plain, dict) or plain.get("name") not in CONFIGS:
+    if not isinstance(plain, dict) or not isinstance(plain.get("name"), str) or plain["name"] not in CONFIGS:
         raise ValueError(f"{where}: expected a dict naming one of {sorted(CONFIGS)}, got {plain!r:.200}")
     cls = CONFIGS[plain["name"]]
     kwargs = {k: v for k, v in plain.items() if k != "name"}
     names = {f.name for f in fields(cls)}
     if set(kwargs) != names:
         raise ValueError(f"{where}: {cls.__name__} has the fields {sorted(names)}, got {sorted(kwargs)}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:  # a field's value: the config's own check names the field
+        raise ValueError(f"{where}: {err}") from None
 
 
 def check_config(config: Any, name: str = "config") -> InferenceConfig:

@@ -22,13 +22,15 @@ from engine.ops import native
 from engine.ops import quantize as qops
 from engine.ops import reference as ref
 from engine.inference.configs import Float8DynamicActivationFloat8Weight, MXWeightOnly
-from engine.inference.int_formats import PartSpecs
+from engine.inference.int_formats import PartSpecs, check_scales
 from engine.quantizers import Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXQuantizer, NVFP4Quantizer
 from engine.quantizers.base import Quantizer
 from engine.tensors.storage import QuantizedTensorBase, buffer_specs
 
 E4M3 = torch.float8_e4m3fn
 MX_BLOCK = 32
+#: the part each storage field is saved as
+STORAGE_PARTS = {"rowwise_data": "data", "rowwise_scale_inv": "scale_inv", "amax_rowwise": "amax"}
 
 
 class EngineWeightFormat:
@@ -71,11 +73,13 @@ class EngineWeightFormat:
         return QuantizedTensorBase(scheme=self.scheme, shape=torch.Size(shape), nominal_dtype=dtype, rowwise_data=data,
                                    rowwise_scale_inv=parts["scale_inv"], **extra)
 
-    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], where: str) -> None:
+    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """The storage's checks of its scales (at load), as ValueErrors naming the part."""
         try:
             self.storage(parts, shape, torch.float32).check_values()
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+            field, _, rest = str(err).partition(": ")
+            raise ValueError(f"{STORAGE_PARTS.get(field, field)}: {rest}") from None
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         layout = self.scheme.layout
@@ -120,6 +124,12 @@ class EngineWeightFormat:
 
 class NVFP4Format(EngineWeightFormat):
     exact_bf16 = False  # E2M1 * E4M3 * amax / 2688: not exact in bf16
+
+    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """The storage's checks, and a finite amax: a weight with a NaN or inf is no inference checkpoint (its
+        whole value would dequantize to NaN / inf), so the E4M3 NaN code that only a NaN block gets is refused too."""
+        check_scales(parts["amax"], "amax", "amax", positive=False)
+        super().check_values(parts, shape)
 
 
 class Float8DynamicFormat(EngineWeightFormat):

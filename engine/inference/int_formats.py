@@ -28,6 +28,15 @@ FP32_TINY = torch.finfo(torch.float32).tiny
 PACK_MM_K = 16
 
 
+def check_scales(t: torch.Tensor, part: str, what: str = "scales", *, positive: bool = True) -> None:
+    """ValueError naming `part` unless every value of t is finite (and > 0 if `positive`); checked at load (syncs)."""
+    tf = t.float()
+    bad = ~(torch.isfinite(tf) & (tf > 0)) if positive else ~torch.isfinite(tf)
+    if bool(bad.any()):
+        raise ValueError(f"{part}: expected finite {what}{' > 0' if positive else ''}, got {tf[bad][:4].tolist()} "
+                         f"({int(bad.sum())} of {t.numel()})")
+
+
 def rowwise_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [R, C], scale [R] in scale_dtype): scale = amax/127 per row (at least fp32's smallest normal, so
     an all-zero row gets a tiny scale, not 0), rounded to scale_dtype; q = round(w / scale) clamped to
@@ -51,6 +60,10 @@ class Int8WeightOnlyFormat:
     def part_specs(self, shape: tuple[int, int]) -> PartSpecs:
         n, k = shape
         return {"data": ((n, k), (torch.int8,)), "scale": ((n,), (torch.bfloat16, torch.float32))}
+
+    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """The row scales are finite and > 0 (amax/127, at least fp32's smallest normal); at load."""
+        check_scales(parts["scale"], "scale")
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return (parts["data"].float() * parts["scale"].float().unsqueeze(1)).to(dtype)
@@ -92,6 +105,10 @@ class Int8DynamicFormat:
     def part_specs(self, shape: tuple[int, int]) -> PartSpecs:
         n, k = shape
         return {"data": ((n, k), (torch.int8,)), "scale": ((n,), (torch.float32,))}
+
+    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """The row scales are finite and > 0 (amax/127, at least fp32's smallest normal); at load."""
+        check_scales(parts["scale"], "scale")
 
     def prepare(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parts the weight holds: "data" in oneDNN's prepacked layout (an opaque [K, N] tensor) where
@@ -193,6 +210,12 @@ class Int4Format:
         npad = self.padded_n(n)
         return {"data": ((npad, k // 2), (torch.uint8,)),
                 "scale_and_zero": ((k // self.group_size, npad, 2), (torch.bfloat16,))}
+
+    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """Each group's scale is finite and > 0 (at least bf16's smallest normal), its zero finite; at load."""
+        sz = parts["scale_and_zero"]
+        check_scales(sz[..., 0], "scale_and_zero", "scales ([..., 0])")
+        check_scales(sz[..., 1], "scale_and_zero", "zeros ([..., 1])", positive=False)
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         n, k = shape

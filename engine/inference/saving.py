@@ -12,8 +12,10 @@ A module whose weight `quantize_` swapped saves, instead of the weight (`weight`
 
 Loading (`load_state_dict` into a model quantized the same way) checks the record, the config
 (it must equal the model's), every part's shape and dtype and that it is dense, and the values of
-engine-format scales, then copies the parts in. A plain (unquantized) `weight` without a record
-is quantized with the model's config as it is copied in. Never a pickle.
+the scales (the format's `check_values`: finite and > 0, NVFP4's amax finite, engine formats' scale
+codes as their storage checks them), then copies the parts in; each error names the state-dict key
+it came from. A plain (unquantized) `weight` without a record is quantized with the model's config
+as it is copied in. Never a pickle.
 
 Version 2 changed Int4WeightOnly's "data" from torch's packed CPU layout to engine's (two codes a
 byte along K, low nibble first; the shapes are the same): a version-1 record of an int4 weight is
@@ -115,8 +117,11 @@ def from_plain_tensors(state_dict: dict, key: str, like: QuantizedWeight) -> Qua
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             raise ValueError(f"{pkey}: expected a dense tensor (contiguous, its whole storage)")
         parts[part] = t
-    if hasattr(like.fmt, "check_values"):
-        like.fmt.check_values(parts, like.weight_shape, key)
+    try:
+        like.fmt.check_values(parts, like.weight_shape)
+    except ValueError as err:  # the format names the part: name its key
+        part, _, rest = str(err).partition(": ")
+        raise ValueError(f"{part_key(key, part)}: {rest}" if part in parts else f"{where}: {err}") from None
     for part in header["parts"]:
         if part != "data":
             del state_dict[part_key(key, part)]

@@ -29,6 +29,10 @@ from engine.tensors import QuantizedTensor
 from engine.tensors.serialization import COMPONENT_SUFFIXES, META_SUFFIX, has_components, pop_components, to_components
 
 
+class ExtraStateError(ValueError):
+    """A malformed `_extra_state`, named without the module's prefix (which only `_load_from_state_dict` knows)."""
+
+
 class FP8Module(torch.nn.Module):
     """Base of Linear, LayerNormLinear and LayerNormMLP. Subclasses set `num_gemms` and `weight_names`."""
 
@@ -176,10 +180,13 @@ class FP8Module(torch.nn.Module):
 
     def set_extra_state(self, state: Any) -> None:
         """Validate a saved state now (whether or not this module has run); apply it when states exist."""
-        plain = read_extra_state(state)
-        if plain is None:
-            return
-        check_extra_state(plain, self.num_gemms)
+        try:
+            plain = read_extra_state(state)
+            if plain is None:
+                return
+            check_extra_state(plain, self.num_gemms)
+        except ValueError as err:  # `_load_from_state_dict` puts the module's prefix before the key
+            raise ExtraStateError(str(err)) from None
         self._pending_extra_state = plain
         if self._recipe is not None:
             self._apply_extra_state(plain)
@@ -237,7 +244,7 @@ class FP8Module(torch.nn.Module):
                                  f"{key}{META_SUFFIX} that says how it was quantized is missing")
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        except ValueError as err:  # name the key the bad extra state came from
+        except ExtraStateError as err:  # name the key the bad extra state came from (other errors name theirs)
             raise ValueError(f"{prefix}{err}") from None
         missing_keys = args[2] if len(args) > 2 else kwargs.get("missing_keys")
         key = prefix + EXTRA_STATE_KEY
