@@ -33,7 +33,13 @@ class InferenceConfig:
 
 
 def _choice(value: Any, choices: tuple, name: str) -> None:
-    if isinstance(value, bool) or value not in choices:
+    """A TypeError for a value of another type than the choices' (128.0, True and "128" are not 128), a
+    ValueError for a value that is none of them."""
+    kind = type(choices[0])
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected one of {list(choices)} (type {kind.__name__}), got {value!r} "
+                        f"(type {type(value).__name__})")
+    if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 

@@ -41,6 +41,9 @@ class NVFP4Rule(ScaleRule):
                 tuple(rng_counter.shape) != (2,):
             raise TypeError(f"rng_counter: expected an int64 tensor of shape (2,) holding (seed, offset), "
                             f"got {rng_counter!r}")
+        if not rng_counter.is_meta and int(rng_counter[1]) < 0:  # read once, at construction (as a load checks it)
+            raise ValueError(f"rng_counter: the offset (element 1, the random elements already drawn) must be "
+                             f">= 0, got {int(rng_counter[1])}")
         self.rng_counter = rng_counter
         self.amax_reduction_group = amax_reduction_group
 
