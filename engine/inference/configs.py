@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
+from engine.checks import check_instance
+
 #: every config class by name (what a checkpoint record names)
 CONFIGS: dict[str, type[InferenceConfig]] = {}
 
@@ -113,7 +115,8 @@ def config_from_plain(plain: Any, where: str = "config") -> InferenceConfig:
 
 
 def check_config(config: Any, name: str = "config") -> InferenceConfig:
-    if not isinstance(config, InferenceConfig) or type(config) not in CONFIGS.values():
+    check_instance(config, InferenceConfig, name, f"one of {', '.join(sorted(CONFIGS))} (engine.inference)")
+    if type(config) not in CONFIGS.values():
         raise TypeError(f"{name}: expected one of {', '.join(sorted(CONFIGS))} (engine.inference), "
                         f"got {type(config).__name__}: {config!r:.100}")
     return config
