@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine.checks import check_bool
+from engine.checks import check_bool, check_instance
 from engine.distributed import all_reduce_max, group_size
 from engine.recipes import DelayedScaling, Recipe, RecipeState
 
@@ -71,9 +71,7 @@ _STATE = _AutocastState()  # one instance, a separate set of attributes per thre
 def _check_recipe(recipe: Any) -> Recipe:
     if recipe is None:
         return DelayedScaling()
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe: expected an engine.recipes.Recipe or None, got {type(recipe).__name__}")
-    return recipe
+    return check_instance(recipe, Recipe, "recipe", "an engine.recipes.Recipe or None")
 
 
 @contextlib.contextmanager

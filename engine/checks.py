@@ -21,6 +21,21 @@ def check_optional_bool(value: Any, name: str) -> bool | None:
     return value
 
 
+def check_instance(value: Any, cls: type, name: str, expected: str, *, none_ok: bool = False) -> Any:
+    """`value` if it is a `cls` (or None, if `none_ok`); else a TypeError naming `name`, `expected` and what came.
+
+    A subclass of `cls` given where its instance belongs (`recipe=DelayedScaling`) gets the call that makes
+    one: "did you mean `DelayedScaling()`?" (a pydantic or dataclass class would otherwise show as its
+    metaclass, `ModelMetaclass` or `type`).
+    """
+    if isinstance(value, cls) or (none_ok and value is None):
+        return value
+    if isinstance(value, type):
+        hint = f"; did you mean `{value.__name__}()`?" if issubclass(value, cls) and value is not cls else ""
+        raise TypeError(f"{name}: expected {expected}, got the class {value.__name__}{hint}")
+    raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+
+
 def check_params_dtype(dtype: Any, name: str = "params_dtype") -> torch.dtype:
     """The dtype parameters are created in: fp32, bf16 or fp16 (None: torch's default dtype)."""
     resolved = torch.get_default_dtype() if dtype is None else dtype

@@ -21,7 +21,7 @@ from typing import Callable
 
 from torch import nn
 
-from engine.checks import check_bool
+from engine.checks import check_bool, check_instance
 from engine.modules import LayerNormLinear, Linear
 from engine.ops.reference import HIGH_PRECISION_DTYPES
 from engine.recipes import DelayedScaling, Recipe
@@ -71,8 +71,7 @@ def convert(
     check_bool(keep_output_head, "keep_output_head")
     check_bool(fp8_weights, "fp8_weights")
     check_bool(fuse_norms, "fuse_norms")
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe: expected an engine.recipes.Recipe or None, got {type(recipe).__name__}")
+    check_instance(recipe, Recipe, "recipe", "an engine.recipes.Recipe or None", none_ok=True)
     fp8_recipe = (recipe if recipe is not None else DelayedScaling()) if fp8_weights else None
     head = _output_head(model) if keep_output_head else None
     tied = _tied_parameters(model)

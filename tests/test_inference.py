@@ -303,7 +303,7 @@ def test_module_filter_and_the_model_kinds() -> None:
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="group_size"):
         engine.Int4WeightOnly(group_size=48)
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(TypeError, match="group_size"):
         engine.Int4WeightOnly(group_size=True)
     with pytest.raises(ValueError, match="element"):
         engine.MXWeightOnly("e5m2")

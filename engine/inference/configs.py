@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
+from engine.checks import check_instance
+
 #: every config class by name (what a checkpoint record names)
 CONFIGS: dict[str, type[InferenceConfig]] = {}
 
@@ -33,7 +35,13 @@ class InferenceConfig:
 
 
 def _choice(value: Any, choices: tuple, name: str) -> None:
-    if isinstance(value, bool) or value not in choices:
+    """A TypeError for a value of another type than the choices' (128.0, True and "128" are not 128), a
+    ValueError for a value that is none of them."""
+    kind = type(choices[0])
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected one of {list(choices)} (type {kind.__name__}), got {value!r} "
+                        f"(type {type(value).__name__})")
+    if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 
@@ -110,7 +118,8 @@ def config_from_plain(plain: Any, where: str = "config") -> InferenceConfig:
 
 
 def check_config(config: Any, name: str = "config") -> InferenceConfig:
-    if not isinstance(config, InferenceConfig) or type(config) not in CONFIGS.values():
+    check_instance(config, InferenceConfig, name, f"one of {', '.join(sorted(CONFIGS))} (engine.inference)")
+    if type(config) not in CONFIGS.values():
         raise TypeError(f"{name}: expected one of {', '.join(sorted(CONFIGS))} (engine.inference), "
                         f"got {type(config).__name__}: {config!r:.100}")
     return config

@@ -42,7 +42,7 @@ def rowwise_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> t
     an all-zero row gets a tiny scale, not 0), rounded to scale_dtype; q = round(w / scale) clamped to
     [-127, 127], with the stored (rounded) scale."""
     wf = w.float()
-    amax = wf.abs().amax(dim=1)
+    amax = wf.abs().amax(dim=1) if wf.shape[1] else wf.new_zeros(wf.shape[0])  # an empty row's amax is 0
     scale = (amax / INT8_MAX).clamp_min(FP32_TINY).to(scale_dtype)
     q = torch.round(wf / scale.float().unsqueeze(1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
@@ -246,4 +246,4 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [R, K/2] -> codes uint8 [R, K] (`pack_int4` undone)."""
-    return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)
+    return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], 2 * packed.shape[1])

@@ -111,6 +111,9 @@ class QuantizedWeight(torch.Tensor):
             raise ValueError(f"input: expected a last dim of {k} (the weight is [{n}, {k}]), got {tuple(x.shape)}")
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        if k == 0:  # no input features: an empty sum, as torch.nn.Linear(0, N) gives
+            out = x.new_zeros(*x.shape[:-1], n)
+            return out if bias is None else out + bias.to(x.dtype)
         x2d = x.reshape(-1, k)
         out = self.fmt.linear(x2d, self.parts, self.weight_shape, bias)
         return out.reshape(*x.shape[:-1], n)

@@ -47,12 +47,27 @@ class LinearArgs:
     grad_enabled: bool = True  # grad mode at the call (inside forward it is always off)
 
 
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [M, K] with zero rows appended up to `rows` rows."""
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
 def quantize_uses(
     t: torch.Tensor, state: RecipeState, role: Role, gemm: int, *, rowwise: bool, columnwise: bool
 ) -> tuple[GemmInput | None, GemmInput | None]:
-    """t for its rowwise use and its columnwise use (None where not needed): quantized by each use's
-    quantizer - one quantization when both uses share a quantizer - or t itself where the recipe says None."""
+    """t [M, K] for its rowwise use and its columnwise use (None where not needed): quantized by each use's
+    quantizer - one quantization when both uses share a quantizer - or t itself where the recipe says None.
+
+    For x and dy, a columnwise (wgrad) quantizer that needs whole groups of rows (NVFP4's RHT mixes 16
+    tokens) gets t with zero rows appended, so the wgrad operands then have M' > M rows: the padding rows
+    meet each other's zeros in the wgrad GEMM. The rowwise use is always quantized from t itself (first, so stochastic
+    rounding draws the same bits as in one call for both usages), so fprop and dgrad never see the padding."""
     q_row, q_col = state.uses(role, gemm)
+    if columnwise and role is not Role.WEIGHT and q_col is not None and t.shape[0] % q_col.columnwise_row_multiple:
+        row_use = quantize_uses(t, state, role, gemm, rowwise=rowwise, columnwise=False)[0]
+        multiple = q_col.columnwise_row_multiple
+        q_col.set_usage(rowwise=False, columnwise=True)
+        return row_use, q_col.quantize_storage(pad_rows(t, -(-t.shape[0] // multiple) * multiple))
     if q_row is not None and q_row is q_col:
         if not (rowwise or columnwise):
             return None, None
@@ -143,6 +158,7 @@ def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None
     if need_dgrad:
         dx = general_gemm(dy_dgrad, w_dgrad, b_transposed=True, out_dtype=inp_dtype)
     if need_wgrad:
+        dy_wgrad, x_wgrad = same_rows(dy_wgrad, x_wgrad)
         if main_grad is not None:
             general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out=main_grad, accumulate=True)
         else:
@@ -151,6 +167,17 @@ def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None
             dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out_dtype=inp_dtype)
             dw = dw.to(weight_dtype)
     return dx, dw
+
+
+def same_rows(a: GemmInput, b: GemmInput) -> tuple[GemmInput, GemmInput]:
+    """The wgrad operands with as many rows (tokens): a high-precision one padded with zero rows where the
+    other's quantizer padded its tokens (`quantize_uses`)."""
+    rows_a, rows_b = a.shape[0], b.shape[0]
+    if rows_a < rows_b and isinstance(a, torch.Tensor) and not isinstance(a, QuantizedTensor):
+        a = pad_rows(a, rows_b)
+    elif rows_b < rows_a and isinstance(b, torch.Tensor) and not isinstance(b, QuantizedTensor):
+        b = pad_rows(b, rows_a)
+    return a, b
 
 
 def unviewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -18,8 +18,9 @@ the op (`Recipe.merge_records`): in the compiled forward graph for the forward s
 compiled backward graph for grad_output. max is exact, so the history ends bit-identical
 to eager. The scale updates themselves run in `fp8_autocast` (outside the graphs).
 
-Not supported under torch.compile (a clear error, not a silent fallback): FP8 primary
-weights, `is_first_microbatch` weight caching and `fuse_wgrad_accumulation`.
+Not supported under torch.compile (a clear error, not a silent fallback, raised by
+`refuse_to_compile` so that its first line is engine's): FP8 primary weights,
+`is_first_microbatch` weight caching, `fuse_wgrad_accumulation` and NVFP4 recipes.
 """
 
 from __future__ import annotations
@@ -141,25 +142,41 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def refuse_to_compile(reason: str) -> bool:
+    """Raise `reason` while Dynamo traces, as the first line of the error torch.compile shows.
+
+    Dynamo runs this function eagerly while it traces (it is marked as torch.compiler.assume_constant_result
+    marks), so the error leaves the tracer as it is: a `raise` in traced code would become Dynamo's
+    "Observed exception" with the reason buried in its debug context, and without fullgraph=True a
+    silent fallback to eager. Dynamo's UserError passes through unwrapped, in both modes.
+    """
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    raise UserError(UserErrorType.INVALID_INPUT, reason)
+
+
+refuse_to_compile._dynamo_marked_constant = True  # type: ignore[attr-defined]  # see _states_while_tracing
+
+
 def compiled_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     args: LinearArgs) -> torch.Tensor:
     """What `linear()` runs under torch.compile: plain F.linear outside FP8, the ops inside."""
     if args.fuse_wgrad_accumulation:
-        raise NotImplementedError("torch.compile: fuse_wgrad_accumulation=True is not supported; "
-                                  "compile the model without it or run it eagerly")
+        refuse_to_compile("torch.compile: fuse_wgrad_accumulation=True is not supported; "
+                          "compile the model without it or run it eagerly")
     if not args.fp8:
         w = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
         return torch.nn.functional.linear(inp, w.to(inp.dtype), None if bias is None else bias.to(inp.dtype))
     if isinstance(weight, QuantizedTensor):
-        raise NotImplementedError("torch.compile: FP8 primary weights (fp8_model_init) are not supported yet; "
-                                  "use high-precision weights or run eagerly")
+        refuse_to_compile("torch.compile: FP8 primary weights (fp8_model_init) are not supported yet; "
+                          "use high-precision weights or run eagerly")
     if args.is_first_microbatch is not None:
-        raise NotImplementedError("torch.compile: is_first_microbatch weight caching is not supported; "
-                                  "pass is_first_microbatch=None")
+        refuse_to_compile("torch.compile: is_first_microbatch weight caching is not supported; "
+                          "pass is_first_microbatch=None")
     if args.fwd.nvfp4 or (args.bwd is not None and args.bwd.nvfp4):
-        raise NotImplementedError("torch.compile: NVFP4 recipes are not supported yet (the compiled ops do not carry "
-                                  "NVFP4's per-tensor amaxes, and stochastic rounding's counter advances only in "
-                                  "eager code); run NVFP4 models eagerly")
+        refuse_to_compile("torch.compile: NVFP4 recipes are not supported yet: run NVFP4 models eagerly (without "
+                          "torch.compile), or compile under an FP8 or MX recipe (the compiled ops do not carry "
+                          "NVFP4's per-tensor amaxes, and stochastic rounding's counter advances only in eager code)")
     inp2d = inp.reshape(-1, inp.shape[-1])
     need_dgrad = args.grad_enabled and inp.requires_grad
     need_wgrad = args.grad_enabled and weight.requires_grad

@@ -59,6 +59,12 @@ class Quantizer:
     def fp8_dtype(self) -> torch.dtype:
         return self.scheme.element
 
+    @property
+    def columnwise_row_multiple(self) -> int:
+        """The columnwise usage needs x's row count (tokens) to be a multiple of this: 1 here, 16 for NVFP4's
+        RHT (it mixes 16 tokens). The layers pad their wgrad operands with zero rows up to it."""
+        return 1
+
     def config(self) -> dict[str, Any]:
         """The settings as plain data (what makes two quantizers quantize alike)."""
         return {"scheme": self.scheme.name, "rule": type(self.rule).__name__, **self.rule.config()}

@@ -41,6 +41,9 @@ class NVFP4Rule(ScaleRule):
                 tuple(rng_counter.shape) != (2,):
             raise TypeError(f"rng_counter: expected an int64 tensor of shape (2,) holding (seed, offset), "
                             f"got {rng_counter!r}")
+        if not rng_counter.is_meta and int(rng_counter[1]) < 0:  # read once, at construction (as a load checks it)
+            raise ValueError(f"rng_counter: the offset (element 1, the random elements already drawn) must be "
+                             f">= 0, got {int(rng_counter[1])}")
         self.rng_counter = rng_counter
         self.amax_reduction_group = amax_reduction_group
 
@@ -57,7 +60,8 @@ class NVFP4Rule(ScaleRule):
         if rht and columnwise and m % nvfp4.NVFP4_BLOCK:
             raise ValueError(f"x: the RHT of the columnwise usage mixes {nvfp4.NVFP4_BLOCK} tokens, so the token "
                              f"count (the product of the leading dims) must be a multiple of {nvfp4.NVFP4_BLOCK}, "
-                             f"got {m} (shape {tuple(x.shape)})")
+                             f"got {m} (shape {tuple(x.shape)}); append zero rows up to the next multiple, as "
+                             f"engine's layers do for their wgrad operands")
         amaxes = None
         if self.amax_reduction_group is not None:
             amaxes = [ref.amax(x2d) if rowwise else torch.zeros(1),
@@ -99,6 +103,10 @@ class NVFP4Quantizer(Quantizer):
     @property
     def with_rht(self) -> bool:
         return self.scheme.layout == "nvfp4_rht"
+
+    @property
+    def columnwise_row_multiple(self) -> int:
+        return nvfp4.NVFP4_BLOCK if self.with_rht else 1
 
     @property
     def with_2d_quantization(self) -> bool:

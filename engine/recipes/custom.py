@@ -17,6 +17,7 @@ from typing import ClassVar
 from pydantic import field_validator
 
 from engine.recipes.base import Recipe
+from engine.recipes.format import Format, fixed_format
 from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec, operand_key
 
 KEYS = {operand_key(op): op for op in OPERANDS}
@@ -33,6 +34,11 @@ class OperandRecipe(Recipe):
         if operands is not None:
             fields["operands_by_name"] = operands
         super().__init__(**fields)
+
+    @field_validator("fp8_format", mode="after")
+    @classmethod
+    def _elements_come_from_the_specs(cls, value: Format) -> Format:
+        return fixed_format(value, Format.HYBRID, cls.__name__, "takes each operand's element from its QuantizerSpec")
 
     @field_validator("operands_by_name")
     @classmethod

@@ -30,3 +30,10 @@ class Format(str, Enum):
         return f"Format.{self.name}"
 
     __str__ = __repr__
+
+
+def fixed_format(value: Format, fixed: Format, recipe: str, why: str) -> Format:
+    """`value` if it is the one format `recipe` computes with (`why` says what fixes it), else a ValueError."""
+    if value is not fixed:
+        raise ValueError(f"fp8_format: {recipe} {why}, so fp8_format must stay {fixed!r}; got {value!r}")
+    return value

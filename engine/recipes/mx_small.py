@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator
 
 from engine.recipes.base import Recipe
-from engine.recipes.format import Format
+from engine.recipes.format import Format, fixed_format
 from engine.recipes.operands import OPERANDS, Gemm, Operand, QuantizerSpec, Role
 
 ScaleMode = Literal["rceil", "floor"]
@@ -37,10 +37,8 @@ class _MXSmall(Recipe):
     @field_validator("fp8_format", mode="after")
     @classmethod
     def _elements_come_from_their_own_fields(cls, value: Any) -> Any:
-        if value is not Format.E4M3:
-            raise ValueError(f"{cls.__name__} picks its elements with its own fields (backward_element, element); "
-                             f"fp8_format must stay Format.E4M3, got {value!r}")
-        return value
+        return fixed_format(value, Format.E4M3, cls.__name__,
+                            "picks its elements with its own fields (backward_element, element)")
 
     def forward_element(self) -> str:
         """The element of the forward GEMMs' operands (each MX recipe names its own)."""

@@ -389,7 +389,8 @@ def _check_e8m0_nan(data: torch.Tensor, codes: torch.Tensor, scheme: Scheme, col
     rows, cols = flag.shape
     padded = torch.nn.functional.pad(flag, (0, -(-cols // block.cols) * block.cols - cols,
                                             0, -(-rows // block.rows) * block.rows - rows))
-    any_flag = padded.reshape(padded.shape[0] // block.rows, block.rows, -1, block.cols).any(dim=(1, 3))
+    any_flag = padded.reshape(padded.shape[0] // block.rows, block.rows, padded.shape[1] // block.cols,
+                              block.cols).any(dim=(1, 3))  # no -1: a tensor with no rows has no elements
     bad = (codes == ref.E8M0_NAN) & (any_flag if scheme.coded else ~any_flag)
     if bool(bad.any()):
         where = [tuple(i) for i in bad.nonzero()[:4].tolist()]
