@@ -93,6 +93,7 @@ def test_nvfp4_check_follows_transformer_engine(monkeypatch):
 @pytest.mark.parametrize("capability, want", [
     ((8, 0), {"delayed": None, "current": None, "block": "emulated", "mxfp8": "emulated", "rowwise": "emulated",
               "nvfp4": "emulated", "mxfp6": "emulated"}),
+    ((8, 9), {"delayed": "native", "current": "native", "block": "emulated", "rowwise": "emulated"}),
     ((9, 0), {"delayed": "native", "current": "native", "block": "emulated", "mxfp8": "emulated",
               "nvfp4": "emulated", "mxfp4": "emulated"}),
     ((10, 0), {"delayed": "native", "block": "emulated", "mxfp8": "native", "mxfp4": "native",
