@@ -116,6 +116,6 @@ def test_block_runs_as_written(block, tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail(f"{block.name}: still running after {TIMEOUT_S} s")
     if done.returncode != 0:
-        pytest.fail(f"{block.name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        pytest.fail(f"{block.name} failed (exit {done.returncode}):\n{done.stderr[-12000:]}")
     assert "docs-check: engine objects: True" in done.stdout, \
         f"{block.name} ran but left nothing engine made among its globals:\n{done.stdout[-2000:]}"
