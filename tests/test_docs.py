@@ -109,7 +109,8 @@ def command(block: Block, folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.name for b in PYTHON_BLOCKS])
 def test_block_runs_as_written(block, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # this checkout's engine, wherever the block runs
     try:
         done = subprocess.run(command(block, tmp_path), cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
