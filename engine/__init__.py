@@ -5,8 +5,10 @@ from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  
 from engine.conversion import convert, unconvert
 from engine.modules import LayerNormLinear, LayerNormMLP, Linear
 from engine.modules.saving import plain_state_dict
-from engine.device import get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
-from engine.recompute import checkpoint
+from engine.device import (
+    get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available,
+)
+from engine.recompute import checkpoint, checkpoint_context
 from engine.inference import (
     Float8DynamicActivationFloat8Weight, Float8WeightOnly, Int4WeightOnly, Int8DynamicActivationInt8Weight,
     Int8WeightOnly, MXWeightOnly, NVFP4WeightOnly, QuantizedWeight, quantize_,
@@ -29,8 +31,9 @@ __all__ = [
     "NVFP4Quantizer", "NVFP4Tensor",
     "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
     "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
-    "is_fp8_block_scaling_available", "is_mxfp8_available", "quantized_model_init", "recipes", "unconvert",
-    "checkpoint",
+    "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available", "quantized_model_init", "recipes",
+    "unconvert",
+    "checkpoint", "checkpoint_context",
     "plain_state_dict",
     "Float8DynamicActivationFloat8Weight", "Float8WeightOnly", "Int4WeightOnly", "Int8DynamicActivationInt8Weight",
     "Int8WeightOnly", "MXWeightOnly", "NVFP4WeightOnly", "QuantizedWeight", "quantize_",

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     formats = commands.add_parser("formats", help="print the table of number formats (bits, bias, range)")
     formats.set_defaults(run=_formats)
-    info = commands.add_parser("info", help="print the GPU / NVML status and which FP8 recipes can run")
+    info = commands.add_parser("info", help="print the GPU / NVML status, the CPU and its kernels, and where and "
+                                            "how each recipe runs here")
     info.set_defaults(run=_info)
     bench = commands.add_parser("bench", help="print benchmark tables (quantize GB/s, GEMM GFLOP/s, Linear step)")
     quick = [name for name in BENCHMARKS if name not in ("compile", "mx", "nvfp4", "inference")]  # minutes; by name

@@ -53,8 +53,9 @@ def convert(
     * `fp8_weights`: FP8 primary weights (`fp8_model_init` semantics) quantized by `recipe`'s
       weight quantizer (default DelayedScaling()); values then change by the FP8 rounding.
       A weight tied to another module stays high precision (one warning names it).
-    * `recipe`: the recipe FP8 primary weights are made for. Every recipe takes every layer
-      shape (module docstring), so it excludes no layer.
+    * `recipe`: the recipe FP8 primary weights are made for (only with `fp8_weights=True`, else a
+      ValueError: the recipe a model computes under is the fp8_autocast's, as in Transformer Engine).
+      Every recipe takes every layer shape (module docstring), so it excludes no layer.
     * `fuse_norms`: inside nn.Sequential, a LayerNorm/RMSNorm directly followed by a converted
       nn.Linear of its size becomes one engine.LayerNormLinear at the Linear's index (an
       nn.Identity stays at the norm's); the norm's keys move to `<linear>.layer_norm_weight`
@@ -72,6 +73,12 @@ def convert(
     check_bool(fp8_weights, "fp8_weights")
     check_bool(fuse_norms, "fuse_norms")
     check_instance(recipe, Recipe, "recipe", "an engine.recipes.Recipe or None", none_ok=True)
+    if recipe is not None and not fp8_weights:
+        raise ValueError(f"recipe: {type(recipe).__name__}(...) given without fp8_weights=True; convert uses a recipe "
+                         "only to quantize FP8 primary weights. A converted model computes in FP8 inside "
+                         "engine.fp8_autocast(recipe=...), as Transformer Engine's modules do, and as before outside "
+                         "it: drop recipe= and run the model under engine.fp8_autocast(recipe=...), or pass "
+                         "fp8_weights=True for FP8 primary weights quantized by it")
     fp8_recipe = (recipe if recipe is not None else DelayedScaling()) if fp8_weights else None
     head = _output_head(model) if keep_output_head else None
     tied = _tied_parameters(model)

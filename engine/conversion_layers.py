@@ -144,6 +144,8 @@ def mark_conv1d_layout(module: Linear) -> None:
 def _save_conv1d_layout(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     key = prefix + "weight"
     weight = state_dict.get(key)
+    if _inference_quantized(weight):  # engine.quantize_'s weight: saved as its own record, in its own layout
+        return
     if key + META_SUFFIX in state_dict:  # an FP8 weight saved as its components: Conv1D holds the plain value
         weight = pop_components(state_dict, key)[0].dequantize()
     elif isinstance(weight, QuantizedTensor):
@@ -155,8 +157,23 @@ def _save_conv1d_layout(module: nn.Module, state_dict: dict, prefix: str, local_
 def _load_conv1d_layout(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     key = prefix + "weight"
     weight = state_dict.get(key)
+    if _inference_record(state_dict, key):  # engine.quantize_'s entries (data [out, in], scales) load as saved
+        return
     if isinstance(weight, torch.Tensor) and not isinstance(weight, QuantizedTensor) and weight.dim() == 2:
         state_dict[key] = weight.t().contiguous()  # load_state_dict works on its own copy of the dict
+
+
+def _inference_quantized(weight: object) -> bool:
+    """A weight engine.quantize_ made (a QuantizedWeight; engine.inference is imported once one exists)."""
+    inference = sys.modules.get("engine.inference.weight")
+    return inference is not None and isinstance(weight, inference.QuantizedWeight)
+
+
+def _inference_record(state_dict: dict, key: str) -> bool:
+    """`key` is a weight engine.quantize_ saved (its record is in the state dict)."""
+    from engine.inference.saving import RECORD_SUFFIX
+
+    return key + RECORD_SUFFIX in state_dict
 
 
 # ------------------------------------------------------------------ engine -> torch

@@ -1,8 +1,14 @@
 """What this machine can run: CUDA capability (torch.cuda and NVML) and the CPU emulation path.
 
-FP8 GEMMs need compute capability 8.9+ (Ada, Hopper), FP8 block scaling 9.0+ (Hopper),
-MXFP8 10.0+ (Blackwell). Without a GPU every recipe still runs through the CPU emulation
-path, so the checks answer True with a reason that says so; they never raise.
+The checks are Transformer Engine 2.x's: `is_fp8_available(return_reason=False)` and its siblings
+return a bool, and with `return_reason=True` a `(bool, reason)` pair. (TE's older
+`FP8GlobalStateManager.is_fp8_available()` always returned the pair; a pair by default here would
+make `if engine.is_fp8_available():` true even when the answer is False.) On a GPU they answer TE's
+question - does this GPU run the recipe family natively: per-tensor FP8 from compute capability 8.9
+(Ada, Hopper), FP8 block scaling from 9.0 (Hopper), MXFP8 and NVFP4 from 10.0 (Blackwell). Without a
+GPU every recipe runs, emulated on the CPU (exact decode to bf16, fp32 GEMMs: correct bits, not FP8
+speed), so they answer True and the reason says "no CUDA GPU ... CPU emulation". They never raise.
+`engine.machine` (and `python -m engine info`) says for every recipe where and how it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 FP8_MIN_CAPABILITY = (8, 9)
 BLOCK_SCALING_MIN_CAPABILITY = (9, 0)
 MXFP8_MIN_CAPABILITY = (10, 0)
+NVFP4_MIN_CAPABILITY = (10, 0)
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,8 @@ def _check(min_capability: tuple[int, int], what: str, return_reason: bool) -> b
 
 
 def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Per-tensor FP8 (delayed and current scaling)."""
+    """Per-tensor FP8 (delayed and current scaling): a bool, or (bool, reason) with `return_reason=True`.
+    True without a GPU: the recipes run emulated on the CPU (the reason says so)."""
     return _check(FP8_MIN_CAPABILITY, "FP8", return_reason)
 
 
@@ -108,8 +116,14 @@ def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
     return _check(MXFP8_MIN_CAPABILITY, "MXFP8", return_reason)
 
 
+def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """NVFP4 (E2M1 elements, E4M3 scales per 16, a per-tensor amax)."""
+    return _check(NVFP4_MIN_CAPABILITY, "NVFP4", return_reason)
+
+
 def format_device_info(info: DeviceInfo | None = None) -> str:
-    """Human-readable report for `python -m engine info`."""
+    """Human-readable report for `python -m engine info`: torch, CUDA and NVML, the capability checks, then
+    the CPU, its kernels and every recipe with where and how it runs (`engine.machine`)."""
     info = get_device_info() if info is None else info
     lines = [f"torch {info.torch_version}",
              f"CUDA: {'yes' if info.cuda_available else 'no'} ({info.cuda_reason})",
@@ -120,7 +134,10 @@ def format_device_info(info: DeviceInfo | None = None) -> str:
         lines.append(f"GPU {gpu.index}: {gpu.name}, compute capability {gpu.compute_capability[0]}."
                      f"{gpu.compute_capability[1]}, {gpu.total_memory_bytes / 2**30:.1f} GiB")
     for label, check in (("FP8 (per-tensor)", is_fp8_available), ("FP8 block scaling", is_fp8_block_scaling_available),
-                         ("MXFP8", is_mxfp8_available)):
+                         ("MXFP8", is_mxfp8_available), ("NVFP4", is_nvfp4_available)):
         ok, reason = check(return_reason=True)
         lines.append(f"{label}: {'available' if ok else 'unavailable'} - {reason}")
+    from engine.machine import format_machine
+
+    lines.append(format_machine())
     return "\n".join(lines)

@@ -82,11 +82,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = T
     if not callable(function):
         raise TypeError(f"function: expected a callable, got {type(function).__name__}")
     check_bool(use_reentrant, "use_reentrant")
-    region = _Region(autocast.autocast_settings(), torch.is_grad_enabled())
-    forward, recompute = _PhaseContext(region, False), _PhaseContext(region, True)
     if not use_reentrant:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                                 context_fn=lambda: (forward, recompute), **kwargs)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=checkpoint_context,
+                                                 **kwargs)
+    forward, recompute = checkpoint_context()
     calls = 0
 
     def run(*inputs: Any) -> Any:  # torch's reentrant checkpoint calls it for the forward, then per recompute
@@ -96,6 +95,16 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = T
             return function(*inputs, **kwargs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True)
+
+
+def checkpoint_context() -> tuple[_PhaseContext, _PhaseContext]:
+    """torch.utils.checkpoint's `context_fn` (use_reentrant=False) that makes its recompute engine.checkpoint's:
+    for code that calls torch's checkpoint itself, e.g. Hugging Face models,
+    `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+    "context_fn": engine.checkpoint_context})`. torch calls it once per checkpointed call, in its forward, which
+    captures the fp8_autocast settings there; the two contexts run that forward and its recompute."""
+    region = _Region(autocast.autocast_settings(), torch.is_grad_enabled())
+    return _PhaseContext(region, False), _PhaseContext(region, True)
 
 
 # ---------------------------------------------------------------- what modules call (FP8Module._prepare)

@@ -281,7 +281,8 @@ def test_every_recipe_takes_every_shape(recipe, fp8_weights):
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine.convert(model, keep_output_head=False, fp8_weights=fp8_weights, recipe=RECIPES[recipe])
+        engine.convert(model, keep_output_head=False, fp8_weights=fp8_weights,
+                       recipe=RECIPES[recipe] if fp8_weights else None)
     assert all(isinstance(m, engine.Linear) for m in model)
     for layer, plain in zip(model, reference):
         x = torch.randn(3, plain.in_features)
@@ -292,6 +293,19 @@ def test_every_recipe_takes_every_shape(recipe, fp8_weights):
         want = plain(x)
         assert (y - want).norm() <= 0.1 * want.norm()  # FP8 rounding (E4M3: 2^-4 per operand), not garbage
         assert layer.weight.grad is not None and layer.bias.grad is not None
+
+
+@pytest.mark.parametrize("recipe", ["current", "mxfp8"])
+def test_a_recipe_without_fp8_weights_is_refused_with_the_fix(recipe):
+    """The recipe a converted model computes under is the fp8_autocast's (Transformer Engine's rule); convert's
+    recipe= only makes FP8 primary weights, so alone it would be ignored: refused, the model left as it was."""
+    model = PlainNet()
+    with pytest.raises(ValueError, match=r"recipe: \w+\(\.\.\.\) given without fp8_weights=True.*"
+                                         r"engine\.fp8_autocast\(recipe=\.\.\.\).*fp8_weights=True"):
+        engine.convert(model, recipe=RECIPES[recipe])
+    assert not any(isinstance(m, engine.Linear) for m in model.modules())
+    engine.convert(model, recipe=None)  # the default and the fix
+    assert isinstance(model.body[1], engine.Linear)
 
 
 # ---------------------------------------------------------------------------- FP8 primary weights
