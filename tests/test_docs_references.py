@@ -38,7 +38,8 @@ SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 PATH = re.compile(r"(?<![\w./~-])((?:engine|csrc|tests|benchmarks|docs)/[\w./*-]*)")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
-ENGINE_CALL = re.compile(r"(?:^|\s)(?:python3? -m engine|(?P<torchrun>torchrun\b.*?)\s-m engine|^engine)(?=\s|$)(?P<args>.*)")
+ENGINE_CALL = re.compile(r"(?:^|\s)(?:python3? -m engine|(?P<torchrun>torchrun\b.*?)\s-m engine|^engine)"
+                         r"(?=\s|$)(?P<args>.*)")
 MAKE_CALL = re.compile(r"(?:^|\s)make\s+(?P<target>[\w.-]+)")
 
 
@@ -268,8 +269,8 @@ def engine_calls(name: str, text: str) -> list[tuple[str, list[str], list[str] |
             continue
         args = re.sub(r"[\[\]]", "", match["args"])  # `bench [quantize,gemm]`: an optional part, checked too
         argv = shlex.split(args, comments=True)
-        if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-            continue  # the entry point alone, or an option of torchrun's after `-m engine`... nothing to check
+        if not argv:
+            continue  # the entry point alone (`python -m engine`, the `engine` console script)
         torchrun = shlex.split(match["torchrun"])[1:] if match["torchrun"] else None
         calls.append((code.where, argv, torchrun))
     return calls
