@@ -76,7 +76,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_positive, default=1,
                    help="tensor-parallel degree inside each data-parallel group (divides the processes; default 1)")
     p.add_argument("--fp8-weights", action="store_true",
-                   help="FP8 primary weights (fp8_model_init) in the recipe runs: FSDP2 all-gathers their FP8 bytes")
+                   help="FP8 primary weights (fp8_model_init) in the recipe runs: FSDP2 all-gathers their FP8 bytes (those "
+                        "it cannot cut into whole scale blocks stay whole on every rank)")
     p.set_defaults(run=run)
 
 

@@ -139,6 +139,16 @@ def build_model(cfg: RunConfig, recipe: Recipe | None) -> GPT:
         return GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
 
 
+def describe_replicated(run: str, replicated: dict[str, str]) -> str:
+    """What `parallelize` kept out of FSDP2, one line per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in replicated.items():
+        by_reason.setdefault(reason, []).append(name)
+    lines = [f"{run}: {len(replicated)} FP8 weights are kept whole on every rank, their gradients averaged, as FSDP2 "
+             "cannot shard them:"]
+    return "\n".join(lines + [f"  {reason}: {', '.join(names)}" for reason, names in by_reason.items()])
+
+
 def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     """Train, evaluate, checkpoint; returns the run's numbers as plain data.
 
@@ -157,7 +167,9 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
                              f"not {cfg.model.model_dump()}")
         model.load_state_dict(checkpoint["model"])
         start = int(checkpoint["step"])
-    dp_rank, dp_size = parallelize(model, cfg.tp)
+    dp_rank, dp_size, replicated = parallelize(model, cfg.tp)
+    if replicated and rank == 0:
+        print(describe_replicated(cfg.recipe, replicated), flush=True)
     if cfg.batch_size % dp_size:
         raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({dp_size}), got {cfg.batch_size}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
