@@ -20,7 +20,7 @@ from engine.recipes import RECIPES, NVFP4BlockScaling
 from engine.tensors import QuantizedTensor
 
 STEPS = 2
-LR = 0.05
+LR = 0.02
 #: the FP8 layers' rows (each reads the same 64 features)
 ROWS = (384, 512, 200)
 D = 64
@@ -60,9 +60,14 @@ def batch(step: int, world_size: int) -> torch.Tensor:
     return torch.randn(2 * world_size, 8, D, generator=torch.Generator().manual_seed(100 + step))
 
 
+def objective(out: torch.Tensor) -> torch.Tensor:
+    """Summed over the features: gradients large enough to move 4-bit weights by whole steps in two updates."""
+    return out.float().pow(2).sum(-1).mean()
+
+
 def loss_of(model, x, recipe) -> torch.Tensor:
     with fp8_autocast(recipe=recipe):
-        return model(x).float().pow(2).mean()
+        return objective(model(x))
 
 
 # ------------------------------------------------------------------------------------------ the ranks
@@ -128,7 +133,7 @@ def reference(name: str, world_size: int) -> tuple[torch.Tensor, dict[str, torch
     losses = []
     for step in range(STEPS):
         with fp8_autocast(recipe=recipe):
-            parts = [model(x).float().pow(2).mean() for x in batch(step, world_size).chunk(world_size)]
+            parts = [objective(model(x)) for x in batch(step, world_size).chunk(world_size)]
         for loss in parts:
             loss.backward()
         for p in model.parameters():
@@ -169,7 +174,7 @@ def test_fp8_weights_shard_by_whole_blocks_or_stay_whole(ranks, name):
         for n in want:
             assert torch.equal(got[n], want[n]), n
     else:  # three gradients may be summed in another order
-        assert torch.allclose(got_losses, losses, rtol=0, atol=1e-5)
+        assert torch.allclose(got_losses, losses, rtol=1e-6, atol=0)
         for n in want:
             assert torch.allclose(got[n], want[n], rtol=0, atol=1e-5), n
 
