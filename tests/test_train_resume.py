@@ -55,8 +55,8 @@ def test_flags_may_repeat_the_checkpoints_shape(small_run, tmp_path):
 def test_a_flag_that_contradicts_the_checkpoint_is_refused(small_run, tmp_path, flag, value, kept):
     _, checkpoint = small_run
     with pytest.raises(SystemExit) as raised:
-        main(["train", "--resume", checkpoint, "--recipe", "delayed", flag, value, "--out", str(tmp_path),
-              "--in-process", *QUICK])
+        main(["train", "--resume", checkpoint, "--recipe", "delayed", flag, value, "--steps", "1",
+              "--out", str(tmp_path), "--in-process", *QUICK])
     assert str(raised.value) == (f"engine train: {flag} {value}: {checkpoint} holds a model with {flag} {kept}, and "
                                  f"a resumed run keeps the checkpoint's model; leave {flag} out (or pass {kept})")
 
@@ -94,5 +94,6 @@ def test_a_file_that_is_no_run_checkpoint(tmp_path, content, message):
     elif content is not None:
         torch.save(content, path)
     with pytest.raises(SystemExit) as raised:
-        main(["train", "--resume", str(path), "--recipe", "bf16", "--out", str(tmp_path), "--in-process"])
+        main(["train", "--resume", str(path), "--recipe", "bf16", "--steps", "1", "--out", str(tmp_path),
+              "--in-process"])
     assert str(raised.value).startswith("engine train: --resume: ") and message in str(raised.value)
