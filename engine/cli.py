@@ -35,7 +35,7 @@ def _bench(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(folder))
     for name in args.which:
         print(f"== {name}")
-        importlib.import_module(BENCHMARKS[name]).main(args.extra)
+        importlib.import_module(BENCHMARKS[name]).main(args.extra, prog=f"{args.bench_prog} {name}")
         print()
     return 0
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"benchmarks to run, comma separated, of {','.join(BENCHMARKS)} (default: {','.join(quick)})")
     bench.add_argument("extra", nargs=argparse.REMAINDER,
                        help="options passed to each benchmark script, e.g. `linear --shapes 16x256x256`")
-    bench.set_defaults(run=_bench)
+    bench.set_defaults(run=_bench, bench_prog=bench.prog)  # each script's usage: `engine bench linear ...`
     from engine.train.cli import add_parser as add_train_parser
 
     add_train_parser(commands)

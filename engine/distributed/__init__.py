@@ -4,6 +4,8 @@ tensor and sequence parallel plans.
 FSDP2 needs no engine call: `torch.distributed.fsdp.fully_shard` shards engine quantized weights as
 quantized tensors and all-gathers their FP8 bytes (`engine.distributed.fsdp`), and their state-dict
 components are DTensors that `torch.distributed.checkpoint` reshards (`engine.distributed.state_dict`).
+Weights it cannot cut into whole scale blocks are kept whole on every rank instead
+(`engine.distributed.fsdp.replicated_weights` and `average_gradients`).
 The parallel styles (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, `LayerNormMLPParallel`) import
 torch.distributed.tensor (~0.6 s), so they load on first use: `engine.distributed.ColwiseParallel`.
 """
