@@ -301,3 +301,14 @@ def test_the_table_places_modules_by_longest_name(module: str) -> None:
             "engine.tensors.quantized": "engine.tensors"}
     assert component_of(module, table).name == want[module]
     assert component_of("engine.unplaced_new_module", table) is None
+
+
+def test_an_unset_hook_names_who_sets_it() -> None:
+    from engine.hooks import Hook
+
+    hook = Hook("the thing a lower layer calls", "engine.upper")
+    with pytest.raises(RuntimeError, match=r"the thing a lower layer calls is provided by engine\.upper"):
+        hook(1)
+    with pytest.raises(TypeError, match="expected a callable, got int"):
+        hook.register(3)
+    assert hook.register(abs) is abs and hook(-2) == 2 and hook.registered
