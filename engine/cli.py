@@ -14,7 +14,7 @@ def _formats(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from engine.device import format_device_info
+    from engine.machine import format_info as format_device_info
 
     print(format_device_info())
     return 0
@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.train.cli import add_parser as add_train_parser
 
     add_train_parser(commands)
-    from engine.inference.eval import add_parser as add_eval_parser
+    from engine.train.eval import add_parser as add_eval_parser
 
     add_eval_parser(commands)
-    from engine.inference.generate import add_parser as add_generate_parser
+    from engine.train.generate import add_parser as add_generate_parser
 
     add_generate_parser(commands)
     return parser

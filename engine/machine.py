@@ -150,6 +150,11 @@ def recipe_lines() -> list[str]:
     return lines
 
 
+def format_info() -> str:
+    """What `python -m engine info` prints: the GPU report of `engine.device`, then `format_machine()`."""
+    return device.format_device_info() + "\n" + format_machine()
+
+
 def format_machine() -> str:
     """The CPU, kernel and recipe part of `python -m engine info`."""
     kernels = native_kernels()[1]

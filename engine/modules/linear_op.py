@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from engine.modules.linear_function import GemmInput, LinearArgs, bprop, fprop
-from engine.recipes.base import recipe_for_key
+from engine.recipes.plain import recipe_for_key
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
 
 

@@ -88,6 +88,24 @@ class Quantizer:
         """A shallow copy: settings are its own, state tensors (scale, amax) are shared."""
         return copy.copy(self)
 
+    @property
+    def tensor_amax_group(self) -> Any:
+        """The process group this quantizer all-reduces one per-tensor amax over before scaling (current scaling
+        of FSDP2 shards), else None: tensors with the same group can agree on their amaxes in one collective."""
+        rule = self.rule
+        if isinstance(rule, CurrentRule) and self.scheme.rowwise_block.is_tensor:
+            return rule.amax_reduction_group
+        return None
+
+    def with_agreed_amax(self, amax: torch.Tensor) -> Quantizer:
+        """A copy that scales with `amax`, already reduced over `tensor_amax_group` (no collective of its own)."""
+        if self.tensor_amax_group is None:
+            raise ValueError(f"{type(self).__name__}: only a per-tensor current-scaling quantizer with an "
+                             "amax_reduction_group takes an agreed amax")
+        once = self.copy()
+        once.rule = CurrentRule(self.rule.amax_epsilon, agreed_amax=amax)
+        return once
+
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v}" for k, v in self.config().items())
         return f"{type(self).__name__}({settings})"

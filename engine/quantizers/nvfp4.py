@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checks import check_bool
-from engine.distributed import all_reduce_max
+from engine.collectives import all_reduce_max
 from engine.ops import backend, nvfp4, registry
 from engine.ops import reference as ref
 from engine.quantizers.base import Quantizer

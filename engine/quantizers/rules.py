@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from engine.distributed import all_reduce_max
+from engine.collectives import all_reduce_max
 from engine.ops import quantize as qops
 from engine.ops import reference as ref
 from engine.schemes import Scheme

@@ -10,17 +10,8 @@ from engine.recipes.mx_small import MXFP4BlockScaling, MXFP4MixedBlockScaling, M
 from engine.recipes.mxfp8 import MXFP8BlockScaling
 from engine.recipes.nvfp4 import NVFP4BlockScaling
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Gemm, QuantizerSpec, Role
-from engine.recipes.plain import recipe_from_plain, recipe_to_plain
+from engine.recipes.plain import RECIPES, SAVED_RECIPES, recipe_from_plain, recipe_to_plain
 from engine.recipes.rowwise import Float8RowwiseScaling
-
-#: the presets (Transformer Engine's recipes), by short name
-RECIPES: dict[str, type[Recipe]] = {
-    cls.name: cls for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
-                              Float8RowwiseScaling, MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling,
-                              NVFP4BlockScaling)
-}
-#: every recipe a checkpoint can name
-SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: OperandRecipe}
 
 __all__ = [
     "BACKWARD_ROLES", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES", "Float8BlockScaling",

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from functools import cached_property, lru_cache
+from enum import Enum
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -83,8 +84,6 @@ class Recipe(BaseModel):
     @cached_property
     def key(self) -> str:
         """The recipe as a string (its plain fields): what compiled code and custom ops are keyed by."""
-        from engine.recipes.plain import recipe_to_plain
-
         return json.dumps(recipe_to_plain(self), sort_keys=True)
 
     # ---------------------------------------------------------------- scaling state through custom ops
@@ -196,14 +195,16 @@ class RecipeState:
         return self
 
 
-@lru_cache(maxsize=64)
-def recipe_for_key(key: str) -> Recipe:
-    """The recipe a `Recipe.key` names (callable fields, which a key cannot carry, take their defaults:
-    custom ops quantize with the state's scales and never call them)."""
-    import warnings
-
-    from engine.recipes.plain import recipe_from_plain
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return recipe_from_plain(json.loads(key))
+def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
+    """{"name": ..., "fields": {...}}; a callable field is kept as its qualified name (a string)."""
+    fields: dict[str, Any] = {}
+    for key in type(recipe).model_fields:
+        value = getattr(recipe, key)
+        if isinstance(value, Enum):
+            value = value.value
+        elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
+            value = {k: None if v is None else v.model_dump() for k, v in value.items()}
+        elif callable(value):
+            value = f"<callable {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}>"
+        fields[key] = value
+    return {"name": recipe.name, "fields": fields}
