@@ -25,7 +25,7 @@ PACKAGE = "engine"
 #: __init__ (the public names): it sits above every layer it re-exports and below the demo.
 LAYERS: tuple[str, ...] = (
     # no engine imports: malloc tuning, device queries, amax all-reduce, DTensor recognition, hooks
-    "engine.memory | engine.device | engine.collectives | engine.dtensor | engine.hooks",
+    "engine.memory | engine.device | engine.collectives | engine.dtensor | engine.hooks | engine.cli_types",
     "engine.formats",
     "engine.schemes",
     "engine.ops",
