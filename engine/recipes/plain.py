@@ -19,7 +19,7 @@ def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
         if isinstance(value, Enum):
             value = value.value
         elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
-            value = {k: None if v is None else v.model_dump() for k, v in value.items()}
+            value = {k: None if v is None else v.to_plain() for k, v in value.items()}
         elif callable(value):
             value = f"<callable {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}>"
         fields[key] = value
@@ -27,7 +27,8 @@ def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
 
 
 def recipe_from_plain(plain: Any) -> Recipe:
-    """Inverse of `recipe_to_plain`. A saved callable cannot be restored: its field takes the default, with a warning."""
+    """Inverse of `recipe_to_plain`. A saved callable cannot be restored: its field takes the default, with a warning
+    (or what the recipe class restores it as: `Recipe.restore_callable`)."""
     from engine.recipes import SAVED_RECIPES
 
     if not isinstance(plain, dict) or plain.get("name") not in SAVED_RECIPES or not isinstance(plain.get("fields"), dict):
@@ -36,6 +37,10 @@ def recipe_from_plain(plain: Any) -> Recipe:
     fields = dict(plain["fields"])
     for key, value in list(fields.items()):
         if isinstance(value, str) and value.startswith("<callable "):
+            restored = cls.restore_callable(key, value)
+            if restored is not None:
+                fields[key] = restored
+                continue
             warnings.warn(f"recipe field {key} was the callable {value[10:-1]}, which a checkpoint cannot carry; "
                           "using the default", UserWarning, stacklevel=3)
             del fields[key]
