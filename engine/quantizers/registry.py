@@ -18,15 +18,13 @@ rule registers the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.schemes import SCHEMES, Scheme
 
-if TYPE_CHECKING:
-    from engine.quantizers.base import Quantizer
-    from engine.quantizers.rules import ScaleRule
+# (ScaleRule and Quantizer, which import this module, appear in annotations only as names: no import back)
 
 
 class RuleParams(BaseModel):
@@ -85,7 +83,7 @@ RULE_CLASSES: dict[str, type[ScaleRule]] = {}
 #: (rule name, scheme name) -> the Transformer Engine quantizer class a spec of that pair builds
 QUANTIZER_NAMES: dict[tuple[str, str], type[Quantizer]] = {}
 
-R = TypeVar("R", bound="type[ScaleRule]")
+R = TypeVar("R", bound=type)
 
 
 def register_rule(name: str, params: type[RuleParams], *, stateful: bool = False) -> Callable[[R], R]:
