@@ -36,9 +36,32 @@ WIDTH, FFN, OUT = 32, 32, 48  # multiples of 16 (NVFP4 blocks) and 32 (MX blocks
 TRAIN_TOKENS, TOKENS = 32, 8  # tokens of a training batch; of the stored input (fewer: smaller files)
 ODD_WIDTH, ODD_FFN, ODD_OUT, ODD_TOKENS = 19, 37, 21, 11
 
+
+
+def custom_qfactory(role: engine.recipes.QuantizerRole) -> Any:
+    """CustomRecipe's fixture factory, one kind of answer per GEMM: LayerNormMLP's fc1 delayed scaling (a spec: the
+    module saves its scale and amax history), fc2 MXFP8 quantizers and an MXFP8 E5M2 spec for dy; Linear NVFP4 (16x16
+    weight tiles, dy stochastically rounded: its counter is saved) with wgrad's x in high precision."""
+    forward = role.tensor_type != "grad_output"
+    if role.name == "fc1":
+        return QuantizerSpec(scheme="tensor_e4m3" if forward else "tensor_e5m2", rule="delayed",
+                             params={"amax_history_len": 4})
+    if role.name == "fc2":
+        if forward:
+            return engine.quantizers.MXFP8Quantizer(torch.float8_e4m3fn)
+        return QuantizerSpec(scheme="mx_e5m2", rule="e8m0")
+    if role == "linear_grad_output":
+        return QuantizerSpec(scheme="nvfp4_e2m1", rule="nvfp4", params={"stochastic_rounding": True})
+    if role == "linear_weight":
+        return QuantizerSpec(scheme="nvfp4_e2m1", rule="nvfp4", params={"with_2d_quantization": True})
+    return None if role.gemm == "wgrad" else QuantizerSpec(scheme="nvfp4_e2m1", rule="nvfp4")
+
+
 #: fields a recipe is built with here other than its defaults (a short amax history keeps the files small;
-#: OperandRecipe's default quantizes nothing, so it gets the mixed example of its docstring)
+#: OperandRecipe's default quantizes nothing, so it gets the mixed example of its docstring; CustomRecipe has no
+#: default factory)
 RECIPE_FIELDS: dict[str, Callable[[], dict[str, Any]]] = {
+    "CustomRecipe": lambda: {"qfactory": custom_qfactory},
     "DelayedScaling": lambda: {"amax_history_len": 4},
     "OperandRecipe": lambda: {"operands": {
         "fprop_input": QuantizerSpec(layout="tensor", element="e4m3"),

@@ -49,6 +49,8 @@ class FP8Module(torch.nn.Module):
 
     num_gemms: int = 1
     weight_names: tuple[str, ...] = ("weight",)
+    #: each GEMM's name, as a CustomRecipe's factory sees it (`QuantizerRole.name`)
+    gemm_names: tuple[str, ...] = ("",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,8 +86,9 @@ class FP8Module(torch.nn.Module):
     def _build_states_now(self, recipe: Recipe, device: torch.device) -> None:
         old_recipe, old_fwd, old_bwd = self._recipe, self._fwd_state, self._bwd_state
         self._recipe = recipe
-        self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device)
-        self._bwd_state = recipe.make_state(forward=False, num_gemms=self.num_gemms, device=device)
+        who = {"module": type(self).__name__, "gemm_names": self.gemm_names}  # what a CustomRecipe's factory is told
+        self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device, **who)
+        self._bwd_state = recipe.make_state(forward=False, num_gemms=self.num_gemms, device=device, **who)
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
         if old_fwd is not None:  # keep what stateful scaling learned under the previous settings
             self._fwd_state.carry_from(old_fwd)
@@ -204,7 +207,7 @@ class FP8Module(torch.nn.Module):
     def _apply_extra_state(self, state: dict) -> None:
         saved_recipe = recipe_from_plain(state["recipe"])
         self._pending_extra_state = None
-        if saved_recipe != self._recipe:
+        if saved_recipe.key != self._recipe.key:  # as saved: a callable by its name (all a checkpoint keeps)
             warnings.warn(f"{type(self).__name__}: checkpoint was saved under {saved_recipe!r} and is loaded "
                           f"under {self._recipe!r}; quantizers are rebuilt for the new recipe",
                           UserWarning, stacklevel=4)

@@ -17,6 +17,7 @@ class LayerNormMLP(NormalizedInput, FP8Module):
 
     num_gemms = 2
     weight_names = ("fc1_weight", "fc2_weight")
+    gemm_names = ("fc1", "fc2")
 
     def __init__(
         self,

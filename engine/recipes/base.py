@@ -18,7 +18,7 @@ import json
 from abc import abstractmethod
 from enum import Enum
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -66,8 +66,14 @@ class Recipe(BaseModel):
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
         """The spec of every GEMM operand (None: high precision)."""
 
-    def make_state(self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None) -> RecipeState:
-        """The quantizers of one module's forward (input, weight) or backward (grad_output) operands."""
+    def make_state(
+        self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None,
+        module: str = "", gemm_names: Sequence[str] = (),
+    ) -> RecipeState:
+        """The quantizers of one module's forward (input, weight) or backward (grad_output) operands.
+
+        `module` (the asking module's class name) and `gemm_names` (its GEMMs' names, e.g. ("fc1", "fc2")) say
+        who asks; only a recipe that builds quantizers per module (CustomRecipe) reads them."""
         check_num_gemms(num_gemms)
         specs = self.operands()
         quantizers: dict[tuple[Operand, int], Quantizer | None] = {}
@@ -80,6 +86,12 @@ class Recipe(BaseModel):
                     for use in (first, second):
                         quantizers[use, gemm] = None if specs[use] is None else specs[use].make()
         return RecipeState(self, forward, num_gemms, quantizers)
+
+    @classmethod
+    def restore_callable(cls, field: str, marker: str) -> Any:
+        """What a checkpoint's callable field (kept as the marker "<callable module.qualname>") is read back as;
+        None: the field takes its default, with a warning."""
+        return None
 
     @cached_property
     def key(self) -> str:
@@ -160,6 +172,8 @@ class RecipeState:
 
     #: how many tensors an op running this state returns as records (`Recipe.op_state`)
     op_records: ClassVar[int] = 0
+    #: why torch.compile cannot run this state (None: it can); the compiled layers raise it
+    compile_refusal: ClassVar[str | None] = None
 
     def op_tensors(self) -> list[torch.Tensor]:
         """The scaling state a custom op reads (and whose records are merged back): none here."""
@@ -203,7 +217,7 @@ def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
         if isinstance(value, Enum):
             value = value.value
         elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
-            value = {k: None if v is None else v.model_dump() for k, v in value.items()}
+            value = {k: None if v is None else v.to_plain() for k, v in value.items()}
         elif callable(value):
             value = f"<callable {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}>"
         fields[key] = value

@@ -14,6 +14,7 @@ from engine.recipes.block import Float8BlockScaling
 from engine.recipes.current import Float8CurrentScaling
 from engine.recipes.custom import OperandRecipe
 from engine.recipes.delayed import DelayedScaling
+from engine.recipes.factory import CustomRecipe
 from engine.recipes.mx_small import MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling
 from engine.recipes.mxfp8 import MXFP8BlockScaling
 from engine.recipes.nvfp4 import NVFP4BlockScaling
@@ -28,17 +29,22 @@ RECIPES: dict[str, type[Recipe]] = {
                               NVFP4BlockScaling)
 }
 #: every recipe a checkpoint can name
-SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: OperandRecipe}
+SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: OperandRecipe, CustomRecipe.name: CustomRecipe}
 
 
 def recipe_from_plain(plain: Any) -> Recipe:
-    """Inverse of `recipe_to_plain`. A saved callable cannot be restored: its field takes the default, with a warning."""
+    """Inverse of `recipe_to_plain`. A saved callable cannot be restored: its field takes the default, with a warning
+    (or what the recipe class restores it as: `Recipe.restore_callable`)."""
     if not isinstance(plain, dict) or plain.get("name") not in SAVED_RECIPES or not isinstance(plain.get("fields"), dict):
         raise ValueError(f"recipe: expected {{'name': one of {sorted(SAVED_RECIPES)}, 'fields': dict}}, got {plain!r}")
     cls = SAVED_RECIPES[plain["name"]]
     fields = dict(plain["fields"])
     for key, value in list(fields.items()):
         if isinstance(value, str) and value.startswith("<callable "):
+            restored = cls.restore_callable(key, value)
+            if restored is not None:
+                fields[key] = restored
+                continue
             warnings.warn(f"recipe field {key} was the callable {value[10:-1]}, which a checkpoint cannot carry; "
                           "using the default", UserWarning, stacklevel=3)
             del fields[key]
