@@ -73,8 +73,8 @@ def cpu_times(width: int, names: list[str], blocks: int) -> dict[str, dict[str, 
     return {name: {mode: best[name, mode] for mode in ("eager", "compiled")} for name in names}
 
 
-def main(argv: list[str] | None = None) -> list[list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[str]]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="128,1024")
     parser.add_argument("--recipes", default=",".join(r for r in DEFAULT_RUNS if r != "bf16"),
                         help=f"comma separated, of {','.join(RECIPES)} (NVFP4 does not compile yet)")

@@ -32,8 +32,8 @@ def pairings() -> dict[str, tuple]:
     }
 
 
-def main(argv: list[str] | None = None) -> list[list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[str]]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096, help="M = N = K")
     args = parser.parse_args(argv)
     n = args.size

@@ -82,8 +82,8 @@ def copies(weight: tuple[torch.Tensor, ...], cold_bytes: int) -> list[tuple]:
     return [weight] + [tuple(t.clone() for t in weight) for _ in range(-(-cold_bytes // size) - 1)]
 
 
-def main(argv: list[str] | None = None) -> list[list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[str]]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4096x4096,4096x11008,11008x4096", help="KxN list, comma separated")
     parser.add_argument("--ms", default=None, help="token counts M, comma separated (default 1,16,256)")
     parser.add_argument("--configs", default=None,

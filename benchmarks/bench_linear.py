@@ -59,8 +59,8 @@ def torchao_time(m: int, k: int, n: int, x: torch.Tensor, grad: torch.Tensor, mi
     return step_time(model, x, grad, min_time=min_time)
 
 
-def main(argv: list[str] | None = None) -> list[list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[str]]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4096x4096x4096,16x256x256", help="MxKxN list, comma separated")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--torchao", action="store_true", help="add torchao's Float8Linear when it is installed")

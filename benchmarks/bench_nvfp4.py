@@ -68,8 +68,8 @@ def run(m: int, k: int, dtype: torch.dtype, runs: int, warmup: int, reference_ru
     return measure(x, schemes(x), runs, warmup, reference_runs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, nargs=2, default=(4096, 4096), metavar=("M", "K"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--runs", type=int, default=15)

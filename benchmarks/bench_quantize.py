@@ -240,8 +240,8 @@ def format_table(rows: list[Row], back_to_back_gbs: float, header: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, nargs=2, default=(4096, 4096), metavar=("M", "K"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--fp8", choices=sorted(FP8), default="e4m3")

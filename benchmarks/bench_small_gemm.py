@@ -39,8 +39,8 @@ def operands(m: int, n: int, k: int):
     return a, torch.tensor([0.25]), b, torch.tensor([0.125]), torch.randn(n, generator=g)
 
 
-def main(argv: list[str] | None = None) -> list[list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[str]]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="MxNxK list, comma separated")
     parser.add_argument("--work-kib", type=int, default=2048, help="other memory traffic after each call")
     parser.add_argument("--out", default="bf16,fp32")

@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from engine.checks import check_bool, check_instance
-from engine.distributed import all_reduce_max, group_size
+from engine.collectives import all_reduce_max, group_size
 from engine.recipes import DelayedScaling, Recipe, RecipeState
 
 

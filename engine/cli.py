@@ -14,7 +14,7 @@ def _formats(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from engine.device import format_device_info
+    from engine.machine import format_info as format_device_info
 
     print(format_device_info())
     return 0
@@ -35,7 +35,7 @@ def _bench(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(folder))
     for name in args.which:
         print(f"== {name}")
-        importlib.import_module(BENCHMARKS[name]).main(args.extra)
+        importlib.import_module(BENCHMARKS[name]).main(args.extra, prog=f"{args.bench_prog} {name}")
         print()
     return 0
 
@@ -61,14 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"benchmarks to run, comma separated, of {','.join(BENCHMARKS)} (default: {','.join(quick)})")
     bench.add_argument("extra", nargs=argparse.REMAINDER,
                        help="options passed to each benchmark script, e.g. `linear --shapes 16x256x256`")
-    bench.set_defaults(run=_bench)
+    bench.set_defaults(run=_bench, bench_prog=bench.prog)  # each script's usage: `engine bench linear ...`
     from engine.train.cli import add_parser as add_train_parser
 
     add_train_parser(commands)
-    from engine.inference.eval import add_parser as add_eval_parser
+    from engine.train.eval import add_parser as add_eval_parser
 
     add_eval_parser(commands)
-    from engine.inference.generate import add_parser as add_generate_parser
+    from engine.train.generate import add_parser as add_generate_parser
 
     add_generate_parser(commands)
     return parser

@@ -122,8 +122,8 @@ def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
 
 
 def format_device_info(info: DeviceInfo | None = None) -> str:
-    """Human-readable report for `python -m engine info`: torch, CUDA and NVML, the capability checks, then
-    the CPU, its kernels and every recipe with where and how it runs (`engine.machine`)."""
+    """Human-readable GPU report: torch, CUDA and NVML, the capability checks. `python -m engine info` prints it
+    followed by the CPU, its kernels and every recipe with where and how it runs (`engine.machine.format_info`)."""
     info = get_device_info() if info is None else info
     lines = [f"torch {info.torch_version}",
              f"CUDA: {'yes' if info.cuda_available else 'no'} ({info.cuda_reason})",
@@ -137,7 +137,4 @@ def format_device_info(info: DeviceInfo | None = None) -> str:
                          ("MXFP8", is_mxfp8_available), ("NVFP4", is_nvfp4_available)):
         ok, reason = check(return_reason=True)
         lines.append(f"{label}: {'available' if ok else 'unavailable'} - {reason}")
-    from engine.machine import format_machine
-
-    lines.append(format_machine())
     return "\n".join(lines)

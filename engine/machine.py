@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import device, recipes
-from engine.recipes import OperandRecipe, QuantizerSpec, Recipe
+from engine.recipes import CustomRecipe, OperandRecipe, QuantizerSpec, Recipe
 
 #: CPU features the kernels here look at (/proc/cpuinfo names): the AVX-512 kernel set needs F, BW, DQ, VL and
 #: VBMI; NVFP4's fast path VBMI2; bf16 weight-only GEMMs AVX512-BF16; oneDNN's int8 GEMM VNNI or AMX
@@ -145,9 +145,18 @@ def recipe_lines() -> list[str]:
             lines.append(f"  {cls.name} ({cls.__name__}): any map of the operands to the schemes above; runs where "
                          "each of its operands' schemes does")
             continue
+        if cls is CustomRecipe:
+            lines.append(f"  {cls.name} ({cls.__name__}): the quantizers a factory returns per module, GEMM and "
+                         "operand; runs where each of their schemes does (not under torch.compile)")
+            continue
         ok, how = recipe_support(cls())
         lines.append(f"  {cls.name} ({cls.__name__}): {'runs' if ok else 'cannot run'} - {how}")
     return lines
+
+
+def format_info() -> str:
+    """What `python -m engine info` prints: the GPU report of `engine.device`, then `format_machine()`."""
+    return device.format_device_info() + "\n" + format_machine()
 
 
 def format_machine() -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.inference.generate import encode, generate, load_model
+from engine.train.generate import encode, generate, load_model
 from engine.train.model import GPT, GPTConfig, KVCache
 
 TEXT = "def double(x):\n    return 2 * x  # twice\n"

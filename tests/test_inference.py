@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import engine
+import mx_brute
 from engine.inference import int_formats
 from engine.inference.weight import QuantizedWeight
 
@@ -220,20 +221,51 @@ def test_float8_dynamic(granularity: str) -> None:
     assert_within(m(x), ref, bound, f"fp8 dynamic {granularity}")
 
 
-@pytest.mark.parametrize("element,max_elem", [("e4m3", 448.0), ("e2m3", 7.5), ("e3m2", 28.0), ("e2m1", 6.0)])
-def test_mx_weight_only(element: str, max_elem: float) -> None:
-    """MX weights decode exactly to bf16 (element * 2^k); each block's values are at most its max element times
-    the block's E8M0 scale; the layer is one bf16 GEMM of x with the decoded weight (bit for bit)."""
+#: MX elements: (largest normal, its unbiased exponent, the non-negative grid values in code order)
+MX_ELEMENTS = {
+    "e4m3": (448.0, 8, torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()),  # 0x7F: NaN
+    **{name: (mx_brute.SPEC[name][3], mx_brute.SPEC[name][4], torch.from_numpy(mx_brute.grid(name)))
+       for name in ("e2m3", "e3m2", "e2m1")},
+}
+
+
+def mx_expected(w: torch.Tensor, element: str, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E8M0 codes [N, K/32], dequantized weight in float64) by the OCP MX rules written out here: per 32-block,
+    RCEIL: d = fp32(amax) * fp32(1/max_elem) rounded up to a power of two; FLOOR: floor(log2 amax) - emax_elem;
+    each element w * 2^(127 - code) to the nearest grid value (ties to the even code), saturating."""
+    top, emax, grid = MX_ELEMENTS[element]
+    blocks = w.float().reshape(w.shape[0], -1, 32)
+    amax = blocks.abs().amax(2)
+    if scale_mode == "rceil":
+        d = (amax * torch.tensor(1.0 / top, dtype=torch.float32)).double()
+        mantissa, exponent = torch.frexp(d)
+        ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    else:
+        ceil_log2 = torch.frexp(amax.double())[1] - 1 - emax  # floor(log2 amax) - emax
+    codes = torch.where(amax == 0, 0, (ceil_log2 + 127).clamp(0, 254))
+    scaled = (blocks * torch.exp2(127.0 - codes.float())[..., None]).double()
+    dist = (scaled.abs().clamp(max=top)[..., None] - grid).abs()
+    nearest = dist == dist.min(-1, keepdim=True).values
+    even = nearest & (torch.arange(len(grid)) % 2 == 0)  # of two nearest (a tie), the even code
+    index = torch.where(even.any(-1), even.int().argmax(-1), nearest.int().argmax(-1))
+    values = grid[index] * torch.where(scaled < 0, -1.0, 1.0) * torch.exp2(codes.double() - 127)[..., None]
+    return codes.to(torch.uint8), values.reshape(w.shape)
+
+
+@pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
+@pytest.mark.parametrize("element", ["e4m3", "e2m3", "e3m2", "e2m1"])
+def test_mx_weight_only(element: str, scale_mode: str) -> None:
+    """The E8M0 scale codes and the decoded weight equal the OCP MX rules computed here (`mx_expected`), bit for
+    bit; the decoded weight is exact in bf16; the layer is one bf16 GEMM of x with that weight (bit for bit)."""
     m = layer(torch.nn.Linear, 64, 32)
-    engine.quantize_(m, engine.MXWeightOnly(element))
+    codes, expected = mx_expected(m.weight.detach(), element, scale_mode)
+    engine.quantize_(m, engine.MXWeightOnly(element, scale_mode))
+    assert torch.equal(m.weight.parts["scale_inv"], codes)
     deq = m.weight.dequantize(torch.float64)
-    assert torch.equal(m.weight.dequantize(torch.bfloat16).double(), deq)
-    codes = m.weight.parts["scale_inv"].double()  # E8M0: 2^(code - 127), one per 32
-    scale = torch.exp2(codes - 127).repeat_interleave(32, 1)
-    assert bool((deq.abs() <= max_elem * scale).all())
+    assert torch.equal(deq, expected)
+    assert torch.equal(m.weight.dequantize(torch.bfloat16).double(), expected)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    expected = torch.nn.functional.linear(x, deq.bfloat16(), m.bias)
-    assert torch.equal(m(x), expected)
+    assert torch.equal(m(x), torch.nn.functional.linear(x, expected.bfloat16(), m.bias))
 
 
 def test_nvfp4_weight_only() -> None:
@@ -252,26 +284,55 @@ def test_nvfp4_weight_only() -> None:
 
 
 # ---------------------------------------------------------------------------- the module side
+def input_as_quantized(config: object, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] in float64 as the config's GEMM sees it, by the rules written out here: unchanged for weight-only
+    configs; per token int8 (sx = fp32(amax/127), round(fp32(x/sx)) in [-127, 127]); E4M3 per tensor
+    (s = fp32(448/amax)) or per row (that s rounded down to a power of two), x*s in fp32 cast nearest-even."""
+    x = x.float()
+    if isinstance(config, engine.Int8DynamicActivationInt8Weight):
+        sx = (x.abs().amax(1, keepdim=True).double() / 127).float()
+        return torch.clamp(torch.round(x / sx), -127, 127).double() * sx.double()
+    if isinstance(config, engine.Float8DynamicActivationFloat8Weight):
+        amax = x.abs().amax() if config.granularity == "tensor" else x.abs().amax(1, keepdim=True)
+        s = (448 / amax.double()).float()
+        if config.granularity == "row":
+            s = torch.exp2(torch.frexp(s)[1] - 1.0)
+        return (x * s).clamp(-448, 448).to(torch.float8_e4m3fn).double() / s.double()
+    return x.double()
+
+
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=ids)
 @pytest.mark.parametrize("cls", [torch.nn.Linear, engine.Linear])
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_config_runs_3d_with_and_without_bias(config: object, cls: type, bias: bool) -> None:
+    """Any leading dims; a zero input gives exactly the bias; `x @ w.t()` and torch.matmul run the layer's GEMM
+    (the output of the same weights in a layer without bias, bit for bit); the output is, within fp32
+    accumulation and the bf16 roundings, x (as the config quantizes it, `input_as_quantized`) times the
+    dequantized weight plus the bias, computed here in float64."""
     m = layer(cls, 64, 48, bias=bias)
     plain = m(torch.zeros(1, 64, dtype=torch.bfloat16))
     engine.quantize_(m, config)
+    no_bias = engine.quantize_(layer(cls, 64, 48, bias=False), config)
     assert isinstance(m.weight, torch.nn.Parameter) and isinstance(m.weight, QuantizedWeight)
     assert not m.weight.requires_grad and m.weight.shape == (48, 64) and m.weight.dtype == torch.bfloat16
+    deq = m.weight.dequantize(torch.float64)
+    assert torch.equal(no_bias.weight.dequantize(torch.float64), deq)  # the same weights (same seed)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     y = m(x)
     assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
     assert torch.equal(y.reshape(6, 48), m(x.reshape(6, 64)))
     assert torch.equal(m(torch.zeros(1, 64, dtype=torch.bfloat16)), plain)  # zero input: exactly the bias
-    assert torch.equal(x @ m.weight.t() + (m.bias if bias else 0), y) or bias  # matmul runs the same GEMM
+    gemm = no_bias(x)
+    assert torch.equal(x @ m.weight.t(), gemm) and torch.equal(torch.matmul(x, m.weight.t()), gemm)
     if not bias:
-        assert torch.equal(torch.matmul(x, m.weight.t()), y)
-    w = m.weight.dequantize(torch.float32)
-    assert ((y.float() - torch.nn.functional.linear(x.float(), w, None if m.bias is None else m.bias.float()))
-            .abs().max() < 0.1)
+        assert torch.equal(y, gemm)
+    xq = input_as_quantized(config, x.reshape(6, 64))
+    for out, b in ((gemm, None), (y, m.bias)):
+        ref = fp64_linear(xq, deq, b)
+        bound = rounding_bound(xq, deq, ref, torch.bfloat16) + 4 * 64 * FP32_U * (xq.abs() @ deq.abs().t())
+        if b is not None:  # the bias added in fp32 before the rounding, or in bf16 after it
+            bound = bound + BF16_U * (ref.abs() + b.double().abs()) * 2.02
+        assert_within(out, ref, bound, f"{config} {'with' if b is not None else 'without'} bias")
 
 
 def test_repr_names_the_config_and_shape() -> None:

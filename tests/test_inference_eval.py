@@ -7,7 +7,7 @@ import math
 import torch
 
 from engine.cli import main
-from engine.inference.eval import evaluate_checkpoint
+from engine.train.eval import evaluate_checkpoint
 from engine.train.data import load_corpus
 from engine.train.model import GPT, GPTConfig
 

@@ -16,11 +16,14 @@ import pytest
 import safetensors.torch
 import torch
 
+import checkpoint_specs
 import engine
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from engine.tensors import QuantizedTensor
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
+#: the fields a recipe class cannot be built without
+REQUIRED_FIELDS = {"CustomRecipe": {"qfactory": checkpoint_specs.custom_qfactory}}
 MODULES = {
     "Linear": lambda: engine.Linear(64, 96),
     "LayerNormLinear": lambda: engine.LayerNormLinear(64, 96),
@@ -186,9 +189,10 @@ def test_fp8_weight_keys_hold_plain_tensors():
 
 
 def exported_recipes():
-    """Every recipe class `engine.recipes` exports, with its defaults: a new recipe is tested without a change here."""
+    """Every recipe class `engine.recipes` exports, with its defaults (a CustomRecipe, which has no default factory,
+    with the checkpoint fixtures' one): a new recipe is tested without a change here."""
     classes = [getattr(engine.recipes, name) for name in engine.recipes.__all__]
-    return [cls() for cls in classes
+    return [cls(**REQUIRED_FIELDS.get(cls.__name__, {})) for cls in classes
             if isinstance(cls, type) and issubclass(cls, engine.recipes.Recipe) and cls is not engine.recipes.Recipe]
 
 

@@ -130,3 +130,23 @@ def test_nproc_under_torchrun_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match="under torchrun the processes are torchrun's"):
         main(["train", "--nproc", "2", "--out", str(tmp_path), *TINY])
+
+
+def test_fp8_weights_on_two_processes_keep_uncuttable_weights_whole(tmp_path, capfd):
+    """The README's `train --nproc 2 --fp8-weights` (whose default runs include block scaling), tiny: the 96-row QKV
+    weight (width 32) cuts a 128-row tile at row 48 on 2 ranks (it used to fail with `cut a 128-row scale block`).
+    Such weights stay whole on every rank, the run says so, and it tracks one process (every recipe, 2 and 3 ranks:
+    tests/test_fsdp_replicated.py)."""
+    args = ["--fp8-weights", *MODEL, "--layers", "1", "--steps", "3"]
+    assert main(["train", "--out", str(tmp_path / "two"), "--nproc", "2", "--recipes", "block", *args]) == 0
+    out = capfd.readouterr().out
+    assert "block: 4 FP8 weights are kept whole on every rank" in out
+    assert "its 96 rows do not split into 2 equal shards of whole 128-row scale blocks" in out
+    assert main(["train", "--out", str(tmp_path / "one"), "--in-process", "--recipes", "block", *args]) == 0
+    two, one = results(tmp_path / "two"), results(tmp_path / "one")
+    assert two["block"]["ranks"] == 2
+    _close(two["block"]["train_losses"], one["block"]["train_losses"], 5e-3)
+    saved = torch.load(tmp_path / "two" / "block.pt", weights_only=True)["model"]
+    single = torch.load(tmp_path / "one" / "block.pt", weights_only=True)["model"]
+    assert saved.keys() == single.keys()
+    assert all(saved[k].dtype == v.dtype and saved[k].shape == v.shape for k, v in single.items())

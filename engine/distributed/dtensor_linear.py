@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine import autocast
-from engine.distributed.dtensor import is_dtensor, settled
+from engine.dtensor import is_dtensor, settled
 from engine.distributed.gathered_linear import GatheredLinear
 from engine.distributed.tp_quantizers import reducing_state
 from engine.modules.linear_function import LinearArgs, LinearFunction

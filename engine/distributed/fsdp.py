@@ -21,9 +21,19 @@ collective `fsdp_post_all_gather`, which builds the unsharded quantized weight f
   all-reduced with the other amaxes at the autocast's update, as without FSDP.
 * block scales (128x128 tiles, MX): the bytes and the scales of the rows a rank holds are
   gathered together; a 128x128 weight's columnwise copy is made from the gathered rows, MX's
-  (not derivable) is gathered too. Shards hold whole scale blocks of rows, and all shards must
-  be equal: `rows` must be a multiple of `world_size * block rows` (128 for tiles, 32 for MX),
-  else a ValueError names the rule (when FSDP2 splits the weight, or at the first all-gather).
+  (not derivable) is gathered too. Shards hold whole scale blocks of rows, and all shards are
+  equal: `rows` must be a multiple of `world_size * block rows` (128 for tiles, 32 for MX).
+
+Weights FSDP2 cannot shard that way are kept whole on every rank instead (`replicated_weights`:
+pass them to `fully_shard(..., ignored_params=...)`, and `average_gradients` all-reduces their
+gradients as DDP would). FSDP2 cuts dim 0 where `torch.chunk` does (every ceil(rows / N) rows;
+another dim only into equal parts), so a 384-row weight of 128-row blocks on 2 ranks would be cut
+at row 192, inside a block; and a block's scale cannot be split: after the optimizer step each
+rank requantizes its own rows, and the scale of a block depends on all of its rows (making the
+ranks agree would take a per-block amax exchange and shards that start inside a block, which no
+storage has). A weight whose layout has no row slices (`engine/tensors/sharding.py`: NVFP4, FP8
+rowwise) is kept whole on any number of ranks. Such a weight costs its full size (and its
+optimizer state) on every rank and is never gathered; the model's other weights are sharded.
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.sharding import SLICEABLE_LAYOUTS, row_block
 from engine.tensors.storage import QuantizedTensorBase
 
-__all__ = ["all_gather_fields", "post_all_gather", "pre_all_gather"]
+__all__ = ["all_gather_fields", "average_gradients", "post_all_gather", "pre_all_gather", "replicated_weights",
+           "shard_refusal"]
 
 
 @dataclass
@@ -61,18 +72,33 @@ def all_gather_fields(storage: QuantizedTensorBase) -> tuple[str, ...]:
     return tuple(fields)
 
 
-def _check_shardable(storage: QuantizedTensorBase, shape: torch.Size, world_size: int) -> None:
+def shard_refusal(weight: torch.Tensor, world_size: int) -> str | None:
+    """Why FSDP2 cannot shard `weight`, an FP8 primary weight, over `world_size` ranks and all-gather it as FP8
+    (None if it can, and for any tensor that is not an engine quantized tensor: FSDP2 shards those as they are)."""
+    if not isinstance(weight, QuantizedTensor) or world_size == 1:
+        return None
+    return _refusal(weight.qstorage, weight.shape, world_size)
+
+
+def _refusal(storage: QuantizedTensorBase, shape: torch.Size, world_size: int) -> str | None:
     if storage.scheme.layout not in SLICEABLE_LAYOUTS or len(shape) != 2:
-        raise NotImplementedError(f"FSDP2 all-gather of a {len(shape)}D {storage.scheme.name} weight: only 2D weights "
-                                  f"of the {'/'.join(SLICEABLE_LAYOUTS)} layouts are supported")
+        return (f"a {len(shape)}D {storage.scheme.name} weight has no row shards (FSDP2 all-gathers 2D weights of "
+                f"the {'/'.join(SLICEABLE_LAYOUTS)} layouts)")
     if not storage.has_rowwise:
-        raise ValueError(f"FSDP2 all-gather of a {storage.scheme.name} weight without rowwise data")
+        return f"a {storage.scheme.name} weight without rowwise data"
     block = row_block(storage)
     if block > 1 and shape[0] % (world_size * block):
-        raise ValueError(
-            f"FSDP2 over a {shape[0]}x{shape[1]} {storage.scheme.name} weight on {world_size} ranks: block-scaled "
-            f"weights are sharded by whole, equal scale blocks of rows, so rows must be a multiple of "
-            f"world_size * {block} = {world_size * block}")
+        return (f"its {shape[0]} rows do not split into {world_size} equal shards of whole {block}-row scale blocks "
+                f"(rows must be a multiple of world_size * {block} = {world_size * block})")
+    return None
+
+
+def _check_shardable(storage: QuantizedTensorBase, shape: torch.Size, world_size: int) -> None:
+    reason = _refusal(storage, shape, world_size)
+    if reason is not None:
+        raise ValueError(f"FSDP2 over a {'x'.join(map(str, shape))} {storage.scheme.name} weight on {world_size} "
+                         f"ranks: {reason}; keep it whole on every rank: fully_shard(..., ignored_params=...) with "
+                         "engine.distributed.fsdp.replicated_weights and average_gradients")
 
 
 def _agree_on_amax(storage: QuantizedTensorBase, group: Any) -> None:
@@ -160,3 +186,32 @@ def post_all_gather(outputs: tuple[torch.Tensor, ...], meta: GatherMetadata, par
                 mine.copy_(t)
     target.quantizer = storage.quantizer
     return None
+
+
+def replicated_weights(module: torch.nn.Module, world_size: int) -> dict[str, tuple[torch.nn.Parameter, str]]:
+    """The FP8 primary weights of `module` that FSDP2 cannot shard over `world_size` ranks (`shard_refusal`), by
+    name, with the reason: pass them to every `fully_shard(..., ignored_params=...)` call, so that each rank keeps
+    them whole, and average their gradients over the ranks (`average_gradients`)."""
+    out = {}
+    for name, param in module.named_parameters():
+        reason = shard_refusal(param, world_size)
+        if reason is not None:
+            out[name] = (param, reason)
+    return out
+
+
+def average_gradients(params: list[torch.nn.Parameter], group: Any) -> list[Any]:
+    """For parameters every rank holds whole (FSDP2's `ignored_params`): once a gradient is accumulated in backward,
+    all-reduce it over `group` and divide by the group's size, as DDP (or FSDP2, for its own parameters) does, so
+    every rank's optimizer makes the same update. One collective per parameter and backward; returns the hook
+    handles."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+
+    def average(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(size)
+
+    return [p.register_post_accumulate_grad_hook(average) for p in params]

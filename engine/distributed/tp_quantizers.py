@@ -15,7 +15,7 @@ import copy
 
 import torch.distributed as dist
 
-from engine.distributed.amax import group_size
+from engine.collectives import group_size
 from engine.quantizers.base import Quantizer
 from engine.quantizers.nvfp4 import NVFP4Rule
 from engine.quantizers.rules import CurrentRule

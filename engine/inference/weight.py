@@ -11,7 +11,7 @@ call `.dequantize()` for a plain tensor. Inference only: the weight takes no gra
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,8 @@ class QuantizedWeight(torch.Tensor):
 
     parts: dict[str, torch.Tensor]
     config: InferenceConfig
+    #: engine's modules refuse it inside fp8_autocast (it runs its own GEMM, on their high-precision path only)
+    inference_only: ClassVar[bool] = True
 
     @staticmethod
     def __new__(cls, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],

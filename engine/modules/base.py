@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from engine import autocast, recompute
-from engine.distributed.dtensor import local_of
+from engine.dtensor import is_dtensor, local_of
 from engine.formats import FP8_DTYPES
-from engine.distributed.state_dict import is_sharded_quantized, load_sharded_components, sharded_components
+from engine.hooks import Hook
 from engine.modules.linear_function import LinearArgs, WeightCache
 from engine.modules.saving import EXTRA_STATE_KEY, encode_extra_state, read_extra_state
 from engine.parameters import make_parameter
@@ -27,6 +27,17 @@ from engine.recipes import Recipe, RecipeState, Role, recipe_from_plain, recipe_
 from engine.recipes.base import SLOTS_PER_GEMM
 from engine.tensors import QuantizedTensor
 from engine.tensors.serialization import COMPONENT_SUFFIXES, META_SUFFIX, has_components, pop_components, to_components
+
+
+#: FSDP2-sharded FP8 weights (DTensors over a quantized shard) as state-dict components, and back:
+#: engine.distributed.state_dict, above this layer, registers them
+SHARDED_COMPONENTS: Hook = Hook("FP8Module: the state-dict components of a sharded FP8 weight", "engine.distributed")
+LOAD_SHARDED_COMPONENTS: Hook = Hook("FP8Module: loading a sharded FP8 weight's components", "engine.distributed")
+
+
+def is_sharded_quantized(param: Any) -> bool:
+    """A DTensor (FSDP2's sharded parameter) over an engine quantized tensor."""
+    return is_dtensor(param) and isinstance(param._local_tensor, QuantizedTensor)
 
 
 class ExtraStateError(ValueError):
@@ -38,6 +49,8 @@ class FP8Module(torch.nn.Module):
 
     num_gemms: int = 1
     weight_names: tuple[str, ...] = ("weight",)
+    #: each GEMM's name, as a CustomRecipe's factory sees it (`QuantizerRole.name`)
+    gemm_names: tuple[str, ...] = ("",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,8 +86,9 @@ class FP8Module(torch.nn.Module):
     def _build_states_now(self, recipe: Recipe, device: torch.device) -> None:
         old_recipe, old_fwd, old_bwd = self._recipe, self._fwd_state, self._bwd_state
         self._recipe = recipe
-        self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device)
-        self._bwd_state = recipe.make_state(forward=False, num_gemms=self.num_gemms, device=device)
+        who = {"module": type(self).__name__, "gemm_names": self.gemm_names}  # what a CustomRecipe's factory is told
+        self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device, **who)
+        self._bwd_state = recipe.make_state(forward=False, num_gemms=self.num_gemms, device=device, **who)
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
         if old_fwd is not None:  # keep what stateful scaling learned under the previous settings
             self._fwd_state.carry_from(old_fwd)
@@ -127,13 +141,12 @@ class FP8Module(torch.nn.Module):
         ]
 
     def _refuse_inference_weights(self, where: str) -> None:
-        """A weight `engine.quantize_` swapped runs its own GEMM, on the high-precision path only."""
-        from engine.inference.weight import QuantizedWeight
-
+        """A weight `engine.quantize_` swapped (a QuantizedWeight, which says `inference_only`) runs its own GEMM,
+        on the high-precision path only."""
         for name in self.weight_names:
             weight = getattr(self, name, None)
-            if isinstance(weight, QuantizedWeight):
-                raise TypeError(f"{type(self).__name__}.{name}: a QuantizedWeight ({weight.config!r}) from "
+            if getattr(type(weight), "inference_only", False) is True:
+                raise TypeError(f"{type(self).__name__}.{name}: a {type(weight).__name__} ({weight.config!r}) from "
                                 f"engine.quantize_ is for inference outside fp8_autocast; got a forward {where} "
                                 "(run the model with fp8_autocast(enabled=False), or load the unquantized weights "
                                 "to train)")
@@ -159,7 +172,7 @@ class FP8Module(torch.nn.Module):
                 if isinstance(param, QuantizedTensor):
                     return to_components(name[: -len(suffix)], param)[name]
                 if param is not None and is_sharded_quantized(param):
-                    return sharded_components(name[: -len(suffix)], param)[name]
+                    return SHARDED_COMPONENTS(name[: -len(suffix)], param)[name]
             raise
 
     def get_extra_state(self) -> torch.Tensor:
@@ -194,7 +207,7 @@ class FP8Module(torch.nn.Module):
     def _apply_extra_state(self, state: dict) -> None:
         saved_recipe = recipe_from_plain(state["recipe"])
         self._pending_extra_state = None
-        if saved_recipe != self._recipe:
+        if saved_recipe.key != self._recipe.key:  # as saved: a callable by its name (all a checkpoint keeps)
             warnings.warn(f"{type(self).__name__}: checkpoint was saved under {saved_recipe!r} and is loaded "
                           f"under {self._recipe!r}; quantizers are rebuilt for the new recipe",
                           UserWarning, stacklevel=4)
@@ -215,7 +228,7 @@ class FP8Module(torch.nn.Module):
         for name, param in self._parameters.items():
             if isinstance(param, QuantizedTensor) or is_sharded_quantized(param):
                 components = (to_components(prefix + name, param) if isinstance(param, QuantizedTensor)
-                              else sharded_components(prefix + name, param))
+                              else SHARDED_COMPONENTS(prefix + name, param))
                 clash = sorted(k for k in components if k in destination and k != prefix + name)
                 if clash:
                     raise ValueError(f"{clash[0]}: the FP8 weight {prefix}{name} is saved under this key, "
@@ -230,7 +243,7 @@ class FP8Module(torch.nn.Module):
         for name, param in self._parameters.items():
             key = prefix + name
             if has_components(state_dict, key) and is_sharded_quantized(param):  # FSDP2's shard: copied in place
-                load_sharded_components(state_dict, key, param)
+                LOAD_SHARDED_COMPONENTS(state_dict, key, param)
                 state_dict[key] = param
             elif has_components(state_dict, key):
                 storage, saved_quantizer = pop_components(state_dict, key)

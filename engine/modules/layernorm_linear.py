@@ -7,7 +7,7 @@ import torch
 from engine.modules.base import FP8Module
 from engine.checks import check_params_dtype
 from engine.modules.linear import InitMethod, check_features, check_input, check_layer_flags, linear_parameters
-from engine.modules.linear_function import linear
+from engine.modules.dispatch import linear
 from engine.modules.normalization import NormalizedInput
 
 

@@ -8,7 +8,7 @@ from engine.modules.activations import ACTIVATIONS, GATED, check_activation
 from engine.modules.base import FP8Module
 from engine.checks import check_params_dtype
 from engine.modules.linear import InitMethod, check_features, check_input, check_layer_flags, linear_parameters
-from engine.modules.linear_function import linear
+from engine.modules.dispatch import linear
 from engine.modules.normalization import NormalizedInput
 
 
@@ -17,6 +17,7 @@ class LayerNormMLP(NormalizedInput, FP8Module):
 
     num_gemms = 2
     weight_names = ("fc1_weight", "fc2_weight")
+    gemm_names = ("fc1", "fc2")
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ import torch
 
 from engine.checks import check_bool, check_optional_bool, check_params_dtype
 from engine.modules.base import FP8Module
-from engine.modules.linear_function import linear
+from engine.modules.dispatch import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 

@@ -16,7 +16,6 @@ from typing import Any, Union
 
 import torch
 
-from engine.distributed.dtensor import any_dtensor
 from engine.gemm import general_gemm
 from engine.recipes import RecipeState, Role
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
@@ -190,33 +189,6 @@ def unviewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return out
     fresh = out.new_empty(0)
     return fresh.set_(out.untyped_storage(), out.storage_offset(), shape, torch.empty(shape, device="meta").stride())
-
-
-def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
-    """LinearFunction on `inp`; under torch.autocast, in the autocast dtype (as torch.nn.Linear computes).
-
-    The input is cast once here and torch.autocast is off inside, so the FP8 GEMMs' own
-    dtypes (fp32 partial sums, bf16 operands) are not recast op by op. Under torch.compile
-    the same math runs as custom ops (`linear_op`), which Dynamo traces without breaks.
-    """
-    device_type = inp.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        inp = inp.to(torch.get_autocast_dtype(device_type))
-        with torch.autocast(device_type, enabled=False):
-            return _linear(inp, weight, bias, args)
-    return _linear(inp, weight, bias, args)
-
-
-def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
-    if any_dtensor(inp, weight, bias):  # tensor parallel: the GEMMs run on this rank's shards
-        from engine.distributed.dtensor_linear import dtensor_linear
-
-        return dtensor_linear(inp, weight, bias, args)
-    if torch.compiler.is_compiling():
-        from engine.modules.linear_op import compiled_linear
-
-        return compiled_linear(inp, weight, bias, args)
-    return LinearFunction.apply(inp, weight, bias, args)
 
 
 class LinearFunction(torch.autograd.Function):

@@ -20,7 +20,8 @@ to eager. The scale updates themselves run in `fp8_autocast` (outside the graphs
 
 Not supported under torch.compile (a clear error, not a silent fallback, raised by
 `refuse_to_compile` so that its first line is engine's): FP8 primary weights,
-`is_first_microbatch` weight caching, `fuse_wgrad_accumulation` and NVFP4 recipes.
+`is_first_microbatch` weight caching, `fuse_wgrad_accumulation`, NVFP4 recipes and states that
+say why not (`RecipeState.compile_refusal`: CustomRecipe's).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from engine.modules.linear_function import GemmInput, LinearArgs, bprop, fprop
-from engine.recipes.base import recipe_for_key
+from engine.recipes.plain import recipe_for_key
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
 
 
@@ -173,6 +174,9 @@ def compiled_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if args.is_first_microbatch is not None:
         refuse_to_compile("torch.compile: is_first_microbatch weight caching is not supported; "
                           "pass is_first_microbatch=None")
+    refusal = args.fwd.compile_refusal or (args.bwd is not None and args.bwd.compile_refusal)
+    if refusal:
+        refuse_to_compile(refusal)
     if args.fwd.nvfp4 or (args.bwd is not None and args.bwd.nvfp4):
         refuse_to_compile("torch.compile: NVFP4 recipes are not supported yet: run NVFP4 models eagerly (without "
                           "torch.compile), or compile under an FP8 or MX recipe (the compiled ops do not carry "

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.distributed.dtensor import like_input
+from engine.dtensor import like_input
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 

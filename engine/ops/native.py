@@ -60,7 +60,7 @@ from engine import memory
 from engine.formats import element_format, fp8_max
 from engine.ops import reference
 from engine.schemes import dims_2d
-from engine.ops.backend import PLAIN_TENSOR_TYPES, check_tensor
+from engine.ops.inputs import PLAIN_TENSOR_TYPES, check_tensor
 
 try:
     import fcntl

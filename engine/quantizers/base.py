@@ -17,13 +17,15 @@ import torch
 from engine.checks import check_bool
 from engine.ops import quantize as qops
 from engine.ops import reference as ref
-from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule, ScaleRule
+from engine.quantizers.registry import QUANTIZER_NAMES, RULE_CLASSES, RuleParams, rule_entry
+from engine.quantizers.rules import CurrentRule, ScaleRule
 from engine.schemes import Scheme, get_scheme
 from engine.tensors.quantized import QuantizedTensor, storage_of
 from engine.tensors.storage import QuantizedTensorBase
 
 Buffers = dict[str, torch.Tensor | None]
-RULES: dict[str, type[ScaleRule]] = {cls.__name__: cls for cls in (DelayedRule, CurrentRule, E8M0Rule)}
+#: every registered scale rule by class name (`registry.RULE_CLASSES`: NVFP4Rule joins when it is defined)
+RULES: dict[str, type[ScaleRule]] = RULE_CLASSES
 
 
 class Quantizer:
@@ -53,6 +55,14 @@ class Quantizer:
         self.rowwise_usage = check_bool(rowwise, "rowwise")
         self.columnwise_usage = check_bool(columnwise, "columnwise")
         self.internal = check_bool(internal, "internal")
+
+    @classmethod
+    def from_parts(cls, scheme: Scheme, rule: ScaleRule) -> Quantizer:
+        """This class over a scheme and a rule, without its Transformer Engine constructor: every quantizer
+        class is a scheme plus a rule, its other settings read from those two."""
+        quantizer = cls.__new__(cls)
+        Quantizer.__init__(quantizer, scheme, rule)
+        return quantizer
 
     # ------------------------------------------------------------------ settings
     @property
@@ -87,6 +97,24 @@ class Quantizer:
     def copy(self) -> Quantizer:
         """A shallow copy: settings are its own, state tensors (scale, amax) are shared."""
         return copy.copy(self)
+
+    @property
+    def tensor_amax_group(self) -> Any:
+        """The process group this quantizer all-reduces one per-tensor amax over before scaling (current scaling
+        of FSDP2 shards), else None: tensors with the same group can agree on their amaxes in one collective."""
+        rule = self.rule
+        if isinstance(rule, CurrentRule) and self.scheme.rowwise_block.is_tensor:
+            return rule.amax_reduction_group
+        return None
+
+    def with_agreed_amax(self, amax: torch.Tensor) -> Quantizer:
+        """A copy that scales with `amax`, already reduced over `tensor_amax_group` (no collective of its own)."""
+        if self.tensor_amax_group is None:
+            raise ValueError(f"{type(self).__name__}: only a per-tensor current-scaling quantizer with an "
+                             "amax_reduction_group takes an agreed amax")
+        once = self.copy()
+        once.rule = CurrentRule(self.rule.amax_epsilon, agreed_amax=amax)
+        return once
 
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v}" for k, v in self.config().items())
@@ -190,12 +218,26 @@ class _Quantize(torch.autograd.Function):
         return grad, None
 
 
+def quantizer_from_spec(scheme: str, rule: str, params: RuleParams | dict[str, Any] | None = None) -> Quantizer:
+    """A fresh quantizer for a spec's (scheme, rule, params), through the rule registry: the class Transformer
+    Engine names for that pair (`Float8CurrentScalingQuantizer`, `MXFP8Quantizer`, ...), else `Quantizer`.
+    ValueError naming the field for an unknown scheme or rule, a rule that does not fit the scheme, parameters
+    that do not validate, or a stateful rule (its scaling state belongs to a recipe state)."""
+    entry = rule_entry(rule)
+    found = get_scheme(scheme)
+    if not entry.fits(found):
+        raise ValueError(f"rule: {rule!r} fits the schemes {list(entry.schemes)}, got scheme {scheme!r}")
+    made = entry.make_rule(entry.check_params({} if params is None else params))
+    return QUANTIZER_NAMES.get((rule, scheme), Quantizer).from_parts(found, made)
+
+
 def quantizer_from_plain(plain: dict[str, Any]) -> Quantizer:
     """Inverse of `Quantizer.to_plain`; malformed input raises ValueError."""
-    if not isinstance(plain, dict) or plain.get("quantizer_class") not in Quantizer._by_name:
-        raise ValueError(f"quantizer state: expected a dict naming one of {sorted(Quantizer._by_name)}, got {plain!r}")
+    known = {"Quantizer": Quantizer, **Quantizer._by_name}
+    if not isinstance(plain, dict) or plain.get("quantizer_class") not in known:
+        raise ValueError(f"quantizer state: expected a dict naming one of {sorted(known)}, got {plain!r}")
     kwargs = dict(plain)
-    cls = Quantizer._by_name[kwargs.pop("quantizer_class")]
+    cls = known[kwargs.pop("quantizer_class")]
     try:
         for key, value in list(kwargs.items()):
             if key.endswith("dtype"):
@@ -203,7 +245,7 @@ def quantizer_from_plain(plain: dict[str, Any]) -> Quantizer:
         if cls is Quantizer:
             scheme, rule_cls = get_scheme(kwargs.pop("scheme")), RULES[kwargs.pop("rule")]
             usages = {k: kwargs.pop(k) for k in ("rowwise", "columnwise", "internal") if k in kwargs}
-            return Quantizer(scheme, rule_cls(**kwargs), **usages)
+            return Quantizer(scheme, rule_cls.from_config(**kwargs), **usages)
         return cls(**kwargs)
     except (TypeError, KeyError) as err:
         raise ValueError(f"quantizer state for {cls.__name__} is malformed: {err!r}") from err

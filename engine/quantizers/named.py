@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from engine.checks import check_bool
 from engine.quantizers.base import Quantizer, dtype_name
+from engine.quantizers.registry import name_quantizer
 from engine.quantizers.rules import CurrentRule, DelayedRule, E8M0Rule
-from engine.formats import element_name, parse_element
-from engine.schemes import fp8_scheme, mx_scheme
+from engine.formats import FP8_DTYPES, MX_ELEMENTS, element_name, parse_element
+from engine.schemes import Scheme, fp8_scheme, mx_scheme
 
 
 class Float8Quantizer(Quantizer):
@@ -146,3 +147,16 @@ class MXFP8Quantizer(MXQuantizer):
 
     def config(self) -> dict[str, Any]:
         return {"fp8_dtype": dtype_name(self.fp8_dtype), "scale_mode": self.scale_mode}
+
+
+def fp8_schemes(*layouts: str, pow2: tuple[bool, ...] = (False, True)) -> list[Scheme]:
+    """The registered FP8 schemes of these layouts (each FP8 element, each power-of-2 choice)."""
+    return [fp8_scheme(layout, dtype, pow2=p) for layout in layouts for dtype in FP8_DTYPES for p in pow2]
+
+
+# what a quantizer spec of each (rule, scheme) pair builds: Transformer Engine's class for it
+name_quantizer(Float8Quantizer, "delayed", fp8_schemes("tensor", pow2=(False,)))
+name_quantizer(Float8CurrentScalingQuantizer, "current", fp8_schemes("tensor"))
+name_quantizer(Float8BlockQuantizer, "current", fp8_schemes("block1d", "block2d"))
+name_quantizer(MXFP8Quantizer, "e8m0", [mx_scheme(dtype) for dtype in FP8_DTYPES])
+name_quantizer(MXQuantizer, "e8m0", [mx_scheme(element) for element in MX_ELEMENTS])

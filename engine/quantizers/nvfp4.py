@@ -18,14 +18,23 @@ import torch
 import torch.distributed as dist
 
 from engine.checks import check_bool
-from engine.distributed import all_reduce_max
+from engine.collectives import all_reduce_max
 from engine.ops import backend, nvfp4, registry
 from engine.ops import reference as ref
 from engine.quantizers.base import Quantizer
+from engine.quantizers.registry import RuleParams, name_quantizer, register_rule
 from engine.quantizers.rules import Buffers, ScaleRule
 from engine.schemes import SCHEMES, Scheme
 
 
+class NVFP4Params(RuleParams):
+    """NVFP4's settings by Transformer Engine's names (the RHT is the scheme's: `nvfp4_rht_e2m1`)."""
+
+    with_2d_quantization: bool = False
+    stochastic_rounding: bool = False
+
+
+@register_rule("nvfp4", NVFP4Params)
 class NVFP4Rule(ScaleRule):
     """Scales from the per-tensor amax (S_enc) and each block's (E4M3); optional 2D tiles and stochastic rounding."""
 
@@ -46,6 +55,10 @@ class NVFP4Rule(ScaleRule):
                              f">= 0, got {int(rng_counter[1])}")
         self.rng_counter = rng_counter
         self.amax_reduction_group = amax_reduction_group
+
+    @classmethod
+    def from_config(cls, *, with_2d_quantization: bool = False, **settings: Any) -> NVFP4Rule:
+        return cls(two_d=with_2d_quantization, **settings)
 
     def config(self) -> dict[str, Any]:
         return {"with_2d_quantization": self.two_d, "stochastic_rounding": self.stochastic_rounding}
@@ -122,3 +135,6 @@ class NVFP4Quantizer(Quantizer):
 
     def config(self) -> dict[str, Any]:
         return {"with_rht": self.with_rht, **self.rule.config()}
+
+
+name_quantizer(NVFP4Quantizer, "nvfp4", (SCHEMES["nvfp4_e2m1"], SCHEMES["nvfp4_rht_e2m1"]))

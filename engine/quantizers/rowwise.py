@@ -24,7 +24,8 @@ import torch
 
 from engine.checks import check_bool
 from engine.quantizers.base import dtype_name
-from engine.quantizers.named import _FromTheData
+from engine.quantizers.named import _FromTheData, fp8_schemes
+from engine.quantizers.registry import name_quantizer
 from engine.quantizers.rules import CurrentRule
 from engine.schemes import fp8_scheme
 
@@ -46,3 +47,6 @@ class Float8RowwiseQuantizer(_FromTheData):
     def config(self) -> dict[str, Any]:
         return {"fp8_dtype": dtype_name(self.fp8_dtype), "force_pow_2_scales": self.force_pow_2_scales,
                 "amax_epsilon": self.amax_epsilon}
+
+
+name_quantizer(Float8RowwiseQuantizer, "current", fp8_schemes("axiswise"))

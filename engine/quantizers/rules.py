@@ -8,22 +8,26 @@
 * `E8M0Rule`: an E8M0 exponent per MX block, "rceil" (NVIDIA hardware) or "floor" (OCP spec).
 
 A rule is small data plus one method, `quantize`, that asks `engine.ops.quantize` for the
-buffers of a scheme. Which rule fits which layout is said by `layouts`.
+buffers of a scheme. Which rule fits which layout is said by `layouts`. Each rule registers
+itself (`registry.register_rule`) under the name a quantizer spec gives it, with the pydantic
+model of its parameters.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Literal, Union
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 
-from engine.distributed import all_reduce_max
+from engine.collectives import all_reduce_max
 from engine.ops import quantize as qops
 from engine.ops import reference as ref
-from engine.schemes import Scheme
+from engine.quantizers.registry import RuleParams, register_rule
+from engine.schemes import ScaleEncoding, Scheme
 
 Buffers = qops.Buffers
 
@@ -60,6 +64,16 @@ class ScaleRule(ABC):
     #: scheme layouts the rule can scale
     layouts: ClassVar[tuple[str, ...]]
 
+    @classmethod
+    def fits(cls, scheme: Scheme) -> bool:
+        """Whether this rule can scale `scheme` (what a quantizer spec may pair it with)."""
+        return scheme.layout in cls.layouts
+
+    @classmethod
+    def from_config(cls, **settings: Any) -> ScaleRule:
+        """A rule from its `config()` (plus, for a checkpoint, its `state()` tensors)."""
+        return cls(**settings)
+
     def config(self) -> dict[str, Any]:
         """Settings as plain data (what makes two rules scale alike)."""
         return {}
@@ -79,10 +93,33 @@ class ScaleRule(ABC):
         return None
 
 
+MAX_MARGIN = 126  # 2**-margin must be a normal fp32 number, or the scale underflows
+MAX_HISTORY_LEN = 1 << 16
+AmaxAlgo = Union[Literal["max", "most_recent"], Callable[[torch.Tensor], torch.Tensor]]
+#: scaling_factor_compute_algo(amax [n], scale [n], fp8_max, recipe) -> new scale [n]
+ScaleAlgo = Callable[..., torch.Tensor]
+
+
+class DelayedParams(RuleParams):
+    """How delayed scales evolve (DelayedScaling's fields, bar the format: the scheme's element says it). The
+    scaling state itself (scale, amax history) belongs to the recipe state that builds the quantizers."""
+
+    margin: int = Field(0, ge=0, le=MAX_MARGIN)
+    amax_history_len: int = Field(1024, ge=1, le=MAX_HISTORY_LEN)
+    amax_compute_algo: AmaxAlgo = "max"
+    scaling_factor_compute_algo: Union[ScaleAlgo, None] = None
+    reduce_amax: bool = True
+
+
+@register_rule("delayed", DelayedParams, stateful=True)
 class DelayedRule(ScaleRule):
     """Quantize with the given `scale`; record max|x| into `amax` (max with what is there), both in place."""
 
     layouts = ("tensor",)
+
+    @classmethod
+    def fits(cls, scheme: Scheme) -> bool:
+        return super().fits(scheme) and scheme.scale is ScaleEncoding.FP32  # a given scale: any fp32
 
     def __init__(self, scale: torch.Tensor, amax: torch.Tensor, *, check: bool = True) -> None:
         # check=False: views into scaling state its owner keeps valid (no host reads; traceable)
@@ -106,6 +143,11 @@ class DelayedRule(ScaleRule):
         return {"scale": self.scale, "amax_epsilon": 0.0, "scale_mode": "rceil", "record_amax": self.amax}
 
 
+class CurrentParams(RuleParams):
+    amax_epsilon: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+
+
+@register_rule("current", CurrentParams)
 class CurrentRule(ScaleRule):
     """fp8_max / max(amax, amax_epsilon) from this tensor (or each tile); amax all-reduced over a group if given.
 
@@ -143,6 +185,11 @@ class CurrentRule(ScaleRule):
         return {"scale": None, "amax_epsilon": self.amax_epsilon, "scale_mode": "rceil"}
 
 
+class E8M0Params(RuleParams):
+    scale_mode: Literal["rceil", "floor"] = "rceil"
+
+
+@register_rule("e8m0", E8M0Params)
 class E8M0Rule(ScaleRule):
     """MX shared exponents: "rceil" rounds amax / fp8_max up to a power of two; "floor" is the OCP rule."""
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from functools import cached_property, lru_cache
-from typing import Any, ClassVar
+from enum import Enum
+from functools import cached_property
+from typing import Any, ClassVar, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -65,8 +66,14 @@ class Recipe(BaseModel):
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
         """The spec of every GEMM operand (None: high precision)."""
 
-    def make_state(self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None) -> RecipeState:
-        """The quantizers of one module's forward (input, weight) or backward (grad_output) operands."""
+    def make_state(
+        self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None,
+        module: str = "", gemm_names: Sequence[str] = (),
+    ) -> RecipeState:
+        """The quantizers of one module's forward (input, weight) or backward (grad_output) operands.
+
+        `module` (the asking module's class name) and `gemm_names` (its GEMMs' names, e.g. ("fc1", "fc2")) say
+        who asks; only a recipe that builds quantizers per module (CustomRecipe) reads them."""
         check_num_gemms(num_gemms)
         specs = self.operands()
         quantizers: dict[tuple[Operand, int], Quantizer | None] = {}
@@ -80,11 +87,15 @@ class Recipe(BaseModel):
                         quantizers[use, gemm] = None if specs[use] is None else specs[use].make()
         return RecipeState(self, forward, num_gemms, quantizers)
 
+    @classmethod
+    def restore_callable(cls, field: str, marker: str) -> Any:
+        """What a checkpoint's callable field (kept as the marker "<callable module.qualname>") is read back as;
+        None: the field takes its default, with a warning."""
+        return None
+
     @cached_property
     def key(self) -> str:
         """The recipe as a string (its plain fields): what compiled code and custom ops are keyed by."""
-        from engine.recipes.plain import recipe_to_plain
-
         return json.dumps(recipe_to_plain(self), sort_keys=True)
 
     # ---------------------------------------------------------------- scaling state through custom ops
@@ -161,6 +172,8 @@ class RecipeState:
 
     #: how many tensors an op running this state returns as records (`Recipe.op_state`)
     op_records: ClassVar[int] = 0
+    #: why torch.compile cannot run this state (None: it can); the compiled layers raise it
+    compile_refusal: ClassVar[str | None] = None
 
     def op_tensors(self) -> list[torch.Tensor]:
         """The scaling state a custom op reads (and whose records are merged back): none here."""
@@ -196,14 +209,16 @@ class RecipeState:
         return self
 
 
-@lru_cache(maxsize=64)
-def recipe_for_key(key: str) -> Recipe:
-    """The recipe a `Recipe.key` names (callable fields, which a key cannot carry, take their defaults:
-    custom ops quantize with the state's scales and never call them)."""
-    import warnings
-
-    from engine.recipes.plain import recipe_from_plain
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return recipe_from_plain(json.loads(key))
+def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
+    """{"name": ..., "fields": {...}}; a callable field is kept as its qualified name (a string)."""
+    fields: dict[str, Any] = {}
+    for key in type(recipe).model_fields:
+        value = getattr(recipe, key)
+        if isinstance(value, Enum):
+            value = value.value
+        elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
+            value = {k: None if v is None else v.to_plain() for k, v in value.items()}
+        elif callable(value):
+            value = f"<callable {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}>"
+        fields[key] = value
+    return {"name": recipe.name, "fields": fields}

@@ -9,6 +9,7 @@ from pydantic import model_validator
 from engine.recipes.base import Recipe
 from engine.recipes.format import Format
 from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec, Role
+from engine.schemes import fp8_scheme
 
 BlockDim = Literal[1, 2]
 
@@ -42,5 +43,8 @@ class Float8BlockScaling(Recipe):
                 Role.GRAD_OUTPUT: self.grad_block_scaling_dim}[role]
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
-        return {op: QuantizerSpec(layout=f"block{self.block_dim_for(op[1])}d", element=self.element_for(op[1]),
-                                  pow2=not self.use_f32_scales) for op in OPERANDS}
+        def spec(role: Role) -> QuantizerSpec:
+            scheme = fp8_scheme(f"block{self.block_dim_for(role)}d", self.dtype_for(role), pow2=not self.use_f32_scales)
+            return QuantizerSpec(scheme=scheme.name, rule="current")
+
+        return {op: spec(op[1]) for op in OPERANDS}

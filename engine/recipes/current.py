@@ -8,6 +8,7 @@ from pydantic import Field
 
 from engine.recipes.base import Recipe
 from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec
+from engine.schemes import fp8_scheme
 
 
 class Float8CurrentScaling(Recipe):
@@ -22,5 +23,5 @@ class Float8CurrentScaling(Recipe):
     amax_epsilon: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
-        return {op: QuantizerSpec(layout="tensor", element=self.element_for(op[1]), pow2=self.use_power_2_scales,
-                                  amax_epsilon=self.amax_epsilon) for op in OPERANDS}
+        return {op: QuantizerSpec(scheme=fp8_scheme("tensor", self.dtype_for(op[1]), pow2=self.use_power_2_scales).name,
+                                  rule="current", params={"amax_epsilon": self.amax_epsilon}) for op in OPERANDS}

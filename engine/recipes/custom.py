@@ -1,13 +1,13 @@
 """OperandRecipe: any map from GEMM operand to quantizer spec, e.g. a high-precision wgrad or mixed pairings.
 
     from engine.recipes import OperandRecipe, QuantizerSpec
-    fp8 = QuantizerSpec(layout="tensor", element="e4m3")
+    fp8 = QuantizerSpec(scheme="tensor_e4m3", rule="current")
     recipe = OperandRecipe(operands={"fprop_input": fp8, "fprop_weight": fp8,
-                                     "dgrad_grad_output": fp8.model_copy(update={"element": "e5m2"}),
+                                     "dgrad_grad_output": fp8.model_copy(update={"scheme": "tensor_e5m2"}),
                                      "dgrad_weight": fp8})   # wgrad stays in high precision
 
-Operands not named are high precision. Delayed scaling needs `DelayedScaling`'s state and
-is not available here.
+Operands not named are high precision. Delayed scaling needs scaling state that
+`DelayedScaling` (or a `CustomRecipe` given delayed specs) holds, and is not available here.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ class OperandRecipe(Recipe):
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
             raise ValueError(f"unknown operands {unknown}; expected some of {sorted(KEYS)}")
-        delayed = sorted(k for k, spec in value.items() if spec is not None and spec.scaling == "delayed")
+        delayed = sorted(k for k, spec in value.items() if spec is not None and spec.stateful)
         if delayed:
-            raise ValueError(f"{delayed}: delayed scaling needs DelayedScaling's scaling state; use 'current'")
+            raise ValueError(f"{delayed}: delayed scaling needs scaling state that DelayedScaling (or a CustomRecipe "
+                             "given these specs) holds; use 'current'")
         return value
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, ClassVar, Literal, Union
+from typing import Any, Callable, ClassVar, Sequence, Union
 
 import torch
 from pydantic import Field
@@ -40,20 +40,17 @@ from pydantic import Field
 from engine.formats import fp8_max
 from engine.ops import quantize as qops
 from engine.ops.reference import FLT_MAX, usable_scales
-from engine.quantizers import Float8Quantizer
-from engine.quantizers.rules import NOT_RECORDED
+from engine.quantizers import DelayedParams, Float8Quantizer
+from engine.quantizers.rules import MAX_HISTORY_LEN, MAX_MARGIN, NOT_RECORDED, AmaxAlgo
 from engine.recipes.base import SLOT_OF, SLOTS_PER_GEMM, Recipe, RecipeState
+from engine.recipes.format import Format
 from engine.recipes.operands import (
     BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Operand, QuantizerSpec, check_num_gemms,
 )
+from engine.schemes import fp8_scheme
 
-AmaxAlgo = Union[Literal["max", "most_recent"], Callable[[torch.Tensor], torch.Tensor]]
 #: scaling_factor_compute_algo(amax [n], scale [n], fp8_max, recipe) -> new scale [n]
 ScaleAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torch.Tensor]
-
-
-MAX_MARGIN = 126
-MAX_HISTORY_LEN = 1 << 16
 
 
 class DelayedScaling(Recipe):
@@ -69,11 +66,19 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
-        return {op: QuantizerSpec(layout="tensor", element=self.element_for(op[1]), scaling="delayed")
-                for op in OPERANDS}
+        """Per-tensor delayed specs carrying this recipe's settings (a CustomRecipe given them rebuilds it)."""
+        params = {name: getattr(self, name) for name in DelayedParams.model_fields}
+        return {op: QuantizerSpec(scheme=fp8_scheme("tensor", self.dtype_for(op[1])).name, rule="delayed",
+                                  params=params) for op in OPERANDS}
+
+    @classmethod
+    def from_params(cls, params: DelayedParams, fp8_format: Format) -> DelayedScaling:
+        """The recipe whose operands() carry `params` with elements of `fp8_format`."""
+        return cls(fp8_format=fp8_format, **{name: getattr(params, name) for name in DelayedParams.model_fields})
 
     def make_state(
-        self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None
+        self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None,
+        module: str = "", gemm_names: Sequence[str] = (),
     ) -> DelayedScalingState:
         return DelayedScalingState(self, forward, check_num_gemms(num_gemms), device)
 
@@ -88,31 +93,35 @@ class DelayedScaling(Recipe):
         merge_amax_row(tensors[1], records[0])
 
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
-        """scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots], finite and >= 0
-        (row 0 may hold NOT_RECORDED)."""
-        if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
-            raise ValueError(f"{where}: expected {{'scale': tensor, 'amax_history': tensor}}, got {part!r:.200}")
-        scale, history = part["scale"], part["amax_history"]
-        for key, t, shape in (("scale", scale, f"[{slots}]"), ("amax_history", history, f"[rows, {slots}]")):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or type(t) is not torch.Tensor:
-                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{where}[{key!r}]: expected a float32 tensor {shape}, got {got}")
-        if tuple(scale.shape) != (slots,):
-            raise ValueError(f"{where}['scale']: expected shape ({slots},) for this module's {slots} slots, "
-                             f"got {tuple(scale.shape)} (a state saved from another kind of module?)")
-        if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != slots:
-            raise ValueError(f"{where}['amax_history']: expected shape (rows >= 1, {slots}), "
-                             f"got {tuple(history.shape)}")
-        usable = usable_scales(scale)
-        if not bool(usable.all()):
-            raise ValueError(f"{where}['scale']: every scale must be finite and > 0 with a finite reciprocal "
-                             f"(scale_inv), got {scale[~usable][:4].tolist()} ({int((~usable).sum())} of "
-                             f"{scale.numel()})")
-        valid = torch.isfinite(history) & (history >= 0)
-        valid[0] |= history[0] == NOT_RECORDED
-        if not bool(valid.all()):
-            raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0 "
-                             f"(row 0 may be {NOT_RECORDED}: nothing recorded yet)")
+        check_delayed_state(part, where, slots)
+
+
+def check_delayed_state(part: Any, where: str, slots: int) -> None:
+    """A saved delayed-scaling state: scale: fp32 [slots], finite and > 0; amax_history: fp32 [rows >= 1, slots],
+    finite and >= 0 (row 0 may hold NOT_RECORDED)."""
+    if not isinstance(part, dict) or set(part) != {"scale", "amax_history"}:
+        raise ValueError(f"{where}: expected {{'scale': tensor, 'amax_history': tensor}}, got {part!r:.200}")
+    scale, history = part["scale"], part["amax_history"]
+    for key, t, shape in (("scale", scale, f"[{slots}]"), ("amax_history", history, f"[rows, {slots}]")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or type(t) is not torch.Tensor:
+            got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{where}[{key!r}]: expected a float32 tensor {shape}, got {got}")
+    if tuple(scale.shape) != (slots,):
+        raise ValueError(f"{where}['scale']: expected shape ({slots},) for this module's {slots} slots, "
+                         f"got {tuple(scale.shape)} (a state saved from another kind of module?)")
+    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != slots:
+        raise ValueError(f"{where}['amax_history']: expected shape (rows >= 1, {slots}), "
+                         f"got {tuple(history.shape)}")
+    usable = usable_scales(scale)
+    if not bool(usable.all()):
+        raise ValueError(f"{where}['scale']: every scale must be finite and > 0 with a finite reciprocal "
+                         f"(scale_inv), got {scale[~usable][:4].tolist()} ({int((~usable).sum())} of "
+                         f"{scale.numel()})")
+    valid = torch.isfinite(history) & (history >= 0)
+    valid[0] |= history[0] == NOT_RECORDED
+    if not bool(valid.all()):
+        raise ValueError(f"{where}['amax_history']: every amax must be finite and >= 0 "
+                         f"(row 0 may be {NOT_RECORDED}: nothing recorded yet)")
 
 
 def merge_amax_row(history: torch.Tensor, recorded: torch.Tensor) -> None:

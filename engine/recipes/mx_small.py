@@ -16,6 +16,7 @@ from pydantic import field_validator
 from engine.recipes.base import Recipe
 from engine.recipes.format import Format, fixed_format
 from engine.recipes.operands import OPERANDS, Gemm, Operand, QuantizerSpec, Role
+from engine.schemes import mx_scheme
 
 ScaleMode = Literal["rceil", "floor"]
 #: the operands of the backward GEMMs (dgrad, wgrad)
@@ -23,7 +24,7 @@ BACKWARD_OPERANDS = frozenset(op for op in OPERANDS if op[0] is not Gemm.FPROP)
 
 
 def _mx_operands(forward: str, backward: str, scale_mode: str) -> dict[Operand, QuantizerSpec | None]:
-    specs = {element: QuantizerSpec(layout="mx", element=element, scaling="e8m0", scale_mode=scale_mode)
+    specs = {element: QuantizerSpec(scheme=mx_scheme(element).name, rule="e8m0", params={"scale_mode": scale_mode})
              for element in {forward, backward}}
     return {op: specs[backward if op in BACKWARD_OPERANDS else forward] for op in OPERANDS}
 

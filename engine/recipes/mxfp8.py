@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from engine.recipes.base import Recipe
 from engine.recipes.format import Format
 from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec
+from engine.schemes import mx_scheme
 
 
 class MXFP8BlockScaling(Recipe):
@@ -18,5 +19,5 @@ class MXFP8BlockScaling(Recipe):
     scale_mode: Literal["rceil", "floor"] = "rceil"
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
-        return {op: QuantizerSpec(layout="mx", element=self.element_for(op[1]), scaling="e8m0",
-                                  scale_mode=self.scale_mode) for op in OPERANDS}
+        return {op: QuantizerSpec(scheme=mx_scheme(self.dtype_for(op[1])).name, rule="e8m0",
+                                  params={"scale_mode": self.scale_mode}) for op in OPERANDS}

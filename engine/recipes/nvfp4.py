@@ -16,15 +16,16 @@ they are saved in the module's `_extra_state` and a resumed run continues its st
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from pydantic import field_validator
 
+from engine.quantizers import Quantizer
 from engine.recipes.base import SLOTS_PER_GEMM, Recipe, RecipeState
 from engine.recipes.format import Format, fixed_format
-from engine.recipes.operands import OPERANDS, Operand, QuantizerSpec, Role
+from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Operand, QuantizerSpec, Role
 
 
 class NVFP4BlockScaling(Recipe):
@@ -57,40 +58,58 @@ class NVFP4BlockScaling(Recipe):
         return "e2m1"
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
-        def spec(**options: bool) -> QuantizerSpec:
-            return QuantizerSpec(layout="nvfp4", element="e2m1", scaling="nvfp4", **options)
+        def spec(rht: bool = False, **params: bool) -> QuantizerSpec:
+            return QuantizerSpec(scheme="nvfp4_rht_e2m1" if rht else "nvfp4_e2m1", rule="nvfp4", params=params)
 
         by_role = {
             Role.INPUT: spec(rht=not self.disable_rht),
-            Role.WEIGHT: spec(two_d=not self.disable_2d_quantization),
+            Role.WEIGHT: spec(with_2d_quantization=not self.disable_2d_quantization),
             Role.GRAD_OUTPUT: spec(rht=not self.disable_rht, stochastic_rounding=not self.disable_stochastic_rounding),
         }
         return {op: by_role[op[1]] for op in OPERANDS}
 
-    def make_state(self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None) -> RecipeState:
+    def make_state(
+        self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None,
+        module: str = "", gemm_names: Sequence[str] = (),
+    ) -> RecipeState:
         base = super().make_state(forward=forward, num_gemms=num_gemms, device=device)
         state = NVFP4State(self, forward, num_gemms, base._quantizers)
-        for gemm in range(num_gemms):
-            for role in ((Role.INPUT, Role.WEIGHT) if forward else (Role.GRAD_OUTPUT,)):
-                q = state.quantizer(role, gemm)
-                if q is not None and q.stochastic_rounding:
-                    stream = int(torch.randint(0, 2**31, (1,)).item()) << 32 | (self.seed + gemm) & 0xFFFFFFFF
-                    q.rule.rng_counter = torch.tensor([stream, 0], dtype=torch.int64, device=device)
-                    state.rng_counters.append(q.rule.rng_counter)
+        state.rng_counters = seed_streams([(gemm, state.quantizer(role, gemm)) for gemm in range(num_gemms)
+                                           for role in (FORWARD_ROLES if forward else BACKWARD_ROLES)],
+                                          self.seed, device)
         return state
 
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
         """None, or a backward state's stochastic-rounding counters: int64 [gemms, 2] (stream, offset >= 0)."""
-        if part is None:
-            return
-        counters = part.get("rng_counter") if isinstance(part, dict) and set(part) == {"rng_counter"} else None
-        rows = slots // SLOTS_PER_GEMM[False]
-        if not isinstance(counters, torch.Tensor) or type(counters) is not torch.Tensor or \
-                counters.dtype != torch.int64 or tuple(counters.shape) != (rows, 2):
-            raise ValueError(f"{where}: expected {{'rng_counter': an int64 tensor of shape ({rows}, 2)}} "
-                             f"(stochastic rounding's stream and offset per GEMM), got {part!r:.200}")
-        if bool((counters[:, 1] < 0).any()):
-            raise ValueError(f"{where}['rng_counter']: offsets must be >= 0, got {counters[:, 1].tolist()}")
+        if part is not None:
+            check_counters(part, where, slots // SLOTS_PER_GEMM[False])
+
+
+def seed_streams(quantizers: Sequence[tuple[int, Quantizer | None]], seed: int,
+                 device: torch.device | str | None) -> list[torch.Tensor]:
+    """Give each stochastically rounding quantizer of (gemm index, quantizer) its own counter, in order: `seed +
+    gemm` in the stream's low 32 bits, a draw from torch's default generator in its high bits; the counters."""
+    counters = []
+    for gemm, q in quantizers:
+        if q is not None and getattr(q.rule, "stochastic_rounding", False):
+            stream = int(torch.randint(0, 2**31, (1,)).item()) << 32 | (seed + gemm) & 0xFFFFFFFF
+            q.rule.rng_counter = torch.tensor([stream, 0], dtype=torch.int64, device=device)
+            counters.append(q.rule.rng_counter)
+    return counters
+
+
+def check_counters(part: Any, where: str, rows: int | None) -> None:
+    """A saved state's stochastic-rounding counters: {'rng_counter': int64 [rows, 2]} (stream, offset >= 0);
+    `rows` None: any number of rows."""
+    counters = part.get("rng_counter") if isinstance(part, dict) and set(part) == {"rng_counter"} else None
+    shape = f"({rows}, 2)" if rows is not None else "(n, 2)"
+    if not isinstance(counters, torch.Tensor) or type(counters) is not torch.Tensor or \
+            counters.dtype != torch.int64 or counters.dim() != 2 or counters.shape[1] != 2 or \
+            (rows is not None and counters.shape[0] != rows):
+        raise ValueError(f"{where}: expected {{'rng_counter': an int64 tensor of shape {shape}}} "
+                         f"(stochastic rounding's stream and offset per GEMM), got {part!r:.200}")
+    if bool((counters[:, 1] < 0).any()):
+        raise ValueError(f"{where}['rng_counter']: offsets must be >= 0, got {counters[:, 1].tolist()}")
 
 
 class NVFP4State(RecipeState):

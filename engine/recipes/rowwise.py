@@ -25,6 +25,7 @@ from engine.quantizers.rowwise import TORCHAO_EPS
 from engine.recipes.base import Recipe
 from engine.recipes.format import Format
 from engine.recipes.operands import OPERANDS, Gemm, Operand, QuantizerSpec, Role
+from engine.schemes import fp8_scheme
 
 
 class Float8RowwiseScaling(Recipe):
@@ -42,8 +43,8 @@ class Float8RowwiseScaling(Recipe):
     amax_epsilon: float = Field(TORCHAO_EPS, ge=0.0, allow_inf_nan=False)
 
     def _spec(self, layout: str, role: Role) -> QuantizerSpec:
-        return QuantizerSpec(layout=layout, element=self.element_for(role), pow2=self.use_power_2_scales,
-                             amax_epsilon=self.amax_epsilon)
+        scheme = fp8_scheme(layout, self.dtype_for(role), pow2=self.use_power_2_scales)
+        return QuantizerSpec(scheme=scheme.name, rule="current", params={"amax_epsilon": self.amax_epsilon})
 
     def operands(self) -> dict[Operand, QuantizerSpec | None]:
         specs: dict[Operand, QuantizerSpec | None] = {op: self._spec("axiswise", op[1]) for op in OPERANDS}

@@ -19,12 +19,22 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
+from engine.collectives import all_reduce_max
+from engine.hooks import Hook
+from engine.ops import quantize as qops
 from engine.tensors.storage import (
     DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXTensorStorage,
     QuantizedTensorBase, check_dequantize_dtype,
 )
 
 aten = torch.ops.aten
+
+#: FSDP2's all-gather extension (`fsdp_pre_all_gather` / `fsdp_post_all_gather` below): engine.distributed.fsdp,
+#: above this layer, registers it
+FSDP_PRE_ALL_GATHER: Hook = Hook("QuantizedTensor.fsdp_pre_all_gather", "engine.distributed")
+FSDP_POST_ALL_GATHER: Hook = Hook("QuantizedTensor.fsdp_post_all_gather", "engine.distributed")
+#: what a pickled QuantizedTensor is rebuilt by (`engine.tensors.serialization.rebuild_quantized_tensor`)
+REBUILD_QUANTIZED_TENSOR: Hook = Hook("QuantizedTensor.__reduce_ex__", "engine.tensors.serialization")
 
 
 class QuantizedFallbackWarning(UserWarning):
@@ -116,16 +126,12 @@ class QuantizedTensor(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
                             mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """FSDP2 all-gathers the FP8 bytes and scales of this shard (engine.distributed.fsdp)."""
-        from engine.distributed.fsdp import pre_all_gather
-
-        return pre_all_gather(self, mesh, outer_size)
+        return FSDP_PRE_ALL_GATHER(self, mesh, outer_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
         """The unsharded quantized weight from the gathered bytes (engine.distributed.fsdp)."""
-        from engine.distributed.fsdp import post_all_gather
-
-        return post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        return FSDP_POST_ALL_GATHER(all_gather_outputs, metadata, param_dtype, out=out)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         st = self._qstorage
@@ -134,9 +140,7 @@ class QuantizedTensor(torch.Tensor):
         return f"{type(self).__name__}(scheme={st.scheme.name}, usages={usages}, data={value})"
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        from engine.tensors.serialization import rebuild_quantized_tensor
-
-        return rebuild_quantized_tensor, (self._qstorage.to_plain(), self.requires_grad)
+        return REBUILD_QUANTIZED_TENSOR.impl, (self._qstorage.to_plain(), self.requires_grad)
 
     # ------------------------------------------------------------------ dispatch
     @classmethod
@@ -369,16 +373,11 @@ def _requantize(results: list[tuple[QuantizedTensor, torch.Tensor]]) -> None:
     """Quantize each result back into its tensor. Per-tensor current-scaling weights whose amax is all-reduced
     over a group (FSDP2 shards) agree on all their amaxes in one collective per group, not one per weight (a
     multi-tensor optimizer update)."""
-    from engine.distributed import all_reduce_max
-    from engine.ops import quantize as qops
-    from engine.quantizers.rules import CurrentRule
-
     groups: dict[Any, list[int]] = {}
     for i, (tensor, _) in enumerate(results):
-        q = tensor._qstorage.quantizer
-        if isinstance(q.rule, CurrentRule) and q.rule.amax_reduction_group is not None and \
-                tensor._qstorage.scheme.rowwise_block.is_tensor:
-            groups.setdefault(q.rule.amax_reduction_group, []).append(i)
+        group = tensor._qstorage.quantizer.tensor_amax_group
+        if group is not None:
+            groups.setdefault(group, []).append(i)
     agreed = {}
     for group, members in groups.items():
         if len(members) > 1:
@@ -390,9 +389,7 @@ def _requantize(results: list[tuple[QuantizedTensor, torch.Tensor]]) -> None:
             tensor.quantize_(plain)
             continue
         own = tensor._qstorage.quantizer
-        once = own.copy()
-        once.rule = CurrentRule(own.rule.amax_epsilon, agreed_amax=agreed[i])
-        once.update_quantized(plain, tensor)
+        own.with_agreed_amax(agreed[i]).update_quantized(plain, tensor)
         tensor._qstorage.quantizer = own  # keeps quantizing with its group afterwards
 
 

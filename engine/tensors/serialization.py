@@ -24,10 +24,10 @@ import torch
 
 from engine.formats import FP8_DTYPES
 from engine.ops.reference import HIGH_PRECISION_DTYPES
-from engine.tensors.quantized import QuantizedTensor, storage_of
+from engine.tensors.quantized import REBUILD_QUANTIZED_TENSOR, QuantizedTensor, storage_of
 from engine.schemes import Scheme, fp8_scheme, get_scheme
 from engine.tensors.records import decode_record, encode_record
-from engine.tensors.storage import BUFFER_FIELDS, QuantizedTensorBase, buffer_specs, compact
+from engine.tensors.storage import BUFFER_FIELDS, REBUILD_STORAGE, QuantizedTensorBase, buffer_specs, compact
 
 
 def parse_dtype(name: Any, field: str) -> torch.dtype:
@@ -146,6 +146,8 @@ def rebuild_quantized_tensor(plain: dict[str, Any], requires_grad: bool) -> Quan
 
 
 torch.serialization.add_safe_globals([rebuild_storage, rebuild_quantized_tensor])
+REBUILD_STORAGE.register(rebuild_storage)  # what the pickled forms call (storage.py, quantized.py)
+REBUILD_QUANTIZED_TENSOR.register(rebuild_quantized_tensor)
 
 
 # ---------------------------------------------------------------------------- component keys

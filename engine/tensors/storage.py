@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.hooks import Hook
 from engine.ops import mx_elements
 from engine.ops import reference as ref
 from engine.ops.registry import BUFFER_FIELDS
@@ -30,6 +31,8 @@ from engine.schemes import ScaleEncoding, Scheme, dims_2d, fp8_scheme
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 #: dtypes a quantized value can be dequantized into (float64 too, for `.double()` and checks)
 DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: what a pickled storage is rebuilt by (`engine.tensors.serialization.rebuild_storage`, which imports this module)
+REBUILD_STORAGE: Hook = Hook("QuantizedTensorBase.__reduce__", "engine.tensors.serialization")
 
 __all__ = ["BUFFER_FIELDS", "QuantizedTensorBase", "check_dequantize_dtype", "compact", "dims_2d"]
 
@@ -368,9 +371,7 @@ class QuantizedTensorBase:
         }
 
     def __reduce__(self) -> tuple:
-        from engine.tensors.serialization import rebuild_storage
-
-        return rebuild_storage, (self.to_plain(),)
+        return REBUILD_STORAGE.impl, (self.to_plain(),)
 
     def __repr__(self) -> str:
         usages = [u for u, on in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if on]

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 from pydantic import ValidationError
 
+from engine.cli_types import finite_positive, whole_number
+from engine.train.checkpoint import RESUME_KEYS, SHAPE_FLAGS, load_run_checkpoint, model_config_for_resume
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
@@ -32,14 +34,9 @@ def _recipe_list(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+_positive = whole_number(1)
+_MIN_WIDTH = GPTConfig.model_fields["d_model"].metadata[0].ge
+_MIN_SEQ_LEN = GPTConfig.model_fields["seq_len"].metadata[0].ge
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -49,15 +46,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help=f"runs to make, comma separated, of {','.join(RUN_NAMES)} (default: {','.join(DEFAULT_RUNS)}); "
                         "a run may add options: nvfp4:disable_rht sets the recipe's bool field, :last_block_bf16 keeps the "
                         "last block in bf16")
+    shape = "; with --resume: the checkpoint's"
     p.add_argument("--steps", type=_positive, default=500, help="optimizer steps per run (default 500)")
-    p.add_argument("--d-model", type=_positive, default=128, help="model width (default 128)")
-    p.add_argument("--layers", type=_positive, default=4, help="transformer blocks (default 4)")
-    p.add_argument("--heads", type=_positive, default=4, help="attention heads (default 4)")
-    p.add_argument("--seq-len", type=_positive, default=128, help="tokens (bytes) per sequence (default 128)")
+    p.add_argument("--d-model", type=whole_number(_MIN_WIDTH), default=None, help=f"model width (default 128{shape})")
+    p.add_argument("--layers", type=_positive, default=None, help=f"transformer blocks (default 4{shape})")
+    p.add_argument("--heads", type=_positive, default=None, help=f"attention heads (default 4{shape})")
+    p.add_argument("--seq-len", type=whole_number(_MIN_SEQ_LEN), default=None,
+                   help=f"tokens (bytes) per sequence (default 128{shape})")
     p.add_argument("--batch-size", type=_positive, default=16, help="sequences per step (default 16)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--lr", type=finite_positive, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--eval-every", type=_positive, default=50, help="steps between validation passes (default 50)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
+    p.add_argument("--seed", type=whole_number(0, 2**32), default=None,
+                   help="seed for weights and data order (default 0; with --resume: the checkpoint's)")
     p.add_argument("--data", default=None, help="a text file or folder to train on (default: Python's stdlib sources)")
     p.add_argument("--out", default=None, help="output folder (default: runs/<timestamp>)")
     p.add_argument("--resume", default=None, metavar="CKPT", help="continue training from a checkpoint of a run")
@@ -67,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile(fullgraph=True) the loss (the first steps compile; tokens/s skips them)")
-    p.add_argument("--speed-rounds", type=int, default=10,
+    p.add_argument("--speed-rounds", type=whole_number(0), default=10,
                    help="after the runs, time this many rounds of one step per run, interleaved, for the speed "
                         "column (0: the column compares the runs' own tokens/s; default 10)")
     p.add_argument("--nproc", type=_positive, default=1,
@@ -76,14 +76,41 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_positive, default=1,
                    help="tensor-parallel degree inside each data-parallel group (divides the processes; default 1)")
     p.add_argument("--fp8-weights", action="store_true",
-                   help="FP8 primary weights (fp8_model_init) in the recipe runs: FSDP2 all-gathers their FP8 bytes")
+                   help="FP8 primary weights (fp8_model_init) in the recipe runs: FSDP2 all-gathers their FP8 bytes (those "
+                        "it cannot cut into whole scale blocks stay whole on every rank)")
     p.set_defaults(run=run)
 
 
+#: the argparse destination of each shape flag (engine.train.checkpoint.SHAPE_FLAGS)
+_SHAPE_DESTS = {"d_model": "d_model", "n_layers": "layers", "n_heads": "heads", "seq_len": "seq_len"}
+
+
+def _model_config(args: argparse.Namespace, checkpoint: dict | None) -> GPTConfig:
+    """The model's shape: from the flags (the defaults where not given), or from the checkpoint resumed."""
+    given = {field: getattr(args, dest) for field, dest in _SHAPE_DESTS.items()}
+    if checkpoint is not None:
+        return model_config_for_resume(checkpoint, args.resume, given)
+    try:
+        return GPTConfig(**{field: value for field, value in given.items() if value is not None})
+    except ValidationError as err:
+        flags = [SHAPE_FLAGS[str(e["loc"][0])] for e in err.errors() if e["loc"]] or ["--d-model", "--heads"]
+        raise ValueError(f"{', '.join(flags)}: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+
 def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
-    model = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
+    checkpoint = None
+    if args.resume is not None:
+        if args.recipe is None:
+            raise ValueError("--resume needs --recipe: the recipe (or bf16) to continue under")
+        checkpoint = load_run_checkpoint(args.resume, "--resume", RESUME_KEYS)
+    elif args.recipe is not None:
+        raise ValueError("--recipe goes with --resume; to choose runs use --recipes")
+    model = _model_config(args, checkpoint)
+    seed = args.seed
+    if seed is None:  # a resumed run continues the checkpoint's data order
+        seed = int(checkpoint.get("seed", 0)) if checkpoint is not None else 0
     common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-              "eval_every": args.eval_every, "seed": args.seed, "out_dir": str(out_dir),
+              "eval_every": args.eval_every, "seed": seed, "out_dir": str(out_dir),
               "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile,
               "tp": args.tp, "fp8_weights": args.fp8_weights}
     nproc = _processes(args)
@@ -99,13 +126,7 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     elif args.tp > 1:
         raise ValueError(f"--tp {args.tp}: needs several processes (--nproc, or torchrun)")
     if args.resume is not None:
-        if args.recipe is None:
-            raise ValueError("--resume needs --recipe: the recipe (or bf16) to continue under")
-        if not Path(args.resume).is_file():
-            raise ValueError(f"--resume: no checkpoint at {args.resume}")
         return [RunConfig(recipe=args.recipe, resume=args.resume, **common)]
-    if args.recipe is not None:
-        raise ValueError("--recipe goes with --resume; to choose runs use --recipes")
     return [RunConfig(recipe=name, **common) for name in args.recipes]
 
 

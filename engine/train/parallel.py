@@ -7,7 +7,9 @@ the N ranks as a (N/K) x K mesh named ("dp", "tp"):
   QKV layout is heads-major), the attention projection by rows, and the `LayerNormMLP` as Megatron
   splits it (`engine.distributed.LayerNormMLPParallel`). The ranks of a tp group see the same tokens.
 * dp: each block and then the whole model is `fully_shard`ed over the dp ranks; each takes its slice
-  of the global batch, and FSDP2 averages the gradients.
+  of the global batch, and FSDP2 averages the gradients. FP8 primary weights (--fp8-weights) that
+  FSDP2 cannot cut into whole scale blocks stay whole on every rank, their gradients averaged by a
+  hook (`engine.distributed.fsdp.replicated_weights`).
 
 Delayed scaling reduces its amaxes over all ranks (the default `fp8_group`), once per step, so every
 rank quantizes with the same scales. The checkpoint holds the full (unsharded) model and optimizer
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,11 +46,24 @@ def check_layout(nproc: int, tp: int, model: GPTConfig) -> None:
         raise ValueError(f"--tp: must divide the MLP width ({model.ffn_mult * model.d_model}), got {tp}")
 
 
-def parallelize(model: GPT, tp: int) -> tuple[int, int]:
-    """Shard `model` in place over the initialised world; returns (data-parallel rank, data-parallel size)."""
+class DataParallel(NamedTuple):
+    """Where this rank stands after `parallelize`."""
+
+    rank: int  # in its data-parallel group
+    size: int  # data-parallel ranks
+    replicated: dict[str, str]  # FP8 weights every rank keeps whole (FSDP2 cannot shard them), by name: why
+
+
+def parallelize(model: GPT, tp: int) -> DataParallel:
+    """Shard `model` in place over the initialised world.
+
+    FP8 primary weights that FSDP2 cannot cut into whole scale blocks (`engine.distributed.fsdp.shard_refusal`,
+    e.g. a 384-row weight of 128x128 tiles on 2 ranks) are left out of FSDP2: every rank keeps them whole and their
+    gradients are averaged over the data-parallel ranks after each backward.
+    """
     size = world()[1]
     if size == 1:
-        return 0, 1
+        return DataParallel(0, 1, {})
     check_layout(size, tp, model.cfg)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -62,13 +77,20 @@ def parallelize(model: GPT, tp: int) -> tuple[int, int]:
         plan = {"attn.qkv": ed.ColwiseParallel(), "attn.proj": ed.RowwiseParallel(), "mlp": ed.LayerNormMLPParallel()}
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
+    replicated: dict[str, str] = {}
     if dp > 1:
         from torch.distributed.fsdp import fully_shard
 
+        from engine.distributed.fsdp import average_gradients, replicated_weights
+
+        whole = replicated_weights(model, dp)
+        ignored = {param for param, _ in whole.values()}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    return mesh.get_coordinate()[0], dp
+            fully_shard(block, mesh=mesh["dp"], ignored_params=ignored)
+        fully_shard(model, mesh=mesh["dp"], ignored_params=ignored)
+        average_gradients([param for param, _ in whole.values()], mesh["dp"].get_group())
+        replicated = {name: reason for name, (_, reason) in whole.items()}
+    return DataParallel(mesh.get_coordinate()[0], dp, replicated)
 
 
 def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

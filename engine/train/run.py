@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import engine
 from engine.recipes import RECIPES, Recipe
+from engine.train.checkpoint import RESUME_KEYS, load_run_checkpoint, saved_model_config
 from engine.train.data import Corpus, batch_at
 from engine.train.model import GPT, GPTConfig
 from engine.train.parallel import clip_grad_norm_, full_state_dict, mean_over_ranks, parallelize, world
@@ -39,11 +40,11 @@ class RunConfig(BaseModel):
     model: GPTConfig = GPTConfig()
     steps: int = Field(500, ge=1)
     batch_size: int = Field(16, ge=1)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0, allow_inf_nan=False)
     warmup_steps: int = Field(30, ge=0)
     eval_every: int = Field(50, ge=1)
     eval_batches: int = Field(8, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # batch_at makes generator seeds of seed * 1_000_003 + step
     out_dir: str = "runs/latest"
     resume: str | None = None
     progress: bool = True
@@ -139,6 +140,16 @@ def build_model(cfg: RunConfig, recipe: Recipe | None) -> GPT:
         return GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
 
 
+def describe_replicated(run: str, replicated: dict[str, str]) -> str:
+    """What `parallelize` kept out of FSDP2, one line per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in replicated.items():
+        by_reason.setdefault(reason, []).append(name)
+    lines = [f"{run}: {len(replicated)} FP8 weights are kept whole on every rank, their gradients averaged, as FSDP2 "
+             "cannot shard them:"]
+    return "\n".join(lines + [f"  {reason}: {', '.join(names)}" for reason, names in by_reason.items()])
+
+
 def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     """Train, evaluate, checkpoint; returns the run's numbers as plain data.
 
@@ -151,13 +162,15 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     model = build_model(cfg, recipe)
     start, checkpoint = 0, None
     if cfg.resume is not None:
-        checkpoint = torch.load(cfg.resume, weights_only=True)
-        if GPTConfig(**checkpoint["model_config"]) != cfg.model:
-            raise ValueError(f"--resume: {cfg.resume} holds a model {checkpoint['model_config']}, "
-                             f"not {cfg.model.model_dump()}")
+        checkpoint = load_run_checkpoint(cfg.resume, "resume", RESUME_KEYS)
+        saved = saved_model_config(checkpoint, cfg.resume)
+        if saved is not None and saved != cfg.model:
+            raise ValueError(f"resume: {cfg.resume} holds a model {saved.model_dump()}, not {cfg.model.model_dump()}")
         model.load_state_dict(checkpoint["model"])
         start = int(checkpoint["step"])
-    dp_rank, dp_size = parallelize(model, cfg.tp)
+    dp_rank, dp_size, replicated = parallelize(model, cfg.tp)
+    if replicated and rank == 0:
+        print(describe_replicated(cfg.recipe, replicated), flush=True)
     if cfg.batch_size % dp_size:
         raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({dp_size}), got {cfg.batch_size}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)

@@ -1,4 +1,6 @@
-"""Recognising DTensors without importing torch.distributed.tensor (0.6 s) when no one has made one."""
+"""Recognising DTensors without importing torch.distributed.tensor (0.6 s) when no one has made one.
+
+At the bottom of the layers (it needs only torch): the modules below `engine.distributed` ask it."""
 
 from __future__ import annotations
 

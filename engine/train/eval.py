@@ -14,8 +14,7 @@ import math
 import warnings
 from typing import Any
 
-import torch
-
+from engine.cli_types import whole_number
 from engine.inference.configs import (
     Float8DynamicActivationFloat8Weight, Float8WeightOnly, InferenceConfig, Int4WeightOnly,
     Int8DynamicActivationInt8Weight, Int8WeightOnly, MXWeightOnly, NVFP4WeightOnly,
@@ -45,9 +44,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--configs", type=_config_list, default=list(EVAL_CONFIGS),
                    help=f"comma separated, of {','.join(EVAL_CONFIGS)} (default: all)")
     p.add_argument("--data", default=None, help="the text file or folder the run trained on (default: stdlib sources)")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation windows (default 8, as training)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per window (default 16)")
-    p.add_argument("--seed", type=int, default=None, help="validation seed (default: the checkpoint's)")
+    p.add_argument("--eval-batches", type=whole_number(1), default=8,
+                   help="validation windows (default 8, as training)")
+    p.add_argument("--batch-size", type=whole_number(1), default=16, help="sequences per window (default 16)")
+    p.add_argument("--seed", type=whole_number(0, 2**32), default=None,
+                   help="validation seed (default: the checkpoint's)")
     p.set_defaults(run=run)
 
 
@@ -76,12 +77,13 @@ def evaluate_checkpoint(checkpoint: dict[str, Any], corpus: Any, names: list[str
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.train.checkpoint import load_run_checkpoint
     from engine.train.data import load_corpus
 
-    checkpoint = torch.load(args.checkpoint, weights_only=True)
-    if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= set(checkpoint):
-        raise SystemExit(f"engine eval: {args.checkpoint} is not a checkpoint of `python -m engine train` "
-                         "(expected the keys 'model' and 'model_config')")
+    try:
+        checkpoint = load_run_checkpoint(args.checkpoint, "checkpoint", ("model", "model_config"))
+    except ValueError as err:
+        raise SystemExit(f"engine eval: {err}") from None
     corpus = load_corpus(args.data)
     seed = checkpoint.get("seed", 0) if args.seed is None else args.seed
     rows = evaluate_checkpoint(checkpoint, corpus, args.configs, eval_batches=args.eval_batches,

@@ -1,4 +1,7 @@
-"""Agreeing on amaxes across ranks: one all-reduce(MAX) for many amax tensors."""
+"""Agreeing on amaxes across ranks: one all-reduce(MAX) for many amax tensors.
+
+At the bottom of the layers (it needs only torch.distributed): the quantizers and autocast below
+`engine.distributed` call it; `engine.distributed` re-exports it."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.inference.eval import EVAL_CONFIGS
+from engine.train.eval import EVAL_CONFIGS
 from engine.inference.quantize import linear_weight_bytes, quantize_
 
 BASELINE = "bf16"
