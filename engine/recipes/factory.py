@@ -60,7 +60,7 @@ from engine.quantizers import Quantizer
 from engine.quantizers.registry import entry_of
 from engine.recipes.base import Recipe, RecipeState
 from engine.recipes.delayed import DelayedScaling, DelayedScalingState, check_delayed_state
-from engine.recipes.format import Format, fixed_format
+from engine.recipes.format import Format, StreamSeed, fixed_format
 from engine.recipes.nvfp4 import check_counters, seed_streams
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, Operand, check_num_gemms
 from engine.recipes.role import QuantizerRole
@@ -100,20 +100,12 @@ class CustomRecipe(Recipe):
     name: ClassVar[str] = "custom"
 
     qfactory: Callable[[QuantizerRole], Any]
-    seed: int = 0
+    seed: StreamSeed = 0
 
     @field_validator("fp8_format", mode="after")
     @classmethod
     def _quantizers_come_from_the_factory(cls, value: Format) -> Format:
         return fixed_format(value, Format.HYBRID, cls.__name__, "takes every quantizer from its qfactory")
-
-    @field_validator("seed", mode="after")
-    @classmethod
-    def _seed_fits_32_bits(cls, value: int) -> int:
-        if not 0 <= value < 2**32:
-            raise ValueError(f"seed: expected an int in [0, 2**32) (the low 32 bits of each stochastic-rounding "
-                             f"stream), got {value}")
-        return value
 
     @classmethod
     def restore_callable(cls, field: str, marker: str) -> Any:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated
 
 import torch
+from pydantic import AfterValidator
 
 
 class Format(str, Enum):
@@ -37,3 +39,15 @@ def fixed_format(value: Format, fixed: Format, recipe: str, why: str) -> Format:
     if value is not fixed:
         raise ValueError(f"fp8_format: {recipe} {why}, so fp8_format must stay {fixed!r}; got {value!r}")
     return value
+
+
+def check_stream_seed(value: int) -> int:
+    """A recipe's stochastic-rounding seed: the low 32 bits of every stream it seeds."""
+    if not 0 <= value < 2**32:
+        raise ValueError(f"seed: expected an int in [0, 2**32) (the low 32 bits of each stochastic-rounding "
+                         f"stream), got {value}")
+    return value
+
+
+#: the type of a recipe's `seed` field
+StreamSeed = Annotated[int, AfterValidator(check_stream_seed)]

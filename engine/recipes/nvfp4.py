@@ -24,7 +24,7 @@ from pydantic import field_validator
 
 from engine.quantizers import Quantizer
 from engine.recipes.base import SLOTS_PER_GEMM, Recipe, RecipeState
-from engine.recipes.format import Format, fixed_format
+from engine.recipes.format import Format, StreamSeed, fixed_format
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Operand, QuantizerSpec, Role
 
 
@@ -38,21 +38,13 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
-    seed: int = 0  # the low 32 bits of every stochastic-rounding stream (plus the GEMM index): 0 <= seed < 2**32
+    seed: StreamSeed = 0  # the low 32 bits of every stochastic-rounding stream (plus the GEMM index): 0 <= seed < 2**32
 
     @field_validator("fp8_format", mode="after")
     @classmethod
     def _scales_are_e4m3(cls, value: Format) -> Format:
         return fixed_format(value, Format.E4M3, cls.__name__, "quantizes every operand, forward and backward, to "
                             "E2M1 elements with E4M3 block scales (as Transformer Engine's NVFP4 recipe does)")
-
-    @field_validator("seed", mode="after")
-    @classmethod
-    def _seed_fits_32_bits(cls, value: int) -> int:
-        if not 0 <= value < 2**32:
-            raise ValueError(f"seed: expected an int in [0, 2**32) (the low 32 bits of each stochastic-rounding "
-                             f"stream), got {value}")
-        return value
 
     def element_for(self, role: Role) -> str:
         return "e2m1"
