@@ -63,6 +63,7 @@ import torch
 from engine import memory
 from engine.formats import element_format, fp8_max
 from engine.ops import reference
+from engine.ops.exact_gemm import native_bf16_gemm
 from engine.schemes import dims_2d
 from engine.ops.backend import PLAIN_TENSOR_TYPES, check_tensor
 
@@ -585,12 +586,14 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
     tensor: both must be, and the fp32 product of the two scale_inv is addmm's alpha; None
     when that product is not a normal fp32 number (the caller rescales). Otherwise each
     scale_inv has one power-of-2 scale (fp32, or uint8 E8M0 codes) per tile of that shape.
-    Each operand is decoded to bf16 exactly; an out_dtype other than bf16 runs an fp32 GEMM
-    (addmm, or below a size threshold on AVX-512 a small fp32-FMA kernel whose summation order
-    depends on K alone: numerics in engine/ops/exact_gemm.py). The C++ side checks every argument.
+    Each operand is decoded to bf16 exactly; an out_dtype other than bf16, and bf16 where torch's bf16
+    GEMM is not native (`exact_gemm.native_bf16_gemm`), runs an fp32 GEMM (addmm, or below a size
+    threshold on AVX-512 a small fp32-FMA kernel whose summation order depends on K alone: numerics in
+    engine/ops/exact_gemm.py). The C++ side checks every argument.
     """
+    bf16_gemm = out_dtype == torch.bfloat16 and native_bf16_gemm()
     return _ext().exact_gemm(a, a_scale_inv, a_tile[0], a_tile[1], b, b_scale_inv, b_tile[0], b_tile[1], bias,
-                             out_dtype)
+                             out_dtype, bf16_gemm)
 
 
 # ------------------------------------------------------------------------------ MXFP4 / MXFP6
