@@ -148,10 +148,8 @@ def test_int4_large_m_is_the_fp32_formula() -> None:
 def test_int32_accumulation_is_exact() -> None:
     """The int8 GEMM's int32 sums equal an int64 matmul of the same values, past fp32's 2^24 (an fp32
     accumulation would round them), with u8 x s8 pair sums past 16 bits (oneDNN without VNNI saturates them:
-    there int32_mm runs torch's GEMM on sign-split operands, engine/inference/int8_mm.py). Where torch's own
-    int8 GEMM is exact, it is `out_dtype(aten.mm, int32, ...)`'s too."""
-    from engine.inference import int8_mm
-
+    there int32_mm runs torch's GEMM on sign-split operands, engine/inference/int8_mm.py). They are
+    `out_dtype(aten.mm, int32, ...)`'s too."""
     torch.manual_seed(0)
     a = torch.randint(100, 128, (8, 4096), dtype=torch.int8)
     b = torch.randint(-127, 128, (24, 4096), dtype=torch.int8)
@@ -162,8 +160,7 @@ def test_int32_accumulation_is_exact() -> None:
     assert acc.dtype == torch.int32 and torch.equal(acc.long(), exact)
     from torch._higher_order_ops.out_dtype import out_dtype
 
-    if int8_mm.int_mm_exact():
-        assert torch.equal(out_dtype(torch.ops.aten.mm.default, torch.int32, a, b.t()).long(), exact)
+    assert torch.equal(out_dtype(torch.ops.aten.mm.default, torch.int32, a, b.t()).long(), exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
