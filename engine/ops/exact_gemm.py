@@ -24,8 +24,8 @@ The contract both implementations meet (tests/test_exact_gemm.py, tests/test_reg
 * the sum over K is fp32 in an unspecified order, so with alpha the fp32 scale product
   (1 for tile pairs), S = sum_k |a_k b_k| and gamma_K = K 2^-24 / (1 - K 2^-24), the output
   is within |alpha| (gamma_K S + K 2^-149) of alpha * sum_k a_k b_k computed exactly, plus one
-  fp32 rounding each for the alpha product and the bias add (the bias rounded to the GEMM
-  dtype first), plus the final rounding to out_dtype; NaN and inf as IEEE arithmetic gives
+  fp32 rounding each for the alpha product and the bias add (the bias rounded to bf16 first
+  for a bf16 output, else to fp32), plus the final rounding to out_dtype; NaN and inf as IEEE arithmetic gives
   them (NaN bits unspecified). Subnormals are kept, whatever the caller's flush-to-zero state,
   by the native small kernel and the fp32 GEMM; a native bf16 GEMM (addmm with a bf16 output
   where `native_bf16_gemm()`: this reference, the portable ISA, large native calls) reads
