@@ -343,16 +343,20 @@ WITHOUT_VNNI = """
                 if not torch.equal(got, want):
                     err = float(((got.double() - want.double()).abs() / want.double().abs()).max())
                     bad.append(f"prepack_from={prepack_from} M={m} {dtype}: relative error up to {err:.3g}")
-    print(json.dumps({"bad": bad, "prepacked": prepacked}))
+    from engine.inference import int8_mm
+
+    print(json.dumps({"bad": bad, "prepacked": prepacked, "method": int8_mm.method()}))
 """
 
 
 def test_int8_dynamic_is_the_int32_formula_without_vnni() -> None:
     """On a CPU without VNNI (an AVX2 Zen 3, emulated) the layer still gives the formula's bits on exact int sums,
-    and keeps its weights plain (oneDNN's prepacked GEMM saturates there)."""
+    and keeps its weights plain (oneDNN's prepacked GEMM saturates there); its sums come from torch._int_mm on
+    sign-split operands, not the slow fp64 fallback."""
     got = avx2_emulation.run(WITHOUT_VNNI)
     assert not got["bad"], got["bad"]
-    assert got["prepacked"] == [False, False]
+    assert got["prepacked"] == [False, False] and got["method"] == "int_mm_sign_split"
+
 
 
 def prepacks() -> bool:
