@@ -10,7 +10,7 @@ activation of at most 128 cannot saturate (2 * 128 * 127 = 32512): a signed one 
 So where `torch._int_mm` is not exact, `int32_mm` splits q into two operands in [-127, 0], neg = min(q, 0) and
 pos = min(-q, 0) (q = neg - pos), runs one `torch._int_mm` on the two stacked ([2M, K]: the weight is read once)
 and subtracts the halves: exact int32 sums for twice the multiply-adds (the layer at 4096x4096 under the AVX2
-emulation: 0.7-0.8x fp32 `F.linear`'s speed at M = 1, 1.5x at M = 16, 1.3x at M = 256; README). Where even that
+emulation: 0.85x fp32 `F.linear`'s speed at M = 1, 1.6x at M = 16, 1.1-1.3x at M = 256; README). Where even that
 is not exact the sums come from an fp64 matmul (exact below 2^53), 10-20x slower, with a one-time warning.
 
 Each path is checked by a probe, not chosen by CPU flags: what oneDNN runs also follows ONEDNN_MAX_CPU_ISA, its
