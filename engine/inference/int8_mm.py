@@ -11,7 +11,8 @@ So where `torch._int_mm` is not exact, `int32_mm` splits q into two operands in 
 pos = min(-q, 0) (q = neg - pos), runs one `torch._int_mm` on the two stacked ([2M, K]: the weight is read once)
 and subtracts the halves: exact int32 sums for twice the multiply-adds (the layer at 4096x4096 under the AVX2
 emulation: 0.85x fp32 `F.linear`'s speed at M = 1, 1.6x at M = 16, 1.1-1.3x at M = 256; README). Where even that
-is not exact the sums come from an fp64 matmul (exact below 2^53), 10-20x slower, with a one-time warning.
+is not exact the sums come from an fp64 matmul (exact below 2^53; 4-12x slower than fp32 `F.linear`), with a
+one-time warning.
 
 Each path is checked by a probe, not chosen by CPU flags: what oneDNN runs also follows ONEDNN_MAX_CPU_ISA, its
 build and its version, which the flags do not show. A probe runs the path on crafted operands whose pair sums
@@ -104,7 +105,7 @@ def method() -> str:
     if sign_split_exact():
         return "int_mm_sign_split"
     warnings.warn("engine: torch._int_mm does not give exact int32 sums on this CPU, even on operands that cannot "
-                  "saturate; Int8DynamicActivationInt8Weight's GEMM runs as an fp64 matmul (exact, 10-20x slower)",
+                  "saturate; Int8DynamicActivationInt8Weight's GEMM runs as an fp64 matmul (exact, several times slower than an fp32 GEMM)",
                   RuntimeWarning, stacklevel=3)
     return "float64"
 
