@@ -162,8 +162,9 @@ def test_engine_isa_caps_the_kernels_for_the_whole_process():
     assert "ENGINE_ISA=portable" in refused
 
 
-@pytest.mark.parametrize("value, message", [("avx2", "ENGINE_ISA: expected one of portable, avx512 or auto, got 'avx2'"),
-                                            ("avx512", "ENGINE_ISA=avx512: this CPU (or build) has no avx512 kernels")])
+@pytest.mark.parametrize("value, message", [
+    ("avx2", "ENGINE_ISA: expected one of portable, avx512 or auto, got 'avx2'"),
+    ("avx512", "ENGINE_ISA=avx512: this CPU (or build) has no avx512 kernels")])
 def test_a_bad_engine_isa_is_a_value_error_at_first_use(monkeypatch, value, message):
     """An unknown value, or a kernel set the machine lacks (here: a build without AVX-512), is a ValueError at
     the first kernel call, every call, never a silent fallback."""

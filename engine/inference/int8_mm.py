@@ -105,8 +105,8 @@ def method() -> str:
     if sign_split_exact():
         return "int_mm_sign_split"
     warnings.warn("engine: torch._int_mm does not give exact int32 sums on this CPU, even on operands that cannot "
-                  "saturate; Int8DynamicActivationInt8Weight's GEMM runs as an fp64 matmul (exact, several times slower than an fp32 GEMM)",
-                  RuntimeWarning, stacklevel=3)
+                  "saturate; Int8DynamicActivationInt8Weight's GEMM runs as an fp64 matmul (exact, several times "
+                  "slower than an fp32 GEMM)", RuntimeWarning, stacklevel=3)
     return "float64"
 
 
