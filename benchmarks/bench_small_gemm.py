@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import least_disturbed_cpu_seconds, print_table  # noqa: E402
 
 from engine.ops import native  # noqa: E402
+from engine.ops.exact_gemm import gemm_dtype as exact_gemm_dtype  # noqa: E402
 
 # the three GEMMs of a 16x256x256 Linear step (fwd, dgrad, wgrad), a sweep around the crossover, the demo's (engine
 # train: 2048 tokens, d_model 128, MLP 512)
@@ -55,12 +56,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[st
         a, sa, b, sb, bias_f = operands(m, n, k)
         for out_name in args.out.split(","):
             out_dtype = OUT[out_name]
-            gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+            gemm_dtype = exact_gemm_dtype(out_dtype, a.device)  # bf16 only where the CPU's bf16 GEMM is native
             bias = bias_f.to(out_dtype)
             alpha = (sa * sb).item()
 
             def engine_call():
-                ext.exact_gemm(a, sa, 0, 0, b, sb, 0, 0, bias, out_dtype)
+                ext.exact_gemm(a, sa, 0, 0, b, sb, 0, 0, bias, out_dtype, gemm_dtype == torch.bfloat16)
                 dst.copy_(src)
 
             def addmm_call():

@@ -625,7 +625,9 @@ Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
 // The CPU GEMMs of engine/gemm/cpu.py for per-tensor pairs and pairs with power-of-2 tile
 // scales, in one call: every FP8 value times a power of two is a bf16 value, so each operand
 // is decoded to bf16 exactly and one addmm (fp32 accumulation) runs, with the per-tensor
-// scale product as alpha: the Python path's ATen calls, without its per-call cost. Small
+// scale product as alpha: the Python path's ATen calls, without its per-call cost. The addmm is
+// bf16 for a bf16 output where the caller says torch's bf16 GEMM is native (`bf16_gemm`:
+// engine/ops/exact_gemm.py's native_bf16_gemm), else fp32 on the same values. Small
 // problems on AVX-512 run the kernel of small_gemm.h instead of addmm (see small_gemm below):
 // same decode, fp32 accumulation in its own order (numerics: engine/ops/exact_gemm.py).
 
@@ -818,7 +820,8 @@ struct Decoder {
 //   1.43, 100M+ (the demo's GEMMs) 1.8 -- against a baseline that calls addmm from Python, a few us (7-13% at 4-8M
 //   MACs, where exact_gemm runs addmm too) slower than exact_gemm's own addmm: the crossover is near 2M. So up to
 //   M * N * K = 2^21.
-// * fp32 / fp16 output: addmm runs an fp32 GEMM, no faster per FMA than the kernel: 1.0M 0.59-0.76, 8.4M 0.83,
+// * fp32 / fp16 output, and bf16 where the bf16 GEMM is not native (an AVX-512 CPU without BF16): addmm runs an
+//   fp32 GEMM, no faster per FMA than the kernel: 1.0M 0.59-0.76, 8.4M 0.83,
 //   16.8M-134M with K <= 512 0.86-0.94, 134M with K = 2048 1.65. So for every M and N up to K = 512: the choice then
 //   depends on K alone, and a GEMM on a slice of A's or B's rows (a tensor-parallel shard) takes the same path, and
 //   gives the same bits, as the whole one.
@@ -846,21 +849,22 @@ bool small_gemm_runs(int64_t M, int64_t N, int64_t K, at::ScalarType gemm_dtype)
 // alpha * (decode(a) @ decode(b)^T) (+ bias) by the kernel of small_gemm.h (numerics there). The packed operand
 // (v) is decoded whole, then packed; the broadcast one (s) is decoded a few storage rows at a time and widened
 // straight into its fp32 pack (its storage rows, widened), so it never exists as a bf16 tensor.
+// The bias as the GEMM adds it: rounded to bf16 for a bf16 output (whatever the GEMM's dtype), else to fp32.
+Tensor rounded_bias(const Tensor& bias, at::ScalarType out_dtype) {
+  const at::ScalarType dt = out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  return bias.scalar_type() == dt ? bias : bias.to(dt);
+}
+
 Tensor small_gemm(const Decoder& a, const Decoder& b, float alpha, const optional<Tensor>& bias,
-                  at::ScalarType gemm_dtype, at::ScalarType out_dtype) {
+                  at::ScalarType out_dtype) {
   const int64_t M = a.op.data.size(0), N = b.op.data.size(0), K = a.op.data.size(1);
   Tensor out = at::empty({M, N}, at::TensorOptions().dtype(out_dtype));
   if (M * N == 0) return out;
   std::vector<float> bias_f;
-  if (bias.has_value()) {  // rounded to the GEMM dtype first, as addmm's bias is
-    const Tensor bb = (bias->scalar_type() == gemm_dtype ? *bias : bias->to(gemm_dtype)).contiguous();
+  if (bias.has_value()) {  // rounded as addmm's bias is, then exact in fp32
+    const Tensor bb = rounded_bias(*bias, out_dtype).to(at::kFloat).contiguous();
     bias_f.resize(static_cast<size_t>(N));
-    if (gemm_dtype == at::kBFloat16) {
-      const auto* src = static_cast<const uint16_t*>(bb.data_ptr());
-      for (int64_t i = 0; i < N; ++i) bias_f[i] = bf16_to_f32(src[i]);
-    } else {
-      std::memcpy(bias_f.data(), bb.data_ptr<float>(), static_cast<size_t>(N) * sizeof(float));
-    }
+    std::memcpy(bias_f.data(), bb.data_ptr<float>(), static_cast<size_t>(N) * sizeof(float));
   }
   SmallGemmJob job{};
   job.K = K;
@@ -904,7 +908,7 @@ Tensor small_gemm(const Decoder& a, const Decoder& b, float alpha, const optiona
 // whose fp32 scale product is not a normal number (the caller rescales in Python).
 optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int64_t a_tile_rows, int64_t a_tile_cols,
                             const Tensor& b_data, const Tensor& b_scale_inv, int64_t b_tile_rows, int64_t b_tile_cols,
-                            const optional<Tensor>& bias, at::ScalarType out_dtype) {
+                            const optional<Tensor>& bias, at::ScalarType out_dtype, bool bf16_gemm) {
   NoPythonDispatch no_python;
   const Operand a = checked_operand(a_data, a_scale_inv, a_tile_rows, a_tile_cols, "a");
   const Operand b = checked_operand(b_data, b_scale_inv, b_tile_rows, b_tile_cols, "b");
@@ -926,10 +930,10 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
     if (!(mag >= 1.17549435e-38f && mag <= 3.40282347e38f)) return c10::nullopt;
     alpha = product;
   }
-  const at::ScalarType gemm_dtype = out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType gemm_dtype = out_dtype == at::kBFloat16 && bf16_gemm ? at::kBFloat16 : at::kFloat;
   const Decoder da(a), db(b);
   if (small_gemm_runs(m, n, a_data.size(1), gemm_dtype)) {
-    return small_gemm(da, db, static_cast<float>(alpha), bias, gemm_dtype, out_dtype);
+    return small_gemm(da, db, static_cast<float>(alpha), bias, out_dtype);
   }
   Tensor lhs = da.decode_all(), rhs = db.decode_all();
   if (gemm_dtype != at::kBFloat16) {
@@ -939,7 +943,7 @@ optional<Tensor> exact_gemm(const Tensor& a_data, const Tensor& a_scale_inv, int
   Tensor result;
   DefaultFpEnv env;  // the caller's flush-to-zero state must not reach oneDNN's fp32 GEMM on this thread
   if (bias.has_value()) {
-    result = at::addmm(bias->to(gemm_dtype).expand({m, n}), lhs, rhs.t(), 1.0, alpha);
+    result = at::addmm(rounded_bias(*bias, out_dtype).to(gemm_dtype).expand({m, n}), lhs, rhs.t(), 1.0, alpha);
   } else {
     result = at::addmm(at::empty({m, n}, lhs.options()), lhs, rhs.t(), 0.0, alpha);
   }
@@ -987,7 +991,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_to_bf16", &fp8_to_bf16, py::arg("data"), py::arg("out") = py::none());
   m.def("exact_gemm", &exact_gemm, py::arg("a"), py::arg("a_scale_inv"), py::arg("a_tile_rows"),
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
-        py::arg("bias"), py::arg("out_dtype"));
+        py::arg("bias"), py::arg("out_dtype"), py::arg("bf16_gemm"));
   register_mx_small(m);
   register_nvfp4(m);
   register_wo_gemm(m);

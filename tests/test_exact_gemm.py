@@ -10,11 +10,14 @@ matching slice of the whole GEMM (tensor-parallel shards are compared bit for bi
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
 
+import avx2_emulation
 from engine.ops import native
+from engine.ops.exact_gemm import native_bf16_gemm
 from exact_gemm_bound import check, decode64
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the C++ kernels did not build here (native.why_unavailable() says why); these tests are of them")
@@ -76,13 +79,15 @@ def test_empty_shapes(isa):
 def test_subnormal_products_are_kept(isa):
     """A decodes to 2^-127 (a bf16 subnormal), B to 2^-10: each product 2^-137 and the sum 2^-131 are fp32
     subnormals (and bf16 ones), exact; flushing inputs or outputs (vdpbf16ps, FTZ/DAZ) would give 0. The caller's
-    flush-to-zero state does not reach the kernels. oneDNN's bf16 GEMM (addmm: the portable ISA, large problems)
-    flushes them whatever the state: there only the fp32 output is promised."""
+    flush-to-zero state does not reach the kernels. A native bf16 GEMM (addmm with bf16 hardware: the portable ISA,
+    large problems) flushes them whatever the state: there only the fp32 output is promised; without bf16 hardware
+    a bf16 output comes from the fp32 GEMM and keeps them."""
     a = torch.ones(3, 64).to(E4M3)
     b = torch.ones(5, 64).to(E4M3)
     sa = torch.zeros(3, 2, dtype=torch.uint8)  # E8M0 code 0: 2^-127
     sb = torch.full((5, 2), 117, dtype=torch.uint8)  # 2^-10
-    for out_dtype in (torch.float32, torch.bfloat16) if isa == "avx512" else (torch.float32,):
+    both = isa == "avx512" or not native_bf16_gemm()
+    for out_dtype in (torch.float32, torch.bfloat16) if both else (torch.float32,):
         with native.use_isa(isa), torch.no_grad():
             torch.set_flush_denormal(True)
             try:
@@ -184,3 +189,61 @@ def test_each_output_depends_on_k_only(out_dtype):
             assert torch.equal(other.view(torch.uint8), whole.view(torch.uint8))
     with native.use_isa("avx512"), threads(2):  # fp32/fp16: 7.4M MACs, split over 2 threads
         assert torch.equal(gemm(a, sa, b, sb, bias, out_dtype).view(torch.uint8), whole.view(torch.uint8))
+
+
+def cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+@pytest.mark.skipif(bool(os.environ.get("ONEDNN_MAX_CPU_ISA")), reason="oneDNN capped by ONEDNN_MAX_CPU_ISA: the "
+                    "flags do not say what runs (test_a_bf16_output_is_the_fp32_gemm_without_bf16_hardware does)")
+def test_the_bf16_gemm_is_native_where_the_cpu_has_bf16_dot_products():
+    assert native_bf16_gemm() == bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+# Run under the AVX2 emulation (tests/avx2_emulation.py): each case's bf16 output, native and reference, against the
+# fp32 output of the same call (the bias rounded to bf16 first, as a bf16 output's is) rounded to bf16. At K = 4096
+# torch's own bf16 matmul (fp32 sums in another order) gives other bits for ~1 output in 1000.
+BF16_AS_FP32 = """
+    import json
+    import torch
+    import test_registry
+    from engine.ops import exact_gemm, native, registry
+
+    g, bad = torch.Generator().manual_seed(5), []
+    for m, n, k, tile in ((64, 256, 4096, (0, 0)), (40, 96, 4096, (1, 32)), (9, 21, 70, (1, 32)),
+                          (130, 40, 520, (1, 128))):
+        a = (torch.randn(m, k, generator=g) * 8).to(torch.float8_e4m3fn)
+        b = (torch.randn(n, k, generator=g) * 100).to(torch.float8_e5m2)
+        if tile == (0, 0):
+            sa, sb = torch.tensor([0.37]), torch.tensor([1.9])
+        else:
+            sa = torch.randint(110, 140, (m, -(-k // tile[1])), generator=g, dtype=torch.uint8)
+            sb = torch.randint(110, 140, (n, -(-k // tile[1])), generator=g, dtype=torch.uint8)
+        bias = torch.randn(n, generator=g) * 100
+        for name, fn in (("native", native.exact_gemm), ("reference", registry.REFERENCE["exact_gemm"])):
+            low = fn(a, sa, tile, b, sb, tile, bias, torch.bfloat16)
+            high = fn(a, sa, tile, b, sb, tile, bias.bfloat16(), torch.float32).bfloat16()
+            differ = int((low.view(torch.int16) != high.view(torch.int16)).sum())
+            if differ:
+                bad.append(f"{name} {m}x{n}x{k} {tile}: {differ} outputs")
+    contract = test_registry.compare_exact_gemm(native.exact_gemm, native.isa() != "avx512")
+    print(json.dumps({"isa": native.isa(), "native_bf16": getattr(exact_gemm, "native_bf16_gemm", lambda: None)(),
+                      "bad": bad, "contract": contract[:5]}))
+"""
+
+
+def test_a_bf16_output_is_the_fp32_gemm_without_bf16_hardware():
+    """On a CPU without bf16 dot products (an AVX2 Zen 3, emulated) the exact GEMM's bf16 output, native and
+    reference, has the bits of the fp32 GEMM's output rounded to bf16, and meets the contract with subnormals
+    kept (tests/test_registry.py's cases): torch's bf16 matmul there converts to fp32 inside, 3-6x slower."""
+    got = avx2_emulation.run(BF16_AS_FP32)
+    assert got["isa"] == "portable" and got["native_bf16"] is False
+    assert not got["bad"], got["bad"]
+    assert not got["contract"], got["contract"]

@@ -251,11 +251,11 @@ def _bad_tensor_cases(kind: str, key: str, key8: str, pattern: str) -> list[Case
         ("raw-quantize_mxfp8", "x", lambda c: native._ext().quantize_mxfp8(c[key], 0, True, True, None, None)),
         ("raw-fp8_to_bf16", "data", lambda c: native._ext().fp8_to_bf16(c[key8], None)),
         ("raw-exact_gemm", "a", lambda c: native._ext().exact_gemm(
-            c[key8], c["one"], 0, 0, c["x"].to(E4M3), c["one"], 0, 0, None, torch.bfloat16)),
+            c[key8], c["one"], 0, 0, c["x"].to(E4M3), c["one"], 0, 0, None, torch.bfloat16, True)),
         ("raw-exact_gemm-scale", "b", lambda c: native._ext().exact_gemm(
-            c["x"].to(E4M3), c["one"], 0, 0, c["x"].to(E4M3), c[key1], 0, 0, None, torch.bfloat16)),
+            c["x"].to(E4M3), c["one"], 0, 0, c["x"].to(E4M3), c[key1], 0, 0, None, torch.bfloat16, True)),
         ("raw-exact_gemm-bias", "bias", lambda c: native._ext().exact_gemm(
-            c["x"].to(E4M3), c["one"], 0, 0, c["x"].to(E4M3), c["one"], 0, 0, c[key][0], torch.bfloat16)),
+            c["x"].to(E4M3), c["one"], 0, 0, c["x"].to(E4M3), c["one"], 0, 0, c[key][0], torch.bfloat16, True)),
     ]
     cases = [(f"{kind}-{name}", "TypeError", rf"^{arg}: .*{pattern}", fn) for name, arg, fn in from_backend + wrappers]
     # C++ names the argument the same way; it sees no Python type, only the tensor's dispatch keys
@@ -628,19 +628,19 @@ def test_exact_gemm_names_bad_shapes_tiles_and_dtypes():
     codes_a, codes_b = torch.zeros(4, 2, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8)
     bad = [
         (ValueError, "inner dims", lambda: ext.exact_gemm(a, one, 0, 0, torch.zeros(8, 32).to(E4M3), one, 0, 0,
-                                                          None, torch.bfloat16)),
+                                                          None, torch.bfloat16, True)),
         (TypeError, "^a: .*float8", lambda: ext.exact_gemm(a.view(torch.uint8), one, 0, 0, b, one, 0, 0, None,
-                                                           torch.bfloat16)),
+                                                           torch.bfloat16, True)),
         (ValueError, "^a: .*tile sizes", lambda: ext.exact_gemm(a, codes_a, 1, 0, b, codes_b, 1, 32, None,
-                                                                torch.bfloat16)),
+                                                                torch.bfloat16, True)),
         (ValueError, "^b: .*tile scales of shape", lambda: ext.exact_gemm(a, codes_a, 1, 32, b, codes_a, 1, 32,
-                                                                          None, torch.bfloat16)),
-        (ValueError, "per-tensor", lambda: ext.exact_gemm(a, one, 0, 0, b, codes_b, 1, 32, None, torch.bfloat16)),
+                                                                          None, torch.bfloat16, True)),
+        (ValueError, "per-tensor", lambda: ext.exact_gemm(a, one, 0, 0, b, codes_b, 1, 32, None, torch.bfloat16, True)),
         (ValueError, "^bias: .*shape", lambda: ext.exact_gemm(a, one, 0, 0, b, one, 0, 0, torch.zeros(4),
-                                                              torch.bfloat16)),
-        (TypeError, "^out_dtype", lambda: ext.exact_gemm(a, one, 0, 0, b, one, 0, 0, None, torch.int32)),
+                                                              torch.bfloat16, True)),
+        (TypeError, "^out_dtype", lambda: ext.exact_gemm(a, one, 0, 0, b, one, 0, 0, None, torch.int32, True)),
         (ValueError, "^a: .*1-element", lambda: ext.exact_gemm(a, torch.ones(2), 0, 0, b, one, 0, 0, None,
-                                                               torch.bfloat16)),
+                                                               torch.bfloat16, True)),
     ]
     for error, pattern, call in bad:
         with pytest.raises(error, match=pattern):

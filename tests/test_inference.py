@@ -148,7 +148,9 @@ def test_int4_large_m_is_the_fp32_formula() -> None:
 
 def test_int32_accumulation_is_exact() -> None:
     """The int8 GEMM's int32 sums equal an int64 matmul of the same values, past fp32's 2^24 (an fp32
-    accumulation would round them)."""
+    accumulation would round them), with u8 x s8 pair sums past 16 bits (oneDNN without VNNI saturates them:
+    there int32_mm runs torch's GEMM on sign-split operands, engine/inference/int8_mm.py). They are
+    `out_dtype(aten.mm, int32, ...)`'s too."""
     torch.manual_seed(0)
     a = torch.randint(100, 128, (8, 4096), dtype=torch.int8)
     b = torch.randint(-127, 128, (24, 4096), dtype=torch.int8)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import avx2_emulation
 import engine
-from engine.inference import int_formats, saving
+from engine.inference import int8_mm, int_formats, saving
 from engine.ops import native
 from tests.test_native import ISAS
 
@@ -269,36 +270,101 @@ def test_int8_dynamic_glue_bad_arguments() -> None:
         native.int8_rescale(acc, torch.ones(2), torch.ones(3), torch.int8)
 
 
-@pytest.mark.skipif(not int_formats.onednn_available(), reason="needs an x86 torch build with oneDNN's int8 linear (torch.ops.onednn.qlinear_prepack); other builds run torch._int_mm (tests/test_inference.py)")
-@pytest.mark.parametrize("m", [0, 1, 5, 17, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_dynamic_on_onednn_is_the_int32_formula(m: int, dtype: torch.dtype, monkeypatch) -> None:
-    """The weight is held in oneDNN's prepacked layout and the layer's bits are those of torch._int_mm's int32
-    sums through the written-out formula, with sums past 2^24 (their fp32 values round) and odd N and K."""
-    monkeypatch.setattr(int_formats.Int8DynamicFormat, "onednn_min_elements", 1)
-    gen = torch.Generator().manual_seed(3)
-    n, k = 37, 3000
+def crafted_int8_layer(n: int = 37, k: int = 3000, seed: int = 3) -> torch.nn.Linear:
+    """A Linear whose int8 sums with the positive x of `crafted_x` reach ~127 * 120 * K (past 2^24, where fp32
+    values of the sums round) in its first n // 2 rows, with odd N, and pair sums past 16 bits everywhere."""
+    gen = torch.Generator().manual_seed(seed)
     lin = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
         signs = torch.randn(n, k, generator=gen).sign()
-        signs[: n // 2] = 1.0  # these rows' sums with the positive x reach ~127 * 120 * K
+        signs[: n // 2] = 1.0
         lin.weight.copy_(signs * (1 + 0.05 * torch.rand(n, k, generator=gen)))
-    x = (1 + 0.05 * torch.rand(m, k, generator=gen)).to(dtype)
+    return lin
+
+
+def crafted_x(m: int, k: int, dtype: torch.dtype, seed: int = 4) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (1 + 0.05 * torch.rand(m, k, generator=gen)).to(dtype)
+
+
+def int32_formula(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """The layer's formula with its int sums from an fp64 matmul of the int8 values (exact below 2^53), not from
+    any int8 GEMM: (sums as fp32 * sx * sw) rounded once to x's dtype."""
+    xq, sx = int_formats.rowwise_int8(x)
+    sums = (xq.double() @ q.double().t()).float()  # exact integers, rounded once to fp32 as an int32's .float()
+    return (sums * sx.unsqueeze(1) * sw.unsqueeze(0)).to(x.dtype)
+
+
+@pytest.mark.parametrize("prepack_from", [1, 1 << 40], ids=["prepacked_where_exact", "plain"])
+@pytest.mark.parametrize("m", [0, 1, 5, 17, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_dynamic_on_onednn_is_the_int32_formula(prepack_from: int, m: int, dtype: torch.dtype,
+                                                     monkeypatch) -> None:
+    """The layer's bits are those of the formula on exact int sums, with sums past 2^24 (their fp32 values round)
+    and odd N and K, whichever GEMM runs: oneDNN's prepacked one (where it is exact: VNNI), torch._int_mm, or
+    its sign-split form (without VNNI). Under the AVX2 emulation nothing is prepacked."""
+    monkeypatch.setattr(int_formats.Int8DynamicFormat, "onednn_min_elements", prepack_from)
+    lin = crafted_int8_layer()
+    n, k = lin.weight.shape
+    x = crafted_x(m, k, dtype)
     engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
-    w = lin.weight
-    assert w.parts["data"].is_mkldnn
-    plain = w.plain_parts()
+    plain = lin.weight.plain_parts()
     q_ref, sw_ref = int_formats.rowwise_int8(lin.weight.dequantize(torch.float32))  # re-derived from the values
     assert torch.equal(plain["data"], q_ref) and plain["data"].is_contiguous()
-    xq, sx = int_formats.rowwise_int8(x)
-    acc = torch._int_mm(torch.cat([xq, xq.new_zeros(17, k)]), plain["data"].t())[:m]  # torch's op wants M > 16
-    assert m == 0 or int(acc.abs().max()) > 2 ** 24
-    ref = (acc.float() * sx.unsqueeze(1) * plain["scale"].unsqueeze(0)).to(dtype)
+    prepacked = lin.weight.parts["data"].is_mkldnn
+    assert not (prepacked and (prepack_from > n * k or avx2_emulation.emulated()))
+    xq, _ = int_formats.rowwise_int8(x)
+    assert m == 0 or float((xq.double() @ q_ref.double().t()).abs().max()) > 2 ** 24
     with torch.no_grad():
-        assert torch.equal(lin(x), ref)
+        assert torch.equal(lin(x), int32_formula(x, plain["data"], plain["scale"]))
 
 
-@pytest.mark.skipif(not int_formats.onednn_available(), reason="needs an x86 torch build with oneDNN's int8 linear (torch.ops.onednn.qlinear_prepack); other builds run torch._int_mm (tests/test_inference.py)")
+# Under the AVX2 emulation (tests/avx2_emulation.py): the crafted layer, prepacked where exact and plain, against the
+# formula on fp64 sums; oneDNN's int8 GEMMs there saturate their 16-bit pair sums.
+WITHOUT_VNNI = """
+    import json
+    import torch
+    import engine
+    from engine.inference import int_formats
+    from test_inference_kernels import crafted_int8_layer, crafted_x, int32_formula
+
+    bad, prepacked = [], []
+    for prepack_from in (1, 1 << 40):
+        int_formats.Int8DynamicFormat.onednn_min_elements = prepack_from
+        lin = crafted_int8_layer()
+        engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
+        prepacked.append(lin.weight.parts["data"].is_mkldnn)
+        plain = lin.weight.plain_parts()
+        for m in (1, 5, 17, 64):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = crafted_x(m, lin.weight.shape[1], dtype)
+                with torch.no_grad():
+                    got, want = lin(x), int32_formula(x, plain["data"], plain["scale"])
+                if not torch.equal(got, want):
+                    err = float(((got.double() - want.double()).abs() / want.double().abs()).max())
+                    bad.append(f"prepack_from={prepack_from} M={m} {dtype}: relative error up to {err:.3g}")
+    from engine.inference import int8_mm
+
+    print(json.dumps({"bad": bad, "prepacked": prepacked, "method": int8_mm.method()}))
+"""
+
+
+def test_int8_dynamic_is_the_int32_formula_without_vnni() -> None:
+    """On a CPU without VNNI (an AVX2 Zen 3, emulated) the layer still gives the formula's bits on exact int sums,
+    and keeps its weights plain (oneDNN's prepacked GEMM saturates there); its sums come from torch._int_mm on
+    sign-split operands, not the slow fp64 fallback."""
+    got = avx2_emulation.run(WITHOUT_VNNI)
+    assert not got["bad"], got["bad"]
+    assert got["prepacked"] == [False, False] and got["method"] == "int_mm_sign_split"
+
+
+
+def prepacks() -> bool:
+    """Whether large int8 dynamic weights are held prepacked for oneDNN here."""
+    return int_formats.onednn_available() and int8_mm.prepacked_exact()
+
+
+@pytest.mark.skipif(not prepacks(), reason="needs an x86 torch build with oneDNN's int8 linear (torch.ops.onednn.qlinear_prepack) giving exact sums (VNNI); other machines run int8_mm.int32_mm (tests/test_inference.py, test_int8_dynamic_is_the_int32_formula_without_vnni)")
 def test_onednn_weights_copy_clone_and_load(monkeypatch) -> None:
     """copy_ of a plain or quantized weight, clone, deepcopy and an assigning load keep the prepacked layout and
     the values."""
@@ -328,12 +394,14 @@ def test_onednn_weights_copy_clone_and_load(monkeypatch) -> None:
 
 
 def test_int8_dynamic_layout_follows_the_weight_size() -> None:
-    """Small weights stay plain (torch._int_mm); from onednn_min_elements on they are prepacked where oneDNN is."""
+    """Small weights stay plain (torch._int_mm); from onednn_min_elements on they are prepacked where oneDNN is
+    and gives exact sums (never under the AVX2 emulation: no VNNI)."""
     small, large = torch.nn.Linear(64, 32), torch.nn.Linear(2048, 1024)
     for lin in (small, large):
         engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
     assert not small.weight.parts["data"].is_mkldnn
-    assert large.weight.parts["data"].is_mkldnn == int_formats.onednn_available()
+    assert large.weight.parts["data"].is_mkldnn == prepacks()
+    assert not (avx2_emulation.emulated() and prepacks())
 
 
 @pytest.mark.parametrize("width", [64, 2048])  # plain, and prepacked where oneDNN is

@@ -12,6 +12,8 @@ later runs load the cached build.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,13 @@ def cpu_has_avx512() -> bool:
     return all(f in line.split() for f in AVX512_FLAGS)
 
 
-ISAS = ("portable", "avx512") if cpu_has_avx512() else ("portable",)
+def isa_cap() -> str:
+    """ENGINE_ISA as this test run sets it ('' when unset)."""
+    return os.environ.get("ENGINE_ISA", "").strip().lower()
+
+
+# the kernel sets this run has: the CPU's, capped by ENGINE_ISA=portable (a run that behaves like an AVX2 CPU)
+ISAS = ("portable", "avx512") if cpu_has_avx512() and isa_cap() != "portable" else ("portable",)
 
 
 @pytest.fixture(params=ISAS)
@@ -125,11 +133,58 @@ def test_extension_builds():
 
 
 def test_avx512_kernels_are_used_on_an_avx512_cpu():
-    if cpu_has_avx512():
+    if cpu_has_avx512() and isa_cap() != "portable":
         assert native.available_isas() == ["portable", "avx512"]
         assert native.isa() == "avx512"
     else:
-        assert native.isa() == "portable"
+        assert native.isa() == "portable" and native.available_isas() == ["portable"]
+
+
+def test_engine_isa_caps_the_kernels_for_the_whole_process():
+    """ENGINE_ISA=portable makes a process run (and list) only the portable kernels, as on a CPU without
+    AVX-512; asking for more is a ValueError naming the cap."""
+    import avx2_emulation
+
+    got = avx2_emulation.run("""
+        import json
+        from engine.ops import native
+        try:
+            with native.use_isa("avx512"):
+                refused = ""
+        except ValueError as err:
+            refused = str(err)
+        with native.use_isa("auto"):
+            auto = native.isa()
+        print(json.dumps([native.isa(), native.available_isas(), auto, refused]))
+    """)
+    isa, isas, auto, refused = got
+    assert (isa, isas, auto) == ("portable", ["portable"], "portable")
+    assert "ENGINE_ISA=portable" in refused
+
+
+@pytest.mark.parametrize("value, message", [
+    ("avx2", "ENGINE_ISA: expected one of portable, avx512 or auto, got 'avx2'"),
+    ("avx512", "ENGINE_ISA=avx512: this CPU (or build) has no avx512 kernels")])
+def test_a_bad_engine_isa_is_a_value_error_at_first_use(monkeypatch, value, message):
+    """An unknown value, or a kernel set the machine lacks (here: a build without AVX-512), is a ValueError at
+    the first kernel call, every call, never a silent fallback."""
+    class PortableOnly:  # what a build on a CPU without AVX-512 reports
+        def available_isas(self):
+            return ["portable"]
+
+        def set_isa(self, name):
+            raise AssertionError(f"set_isa({name!r}) past the CPU")
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setattr(native, "_isa_cap", None)
+    monkeypatch.setattr(native, "_build", PortableOnly)
+    monkeypatch.setenv("ENGINE_ISA", value)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            native.amax(torch.ones(3))
+    monkeypatch.delenv("ENGINE_ISA")
+    assert native.available() and native.available_isas() == ["portable"]
 
 
 def test_a_failed_build_is_reported_not_raised(monkeypatch):

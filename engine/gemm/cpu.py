@@ -8,10 +8,11 @@ Every FP8 value is exact in bf16, and so is an FP8 value times a power of two. S
   exactly to bf16 and run one GEMM;
 * fp32 tile scales are applied to each K block's fp32 partial product (as DeepSeek-V3 does).
 
-bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an fp32 GEMM.
+bf16 GEMMs accumulate in fp32 and round once; an fp32 (or fp16) output uses an fp32 GEMM, and so
+does a bf16 output on a CPU whose bf16 GEMM is not native (`engine.ops.exact_gemm.native_bf16_gemm`).
 
 Numerics (the contract of engine/ops/exact_gemm.py): the decode and every product are exact; the
-fp32 accumulation order is unspecified (oneDNN's addmm, or the native small-GEMM kernel below its
+fp32 accumulation order is unspecified (torch's addmm, or the native small-GEMM kernel below its
 size threshold, whose order depends on K alone), so results are within the fp32 reassociation
 bound gamma_K * sum_k |a_k b_k| * |alpha| of the exact value (plus the fp32 roundings of the alpha
 product and the bias add, and the rounding to the output dtype), not bitwise equal to torch.matmul.

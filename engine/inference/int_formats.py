@@ -18,6 +18,7 @@ import platform
 
 import torch
 
+from engine.inference import int8_mm
 from engine.inference.configs import Int4WeightOnly
 from engine.ops import native
 
@@ -87,11 +88,12 @@ class Int8DynamicFormat:
     """Per-token int8 x (scale amax/127 per row, fp32) times per-channel int8 W, accumulated exactly in int32,
     then * sx * sw in fp32, rounded once to x.dtype, + bias.
 
-    The int32 GEMM: for weights of at least `onednn_min_elements` where torch has oneDNN, oneDNN's u8 x s8 GEMM
-    on the weight in its prepacked layout (x as q + 128 with zero point 128: the same int32 sums, returned as
-    their fp32 values); at 4096x4096 it is 1.2x (M = 256) to 3-5x (M = 2-16) faster than `torch._int_mm`, which
-    repacks the weight on every call, and 0.65x at M = 1. Otherwise `torch._int_mm` (the values of
-    `out_dtype(aten.mm, int32, ...)`), faster on small weights (oneDNN's call costs ~25 us more). Either way
+    The int32 GEMM: for weights of at least `onednn_min_elements` where torch has oneDNN and its u8 x s8 GEMM
+    gives exact sums (`int8_mm.prepacked_exact()`: with VNNI), that GEMM on the weight in oneDNN's prepacked
+    layout (x as q + 128 with zero point 128: the same int32 sums, returned as their fp32 values); at 4096x4096
+    it is 1.2x (M = 256) to 3-5x (M = 2-16) faster than `torch._int_mm`, which repacks the weight on every
+    call, and 0.65x at M = 1. Otherwise `int8_mm.int32_mm`: `torch._int_mm` where it is exact, else its
+    exact sign-split form (AVX2 CPUs), faster on small weights (oneDNN's call costs ~25 us more). Either way
     the bits are those of the formula above.
     """
 
@@ -112,12 +114,12 @@ class Int8DynamicFormat:
 
     def prepare(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parts the weight holds: "data" in oneDNN's prepacked layout (an opaque [K, N] tensor) where
-        torch has oneDNN, else as saved. `plain` undoes it."""
+        torch has oneDNN and it gives exact sums, else as saved. `plain` undoes it."""
         data = parts["data"]
         if type(data) is not torch.Tensor or data.is_mkldnn or data.numel() < self.onednn_min_elements \
-                or not onednn_available():
-            return parts  # already prepacked, small, or not a plain tensor (a FakeTensor while tracing)
-        return {**parts, "data": torch.ops.onednn.qlinear_prepack(data, None)}
+                or not onednn_available() or not int8_mm.prepacked_exact():
+            return parts  # already prepacked, small, not a plain tensor (a FakeTensor while tracing), or not exact
+        return {**parts, "data": int8_mm.prepack(data)}
 
     def plain(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parts as saved ("data" int8 [N, K])."""
@@ -133,10 +135,7 @@ class Int8DynamicFormat:
         data, sw = parts["data"], parts["scale"]
         if data.is_mkldnn:  # prepared: native is built where this runs (prepare needs oneDNN, the CPU)
             xq, sx = native.int8_quantize_rows(x, biased=True)
-            ones = torch.ones(shape[0])  # oneDNN's own scales stay 1: the sums come back as their fp32 values
-            sums = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, data, ones, torch.zeros(shape[0], dtype=torch.long),
-                                                     None, 1.0, 0, torch.float32, "none", [], "")
-            out = native.int8_rescale(sums, sx, sw, x.dtype)
+            out = native.int8_rescale(int8_mm.prepacked_sums(xq, data, shape[0]), sx, sw, x.dtype)
         elif native.available():  # the same bits, one pass each for the quantize and the rescale
             xq, sx = native.int8_quantize_rows(x)
             out = native.int8_rescale(int32_mm(xq, data), sx, sw, x.dtype)
@@ -154,9 +153,8 @@ def onednn_available() -> bool:
         and hasattr(torch.ops.onednn, "qlinear_prepack") and native.available()
 
 
-def int32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a[M, K] @ b[N, K]^T for int8 operands, accumulated in int32 (exact for K < 2^17)."""
-    return torch._int_mm(a, b.t())
+#: a[M, K] @ b[N, K]^T for int8 operands in [-127, 127] as exact int32 sums (for K < 2^17): engine.inference.int8_mm
+int32_mm = int8_mm.int32_mm
 
 
 class Int4Format:

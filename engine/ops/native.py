@@ -16,7 +16,11 @@ One build holds two versions of the kernels: a portable one (no `-march` flag: a
 x86-64 or other CPU) and an AVX-512 one (F/BW/DQ/VL/VBMI, compiled with a target
 pragma) chosen at run time by CPUID, so a cached build never runs instructions the CPU
 lacks. `isa()` tells which one runs; `use_isa("portable")` forces the portable one
-(tests compare both with the reference). `ENGINE_NATIVE_VERBOSE=1` shows the build.
+(tests compare both with the reference). `ENGINE_ISA=portable|avx512|auto`, read once when
+the kernels load, caps the kernel sets at one the machine has (a ValueError at first use
+otherwise): with `portable`, `isa()` and `available_isas()` are those of a CPU without
+AVX-512, so a whole process (a test run) behaves like one. `ENGINE_NATIVE_VERBOSE=1` shows
+the build.
 
 Every function gives the same bits as its `engine.ops.reference` counterpart, with the
 same signature plus optional preallocated outputs (`out_data=`, `out_data_t=`,
@@ -59,6 +63,7 @@ import torch
 from engine import memory
 from engine.formats import element_format, fp8_max
 from engine.ops import reference
+from engine.ops.exact_gemm import native_bf16_gemm
 from engine.schemes import dims_2d
 from engine.ops.inputs import PLAIN_TENSOR_TYPES, check_tensor
 
@@ -84,6 +89,9 @@ _FP8_KIND = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
+_isa_cap: str | None = None  # ENGINE_ISA as read when the kernels loaded (None: every kernel set the CPU has)
+ISA_ENV = "ENGINE_ISA"
+ISA_ORDER = ("portable", "avx512")  # each kernel set runs on every CPU the next one runs on
 build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
 
 
@@ -210,16 +218,41 @@ def _describe(err: BaseException) -> str:
     return f"building the C++ extension {EXTENSION_NAME!r} failed: {text}"
 
 
+def _isa_from_env() -> str | None:
+    """ENGINE_ISA's kernel set ('portable' or 'avx512'), None when unset or 'auto'; a ValueError for another value."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ISA_ORDER:
+        raise ValueError(f"{ISA_ENV}: expected one of {', '.join(ISA_ORDER)} or auto, got "
+                         f"{os.environ[ISA_ENV]!r}; unset it to use the best kernels this CPU runs")
+    return value
+
+
+def _capped(module: ModuleType, cap: str | None) -> ModuleType:
+    """The loaded module with its kernel set capped at `cap`; a ValueError when the machine lacks it."""
+    if cap is not None:
+        have = list(module.available_isas())
+        if cap not in have:
+            raise ValueError(f"{ISA_ENV}={cap}: this CPU (or build) has no {cap} kernels (it runs: "
+                             f"{', '.join(have)}); set {ISA_ENV} to one of those or unset it")
+        module.set_isa(cap)
+    return module
+
+
 def _extension() -> ModuleType | None:
-    global _module, _error, build_seconds
+    global _module, _error, _isa_cap, build_seconds
     if _module is None and _error is None:
         with _lock:
             if _module is None and _error is None:
+                cap = _isa_from_env()  # a bad ENGINE_ISA raises here, on every call, before anything loads
                 start = time.perf_counter()
                 try:
-                    _module = _build()
+                    module = _build()
                 except Exception as err:  # no compiler, no ninja, compile error, ...: report, never raise
                     _error = _describe(err)
+                else:
+                    _module, _isa_cap = _capped(module, cap), cap  # raises (leaving _module unset) past the CPU
                 build_seconds = time.perf_counter() - start
     return _module
 
@@ -248,14 +281,21 @@ def isa() -> str:
 
 
 def available_isas() -> list[str]:
-    return list(_ext().available_isas())
+    """The kernel sets this CPU and build run, up to ENGINE_ISA's cap: ['portable'] or ['portable', 'avx512']."""
+    have = list(_ext().available_isas())
+    return have if _isa_cap is None else [name for name in have if ISA_ORDER.index(name) <= ISA_ORDER.index(_isa_cap)]
 
 
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
-    """Run the kernels of `name` ('avx512', 'portable' or 'auto') inside the block."""
+    """Run the kernels of `name` ('avx512', 'portable' or 'auto': the best allowed) inside the block."""
     ext = _ext()
     previous = ext.isa()
+    if name == "auto" and _isa_cap is not None:
+        name = _isa_cap
+    elif name in ISA_ORDER and name not in available_isas():
+        raise ValueError(f"use_isa: {name!r} is not available here (available: {', '.join(available_isas())}"
+                         + (f"; {ISA_ENV}={_isa_cap} caps them)" if _isa_cap is not None else ")"))
     ext.set_isa(name)
     try:
         yield
@@ -546,12 +586,14 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
     tensor: both must be, and the fp32 product of the two scale_inv is addmm's alpha; None
     when that product is not a normal fp32 number (the caller rescales). Otherwise each
     scale_inv has one power-of-2 scale (fp32, or uint8 E8M0 codes) per tile of that shape.
-    Each operand is decoded to bf16 exactly; an out_dtype other than bf16 runs an fp32 GEMM
-    (addmm, or below a size threshold on AVX-512 a small fp32-FMA kernel whose summation order
-    depends on K alone: numerics in engine/ops/exact_gemm.py). The C++ side checks every argument.
+    Each operand is decoded to bf16 exactly; an out_dtype other than bf16, and bf16 where torch's bf16
+    GEMM is not native (`exact_gemm.native_bf16_gemm`), runs an fp32 GEMM (addmm, or below a size
+    threshold on AVX-512 a small fp32-FMA kernel whose summation order depends on K alone: numerics in
+    engine/ops/exact_gemm.py). The C++ side checks every argument.
     """
+    bf16_gemm = out_dtype == torch.bfloat16 and native_bf16_gemm()
     return _ext().exact_gemm(a, a_scale_inv, a_tile[0], a_tile[1], b, b_scale_inv, b_tile[0], b_tile[1], bias,
-                             out_dtype)
+                             out_dtype, bf16_gemm)
 
 
 # ------------------------------------------------------------------------------ MXFP4 / MXFP6
