@@ -247,3 +247,33 @@ def test_the_states_hook_is_marked_as_torch_marks_an_assumed_constant():
     assert extra == {"_dynamo_marked_constant": True}
     assert _states_while_tracing._dynamo_marked_constant is True
     assert refuse_to_compile._dynamo_marked_constant is True  # what makes its error leave Dynamo unwrapped
+
+
+@pytest.mark.parametrize("dgrad_weight", ["mx", "high precision"])
+def test_fp8_primary_weights_whose_dgrad_use_the_recipe_quantizes_otherwise(dgrad_weight):
+    """An FP8 primary weight is quantized by its fprop quantizer (per tensor here); eager's dgrad reads that storage
+    as it is where the recipe quantizes the dgrad weight (MX here) and its dequantized value where the recipe keeps
+    it in high precision: the compiled ops do the same (every recipe's own weights: test_compile_every_format.py)."""
+    spec = None if dgrad_weight == "high precision" else QuantizerSpec(layout="mx", element="e4m3", scaling="e8m0")
+    recipe = OperandRecipe(operands={
+        "fprop_input": QuantizerSpec(layout="tensor", element="e4m3"),
+        "fprop_weight": QuantizerSpec(layout="tensor", element="e4m3"),
+        "dgrad_grad_output": QuantizerSpec(layout="mx", element="e5m2", scaling="e8m0"),
+        "dgrad_weight": spec,
+    })
+
+    def build():
+        torch.manual_seed(0)
+        with engine.fp8_model_init(recipe=recipe):
+            return Stack()
+
+    eager, compiled_model = build(), build()
+    assert compiled_model.proj.weight.scheme.layout == "tensor"
+    inputs = [torch.randn(2, 16, 64) * (i + 1) for i in range(2)]
+    want_out, want_grad = run_steps(eager, recipe, inputs)
+    got_out, got_grad = run_steps(torch.compile(compiled_model, fullgraph=True, backend="aot_eager"), recipe, inputs)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for want, got in zip(want_out + want_grad, got_out + got_grad):
+        assert torch.equal(want, got)
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -405,11 +405,14 @@ def test_int8_dynamic_layout_follows_the_weight_size() -> None:
 
 
 @pytest.mark.parametrize("width", [64, 2048])  # plain, and prepacked where oneDNN is
-def test_compiling_a_quantized_model_is_a_clear_error(width: int) -> None:
+def test_a_compiled_quantized_model_gives_eager_bits(width: int) -> None:
+    """torch.compile takes the weight's GEMM as one custom op (engine::weight_linear), oneDNN's prepacked layout
+    included; tests/test_compile_every_format.py compiles every config."""
     lin = torch.nn.Linear(width, 1024)
     engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
-    with pytest.raises(Exception, match="torch.compile of a model quantized by engine.quantize_ is not supported"):
-        torch.compile(lin, backend="eager", fullgraph=True)(torch.randn(2, width))
+    x = torch.randn(2, width)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(lin, backend="aot_eager", fullgraph=True)(x), lin(x))
 
 
 def test_the_benchmark_runs(capsys) -> None:

@@ -92,20 +92,29 @@ def test_demo_cli_runs_nvfp4(tmp_path):
     assert [r["recipe"] for r in results] == ["nvfp4"]
 
 
-@pytest.mark.parametrize("sr, fullgraph", [(True, True), (False, False)])
-def test_compile_refuses_nvfp4_with_a_clear_error(sr, fullgraph):
-    """The compiled ops carry no NVFP4 amaxes (and the SR counter would not advance): the first line of the
-    error users see is engine's, naming NVFP4 and what to do (not Dynamo's "Observed exception"), and without
-    fullgraph=True it is still an error, not a silent fallback to eager."""
-    layer = engine.Linear(32, 32)
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=fullgraph)
-    x = torch.randn(16, 32)
-    with pytest.raises(Exception) as err:
-        with engine.fp8_autocast(recipe=NVFP4BlockScaling(disable_stochastic_rounding=not sr)):
-            compiled(x)
-    assert str(err.value).splitlines()[0].startswith(
-        "torch.compile: NVFP4 recipes are not supported yet: run NVFP4 models eagerly (without torch.compile), "
-        "or compile under an FP8 or MX recipe"), str(err.value)
+@pytest.mark.parametrize("sr", [True, False])
+def test_compiled_nvfp4_pads_each_token_count_as_eager_does(sr):
+    """Under torch.compile the RHT'd wgrad operands are padded to whole 16-token groups as in eager, also once the
+    token count is a dynamic shape (10, 16 and 26 rows: padded, whole, padded): outputs, gradients and the
+    stochastic-rounding counter are eager's bits (tests/test_compile_every_format.py has the other recipes)."""
+    recipe = NVFP4BlockScaling(disable_stochastic_rounding=not sr)
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        layer = engine.Linear(32, 32)
+        model = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+        seen = []
+        for step, tokens in enumerate((5, 8, 13)):
+            x = torch.randn(2, tokens, 32, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            with fp8_autocast(recipe=recipe):
+                out = model(x)
+            out.square().sum().backward()
+            seen += [out.detach(), x.grad, layer.weight.grad.clone()]
+        seen += [c.clone() for c in layer._bwd_state.rng_counters]
+        runs.append(seen)
+    assert len(runs[1]) == len(runs[0]) == 9 + sr
+    for i, (got, want) in enumerate(zip(runs[1], runs[0])):
+        assert torch.equal(got, want), i
 
 
 def _sr_step(model, x, grad):

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.inference.configs import InferenceConfig
 from engine.inference.formats import format_of
+from engine.inference.weight_op import compiled_weight_linear
 
 aten = torch.ops.aten
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,14 +83,16 @@ class QuantizedWeight(torch.Tensor):
                 f"parts={{{', '.join(f'{k}: {v.dtype} {list(v.shape)}' for k, v in self.parts.items())}}})")
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return [f"part_{k}" for k in self.parts], (self.config, self.weight_shape, self.dtype, self.transposed)
+        # the format goes along as it is: made anew, its quantizers would make tensors while torch.compile traces
+        return [f"part_{k}" for k in self.parts], (self.config, self.weight_shape, self.dtype, self.transposed,
+                                                    _Carried(self.fmt))
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple, outer_size: Any,
                              outer_stride: Any) -> QuantizedWeight:
-        config, shape, dtype, transposed = meta
+        config, shape, dtype, transposed, fmt = meta
         return QuantizedWeight({k.removeprefix("part_"): v for k, v in inner.items()}, config, shape, dtype,
-                               transposed)
+                               transposed, fmt.value)
 
     def __getattr__(self, name: str) -> Any:  # __tensor_flatten__'s inner names
         if name.startswith("part_") and "parts" in self.__dict__ and name[5:] in self.__dict__["parts"]:
@@ -102,9 +105,6 @@ class QuantizedWeight(torch.Tensor):
         if self.transposed:
             raise ValueError("linear: expected the [N, K] weight, got its transposed view; call .t() first")
         n, k = self.weight_shape
-        if torch.compiler.is_compiling() or isinstance(x, FakeTensor):
-            raise NotImplementedError("QuantizedWeight: torch.compile of a model quantized by engine.quantize_ is not "
-                                      "supported; run it eager")
         if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedWeight):
             raise TypeError(f"input: expected a plain torch.Tensor, got {type(x).__name__}")
         if x.dtype not in HIGH_PRECISION:
@@ -117,7 +117,10 @@ class QuantizedWeight(torch.Tensor):
             out = x.new_zeros(*x.shape[:-1], n)
             return out if bias is None else out + bias.to(x.dtype)
         x2d = x.reshape(-1, k)
-        out = self.fmt.linear(x2d, self.parts, self.weight_shape, bias)
+        if torch.compiler.is_compiling() or isinstance(x, FakeTensor):  # the GEMM as a custom op Dynamo can trace
+            out = compiled_weight_linear(x2d, self.parts, self.config, self.weight_shape, bias)
+        else:
+            out = self.fmt.linear(x2d, self.parts, self.weight_shape, bias)
         return out.reshape(*x.shape[:-1], n)
 
     # ------------------------------------------------------------------ torch dispatch
@@ -161,6 +164,25 @@ class QuantizedWeight(torch.Tensor):
         raise NotImplementedError(f"QuantizedWeight ({args[0].config if isinstance(args[0], QuantizedWeight) else ''}"
                                   f") does not support {func} (arguments: {names}); the weight runs F.linear, "
                                   "x @ w.t() and torch.matmul; call .dequantize() for a plain tensor")
+
+
+class _Carried:
+    """A value in `__tensor_flatten__`'s metadata that is not data (the format, which the config next to it
+    determines): carried as it is, never copied, equal to any other (Dynamo copies and compares the metadata)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Carried)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __deepcopy__(self, memo: dict) -> _Carried:
+        return self
 
 
 def check_weight(weight: Any, name: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.checks import check_bool
 from engine.collectives import all_reduce_max
@@ -80,7 +81,7 @@ class NVFP4Rule(ScaleRule):
             amaxes = [ref.amax(x2d) if rowwise else torch.zeros(1),
                       ref.amax(nvfp4.columnwise_input(x2d, rht)) if columnwise else torch.zeros(1)]
             all_reduce_max(amaxes, self.amax_reduction_group)
-        out, _ = _kernel(scheme.layout, x.device.type)(
+        out, _ = _kernel(scheme.layout, x)(
             x, scheme, rowwise=rowwise, columnwise=columnwise, two_d=self.two_d,
             rng_counter=self.rng_counter if self.stochastic_rounding else None,
             amax=None if amaxes is None else amaxes[0], amax_t=None if amaxes is None else amaxes[1])
@@ -89,10 +90,13 @@ class NVFP4Rule(ScaleRule):
         return out
 
 
-def _kernel(layout: str, device_type: str) -> Callable[..., registry.Result]:
-    """The registry's NVFP4 quantize for the device: the C++ kernel on the CPU, the Triton one on CUDA (the
-    reference, with the registry's one-time warning, on a device with neither)."""
-    return registry.kernel("quantize", layout, device_type)
+def _kernel(layout: str, x: torch.Tensor) -> Callable[..., registry.Result]:
+    """The registry's NVFP4 quantize for x's device: the C++ kernel on the CPU, the Triton one on CUDA (the
+    reference, with the registry's one-time warning, on a device with neither). FakeTensors (torch.compile's
+    custom ops tracing) take the reference: torch ops, which make the shapes without reading data."""
+    if isinstance(x, FakeTensor):
+        return registry.quantize_nvfp4_reference
+    return registry.kernel("quantize", layout, x.device.type)
 
 
 class NVFP4Quantizer(Quantizer):

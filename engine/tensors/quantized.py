@@ -35,6 +35,8 @@ FSDP_PRE_ALL_GATHER: Hook = Hook("QuantizedTensor.fsdp_pre_all_gather", "engine.
 FSDP_POST_ALL_GATHER: Hook = Hook("QuantizedTensor.fsdp_post_all_gather", "engine.distributed")
 #: what a pickled QuantizedTensor is rebuilt by (`engine.tensors.serialization.rebuild_quantized_tensor`)
 REBUILD_QUANTIZED_TENSOR: Hook = Hook("QuantizedTensor.__reduce_ex__", "engine.tensors.serialization")
+#: prefix of the inner tensors' names in `__tensor_flatten__` (a storage field's name after it)
+_INNER = "_inner_"
 
 
 class QuantizedFallbackWarning(UserWarning):
@@ -116,7 +118,12 @@ class QuantizedTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ FSDP2's all-gather extension
     def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
-        """The storage of the data (rowwise, else columnwise): where this value's bytes are (FSDP2 compares it)."""
+        """The storage of the data (rowwise, else columnwise): where this value's bytes are (FSDP2 compares it).
+
+        While torch.compile traces, the wrapper's own (empty) storage: it fakes the buffers as inner tensors
+        (`__tensor_flatten__`), and the wrapper must not look like an alias of one of them."""
+        if torch._guards.TracingContext.try_get() is not None:
+            return super().untyped_storage()
         st = self._qstorage
         data = st.rowwise_data if st.rowwise_data is not None else st.columnwise_data
         if data is None:
@@ -136,11 +143,46 @@ class QuantizedTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         st = self._qstorage
         usages = [u for u, on in (("rowwise", st.has_rowwise), ("columnwise", st.has_columnwise)) if on]
-        value = st.dequantize() if usages else "<emptied by prepare_for_saving>"
+        buffers = [t for t in st.buffers().values() if t is not None]
+        if any(type(t) is not torch.Tensor for t in buffers):  # FakeTensors (torch.compile traces): no values
+            value = "<" + ", ".join(f"{type(t).__name__} {t.dtype} {tuple(t.shape)}" for t in buffers) + ">"
+        else:
+            value = st.dequantize() if usages else "<emptied by prepare_for_saving>"
         return f"{type(self).__name__}(scheme={st.scheme.name}, usages={usages}, data={value})"
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         return REBUILD_QUANTIZED_TENSOR.impl, (self._qstorage.to_plain(), self.requires_grad)
+
+    # ------------------------------------------------------------------ torch.compile (traceable subclass)
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        """The buffers as inner tensors (each once: one per-tensor scale_inv serves both usages), and the rest
+        as metadata: (scheme name, shape, nominal dtype, quantizer, each field's inner name or None)."""
+        st = self._qstorage
+        inner: dict[int, str] = {}
+        fields = []
+        for name, t in st.buffers().items():
+            if t is not None and id(t) not in inner:
+                inner[id(t)] = _INNER + name
+            fields.append((name, None if t is None else inner[id(t)]))
+        meta = (st.scheme.name, tuple(st.shape), st.nominal_dtype, _QuantizerRef(st.quantizer), tuple(fields))
+        return list(inner.values()), meta
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple, outer_size: Any,
+                             outer_stride: Any) -> QuantizedTensor:
+        from engine.schemes import get_scheme
+
+        scheme, shape, dtype, quantizer, fields = meta
+        buffers = {name: None if key is None else inner[key] for name, key in fields}
+        storage = QuantizedTensorBase.made(get_scheme(scheme), torch.Size(shape), dtype, quantizer.quantizer, buffers)
+        return QuantizedTensor.wrap(storage)
+
+    def __getattr__(self, name: str) -> Any:  # __tensor_flatten__'s inner names
+        if name.startswith(_INNER) and "_qstorage" in self.__dict__:
+            t = getattr(self.__dict__["_qstorage"], name[len(_INNER):], None)
+            if isinstance(t, torch.Tensor):
+                return t
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     # ------------------------------------------------------------------ dispatch
     @classmethod
@@ -152,6 +194,29 @@ class QuantizedTensor(torch.Tensor):
             if out is not NotImplemented:
                 return out
         return _fallback(func, args, kwargs)
+
+
+class _QuantizerRef:
+    """A tensor's quantizer in its `__tensor_flatten__` metadata, which Dynamo copies and compares to guard a
+    compiled graph: equal for quantizers of one kind and settings, never copied (it is the tensor's own)."""
+
+    __slots__ = ("quantizer",)
+
+    def __init__(self, quantizer: Any) -> None:
+        self.quantizer = quantizer
+
+    def _key(self) -> Any:
+        q = self.quantizer
+        return None if q is None else (type(q), repr(q.config()))
+
+    def __eq__(self, other: object) -> bool:  # checked at every compiled call: the same quantizer first
+        return isinstance(other, _QuantizerRef) and (self.quantizer is other.quantizer or self._key() == other._key())
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __deepcopy__(self, memo: dict) -> _QuantizerRef:
+        return self
 
 
 def storage_of(t: Any, name: str) -> QuantizedTensorBase:
