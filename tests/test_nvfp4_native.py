@@ -11,6 +11,7 @@ counter, and the counter advanced alike. Bad arguments get errors naming them.
 from __future__ import annotations
 
 import functools
+import types
 import itertools
 import math
 import warnings
@@ -380,13 +381,13 @@ def test_forced_triton_selects_the_triton_nvfp4_kernel(monkeypatch):
     registry._resolve.cache_clear()
     try:
         for layout in ("nvfp4", "nvfp4_rht"):
-            fn = nvfp4_quantizer._kernel(layout, "cpu")
+            fn = nvfp4_quantizer._kernel(layout, torch.empty(0))
             assert isinstance(fn, functools.partial) and fn.func is registry.quantize_nvfp4
             assert fn.args == (triton_kernels,)
     finally:
         registry._resolve.cache_clear()
     monkeypatch.delenv("ENGINE_BACKEND")
-    fn = nvfp4_quantizer._kernel("nvfp4", "cuda")
+    fn = nvfp4_quantizer._kernel("nvfp4", types.SimpleNamespace(device=torch.device("cuda")))  # only its device is read
     registry._resolve.cache_clear()
     assert fn.func is registry.quantize_nvfp4 and fn.args == (triton_kernels,)
 
