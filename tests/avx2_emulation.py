@@ -34,3 +34,12 @@ def run(code: str, timeout: float = 300.0) -> object:
     if result.returncode != 0:
         raise AssertionError(f"the emulated run failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())

@@ -191,20 +191,10 @@ def test_each_output_depends_on_k_only(out_dtype):
         assert torch.equal(gemm(a, sa, b, sb, bias, out_dtype).view(torch.uint8), whole.view(torch.uint8))
 
 
-def cpu_flags() -> set[str]:
-    from pathlib import Path
-
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-
-
 @pytest.mark.skipif(bool(os.environ.get("ONEDNN_MAX_CPU_ISA")), reason="oneDNN capped by ONEDNN_MAX_CPU_ISA: the "
                     "flags do not say what runs (test_a_bf16_output_is_the_fp32_gemm_without_bf16_hardware does)")
 def test_the_bf16_gemm_is_native_where_the_cpu_has_bf16_dot_products():
-    assert native_bf16_gemm() == bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    assert native_bf16_gemm() == bool({"avx512_bf16", "amx_bf16"} & avx2_emulation.cpu_flags())
 
 
 # Run under the AVX2 emulation (tests/avx2_emulation.py): each case's bf16 output, native and reference, against the

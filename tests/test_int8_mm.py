@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -115,21 +114,13 @@ def test_the_prepacked_probe_tells_saturating_sums(monkeypatch, fresh_probes) ->
         assert int8_mm.prepacked_exact() == (name == "exact"), name
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-
-
 def test_the_probes_follow_the_cpu() -> None:
     """With VNNI (and oneDNN not capped) torch's int8 GEMMs are exact and run as they are; under the AVX2
     emulation neither is, and the sign-split form runs."""
     if avx2_emulation.emulated():
         assert (int8_mm.int_mm_exact(), int8_mm.prepacked_exact(), int8_mm.method()) == \
             (False, False, "int_mm_sign_split")
-    elif {"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
+    elif {"avx512_vnni", "avx_vnni", "amx_int8"} & avx2_emulation.cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
         assert int8_mm.method() == "int_mm"
         assert not int_formats.onednn_available() or int8_mm.prepacked_exact()
     else:
