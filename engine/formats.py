@@ -109,6 +109,26 @@ MX_ELEMENTS: dict[str, FloatFormat] = {"e2m1": E2M1, "e2m3": E2M3, "e3m2": E3M2}
 _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
+@dataclass(frozen=True)
+class IntFormat:
+    """A signed integer element: `bits` wide, symmetric codes in [-max, max] (int8: +-127; int4: +-7, and the
+    code -8 that asymmetric int4 uses for its zero point's offset). torch_dtype None: packed uint8 codes."""
+
+    name: str
+    bits: int
+    torch_dtype: torch.dtype | None
+
+    @property
+    def max(self) -> float:
+        return float((1 << (self.bits - 1)) - 1)
+
+
+INT8 = IntFormat("INT8", 8, torch.int8)
+INT4 = IntFormat("INT4", 4, None)
+#: integer elements (inference weights and int8 activations), by name
+INT_ELEMENTS: dict[str, IntFormat] = {"int8": INT8, "int4": INT4}
+
+
 def element_format(element: torch.dtype | FloatFormat, name: str = "element") -> FloatFormat:
     """The FloatFormat of a scheme element (an FP8 dtype or an MX element format); TypeError naming `name`."""
     if isinstance(element, FloatFormat):
@@ -121,8 +141,10 @@ def element_format(element: torch.dtype | FloatFormat, name: str = "element") ->
                     f"got {element!r}")
 
 
-def element_name(element: torch.dtype | FloatFormat) -> str:
-    """"e4m3", "e5m2", "e2m1", "e2m3" or "e3m2"."""
+def element_name(element: torch.dtype | FloatFormat | IntFormat) -> str:
+    """"e4m3", "e5m2", "e2m1", "e2m3", "e3m2", "int8" or "int4"."""
+    if isinstance(element, IntFormat):
+        return element.name.lower()
     element_format(element)  # a TypeError for anything else
     return _FP8_NAMES[element] if isinstance(element, torch.dtype) else element.name.lower()
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from engine import device, recipes
+from engine.formats import element_name
+from engine.schemes import ScaleEncoding, get_scheme
 from engine.recipes import CustomRecipe, OperandRecipe, QuantizerSpec, Recipe
 
 #: CPU features the kernels here look at (/proc/cpuinfo names): the AVX-512 kernel set needs F, BW, DQ, VL and
@@ -97,7 +99,7 @@ def _quantize_kernel(spec: QuantizerSpec, isa: str | None) -> str:
     from engine.ops import backend, registry
 
     forced = backend.forced_backend()
-    if forced == "reference" or isa is None or ("quantize", spec.layout, "cpu") not in registry.KERNELS:
+    if forced == "reference" or isa is None or ("quantize", get_scheme(spec.scheme).layout, "cpu") not in registry.KERNELS:
         return "reference"
     return "C++"
 
@@ -105,11 +107,14 @@ def _quantize_kernel(spec: QuantizerSpec, isa: str | None) -> str:
 def _gpu_gemm(spec: QuantizerSpec, capability: tuple[int, int]) -> str | None:
     """'cuBLAS' or 'emulated' for a GPU GEMM operand of this spec; None where it cannot run (per-tensor FP8
     below compute capability 8.9)."""
-    if spec.layout == "tensor":
+    scheme = get_scheme(spec.scheme)
+    if scheme.rowwise_block.is_tensor:
         return "cuBLAS" if capability >= device.FP8_MIN_CAPABILITY else None
     from engine.gemm.block_scaled import BLOCK_SCALED_MAJOR, torch_has_block_scaled
 
-    native = (spec.layout in ("mx", "nvfp4") and spec.element in CUBLAS_BLOCK_ELEMENTS
+    # cuBLAS's block-scaled GEMMs: E8M0 scales per 32 (MX) or E4M3 scales per 16 under a tensor scale (NVFP4)
+    block_scaled = scheme.scale is ScaleEncoding.E8M0 or scheme.tensor_scale
+    native = (block_scaled and element_name(scheme.element) in CUBLAS_BLOCK_ELEMENTS
               and capability[0] == BLOCK_SCALED_MAJOR and torch_has_block_scaled())
     return "cuBLAS" if native else "emulated"
 

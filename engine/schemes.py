@@ -14,6 +14,7 @@ A dim that is not a multiple of its block ends in a partial block, stored compac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -21,7 +22,10 @@ from enum import Enum
 
 import torch
 
-from engine.formats import FP8_DTYPES, MX_ELEMENTS, FloatFormat, element_name, parse_element
+from engine.formats import FP8_DTYPES, MX_ELEMENTS, FloatFormat, IntFormat, element_name, parse_element
+
+BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+AMAX_FIELDS = ("amax_rowwise", "amax_columnwise")
 
 
 class ScaleEncoding(str, Enum):
@@ -78,19 +82,39 @@ def _blocks(count: int, block: int) -> int:
 TENSOR = Block(0, 0)
 
 
+#: TE's fixed sign vector of the 16-point random Hadamard transform (`get_wgrad_sign_vector`)
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """An orthonormal transform applied to a usage's data along M before it is quantized: the random Hadamard
+    transform (RHT) of `size` points, Sylvester's H times `signs` on its rows, divided by sqrt(size)."""
+
+    kind: str
+    size: int
+    signs: tuple[int, ...]
+
+
+RHT16 = Transform("rht", 16, RHT_SIGNS)
+
+
 @dataclass(frozen=True)
 class Scheme:
-    """One way of storing a quantized tensor."""
+    """One way of storing a quantized tensor: the fields are the spec, every layout fact derives from them."""
 
-    layout: str  # "tensor" | "block1d" | "block2d" | "mx" | "axiswise"
-    #: an FP8 torch dtype, or (MX only) an element format torch has no dtype for (formats.MX_ELEMENTS),
-    #: whose data is uint8 codes, `elements_per_byte` to a byte along the last dim (ops/mx_elements.py)
-    element: torch.dtype | FloatFormat
-    scale: ScaleEncoding
+    layout: str  # a name for the family (scheme names, kernel table keys); never compared outside this file
+    #: an FP8 torch dtype, an element format torch has no dtype for (formats.MX_ELEMENTS: uint8 codes,
+    #: `elements_per_byte` to a byte along the last dim, element 2i in the low nibble), or an integer element
+    element: torch.dtype | FloatFormat | IntFormat
+    scale: ScaleEncoding  # the block scale level's encoding
     rowwise_block: Block
     columnwise_block: Block  # also in x's [M, K] view: 1D block scaling's columnwise tiles are 128x1
     columnwise_transposed: bool
-    elements_per_byte: int = 1
+    elements_per_byte: int = 1  # packing along the stored last dim, the first element in the low bits
+    #: a second scale level: one fp32 amax per usage, the block scales encoded relative to it (NVFP4)
+    tensor_scale: bool = False
+    columnwise_transform: Transform | None = None  # the rowwise usage never has one
 
     @property
     def name(self) -> str:
@@ -98,19 +122,61 @@ class Scheme:
         suffix = "_pow2" if self.scale is ScaleEncoding.FP32_POW2 and self.layout != "mx" else ""
         return f"{self.layout}_{element}{suffix}"
 
+    # ------------------------------------------------------------------ what derives from the fields
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The buffers a storage of this scheme holds: data and scale_inv per usage, and each usage's amax with
+        a tensor-level scale."""
+        return BUFFER_FIELDS + (AMAX_FIELDS if self.tensor_scale else ())
+
+    def usage_fields(self, columnwise: bool) -> tuple[str, ...]:
+        usage = "columnwise" if columnwise else "rowwise"
+        return tuple(f for f in self.fields if f.startswith(usage) or f.endswith(usage))
+
+    def transform(self, columnwise: bool) -> Transform | None:
+        return self.columnwise_transform if columnwise else None
+
     @property
     def derivable(self) -> bool:
-        """Either usage can be made exactly from the other (the same blocks, seen transposed)."""
-        return self.rowwise_block == self.columnwise_block and self.columnwise_transposed
+        """Either usage can be made exactly from the other (the same blocks, seen transposed, no transform)."""
+        return self.rowwise_block == self.columnwise_block and self.columnwise_transposed and \
+            self.columnwise_transform is None
+
+    @property
+    def sliceable(self) -> bool:
+        """Row slices of a 2D tensor at block boundaries are tensors of the same scheme (FSDP2 shards, TP): no
+        block spans all rows unless one scale covers the whole tensor, no tensor-level scale, no transform."""
+        whole_m = any(b.rows == 0 and not b.is_tensor for b in (self.rowwise_block, self.columnwise_block))
+        return not (whole_m or self.tensor_scale or self.columnwise_transform is not None)
+
+    def gatherable(self, columnwise: bool) -> bool:
+        """Shards of one usage along M concatenate into the whole tensor's buffers, as bytes: no tensor-level
+        scale (each shard has its own amax) and no transform (it would mix the shards' tokens)."""
+        return not self.tensor_scale and self.transform(columnwise) is None
+
+    def row_multiple(self, columnwise: bool) -> int:
+        """The usage's transform mixes this many rows (tokens) of x: M must be a multiple of it (1: any M)."""
+        t = self.transform(columnwise)
+        return 1 if t is None else t.size
+
+    @property
+    def block_scaling_dim(self) -> int | None:
+        """1 or 2 for FP8 block scaling's 1x128 / 128x128 fp32 tiles (TE's name), else None."""
+        if self.scale not in (ScaleEncoding.FP32, ScaleEncoding.FP32_POW2) or self.rowwise_block.cols != BLOCK_128:
+            return None
+        return {1: 1, BLOCK_128: 2}.get(self.rowwise_block.rows)
 
     @property
     def data_dtype(self) -> torch.dtype:
-        """dtype of the data buffers: the FP8 dtype, or uint8 codes for an element torch has no dtype for."""
-        return self.element if isinstance(self.element, torch.dtype) else torch.uint8
+        """dtype of the data buffers: the element's torch dtype, or uint8 codes for an element torch has none for."""
+        if isinstance(self.element, torch.dtype):
+            return self.element
+        return self.element.torch_dtype if isinstance(self.element, IntFormat) and self.element.torch_dtype \
+            else torch.uint8
 
     @property
     def coded(self) -> bool:
-        """The data holds uint8 element codes (E2M1 / E2M3 / E3M2), not a torch dtype's values."""
+        """The data holds uint8 float element codes (E2M1 / E2M3 / E3M2), not a torch dtype's values."""
         return isinstance(self.element, FloatFormat)
 
     def data_shape(self, shape: torch.Size | tuple[int, ...], columnwise: bool) -> tuple[int, ...]:
@@ -132,15 +198,38 @@ class Scheme:
             return self.columnwise_block.transposed().grid(k, m)
         return self.columnwise_block.grid(m, k)
 
+    def buffer_specs(self, shape: torch.Size | tuple[int, ...], *, rowwise: bool,
+                     columnwise: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each buffer a tensor of `shape` holds for the given usages (amaxes: fp32 [1])."""
+        specs = {}
+        for col, wanted in ((False, rowwise), (True, columnwise)):
+            if wanted:
+                usage = "columnwise" if col else "rowwise"
+                specs[f"{usage}_data"] = (self.data_shape(shape, col), self.data_dtype)
+                specs[f"{usage}_scale_inv"] = (self.scale_shape(shape, col), self.scale.dtype)
+                if self.tensor_scale:
+                    specs[f"amax_{usage}"] = ((1,), torch.float32)
+        return specs
+
     def stored_block(self, columnwise: bool) -> Block:
         """The block in the orientation the data is stored (`[K, M]` for transposed columnwise data)."""
         if not columnwise:
             return self.rowwise_block
         return self.columnwise_block.transposed() if self.columnwise_transposed else self.columnwise_block
 
+    @property
+    def family(self) -> str:
+        """The layout name without the transform (a spec's first form names the transform apart: `rht`)."""
+        return self.layout.removesuffix(f"_{self.columnwise_transform.kind}") if self.columnwise_transform \
+            else self.layout
+
+    def same_layout(self, other: Scheme) -> bool:
+        """The same blocks, levels, transform and packing (the element and the scale encoding may differ)."""
+        return dataclasses.replace(self, element=other.element, scale=other.scale, layout=other.layout) == other \
+            and self.layout == other.layout
+
     def with_element(self, element: torch.dtype) -> Scheme:
-        return SCHEMES[Scheme(self.layout, element, self.scale, self.rowwise_block, self.columnwise_block,
-                              self.columnwise_transposed, self.elements_per_byte).name]
+        return SCHEMES[dataclasses.replace(self, element=element).name]
 
     def __repr__(self) -> str:
         return f"Scheme({self.name})"
@@ -173,7 +262,6 @@ NVFP4_BLOCK = 16
 #: columnwise 16x1 stored transposed `[K, M]` as TE stores it. Scales are stored per row of the data
 #: (16x16 weight tiles repeat theirs on their 16 rows, as TE does), so 1D and 2D share the layout.
 #: "nvfp4_rht": the columnwise data is of the RHT'd transpose (inputs and gradients; `engine.ops.nvfp4`).
-NVFP4_LAYOUTS = ("nvfp4", "nvfp4_rht")
 
 
 def _registry() -> dict[str, Scheme]:
@@ -186,7 +274,8 @@ def _registry() -> dict[str, Scheme]:
     schemes += [Scheme("mx", fmt, ScaleEncoding.E8M0, row, col, transposed, 2 if fmt.bits == 4 else 1)
                 for fmt in MX_ELEMENTS.values()]
     schemes += [Scheme(layout, MX_ELEMENTS["e2m1"], ScaleEncoding.E4M3, Block(1, NVFP4_BLOCK), Block(NVFP4_BLOCK, 1),
-                       True, 2) for layout in NVFP4_LAYOUTS]
+                       True, 2, tensor_scale=True, columnwise_transform=transform)
+                for layout, transform in (("nvfp4", None), ("nvfp4_rht", RHT16))]
     return {s.name: s for s in schemes}
 
 

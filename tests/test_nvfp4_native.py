@@ -149,7 +149,7 @@ def compare(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool, rht: 
     m = math.prod(x.shape[:-1]) if x.dim() else 1  # the rows of x's 2D view
     opts = dict(rowwise=rowwise, columnwise=columnwise, two_d=two_d)
     if given:
-        opts.update(amax=torch.tensor([amaxes[0]]), amax_t=torch.tensor([amaxes[1]]))
+        opts.update(amax_rowwise=torch.tensor([amaxes[0]]), amax_columnwise=torch.tensor([amaxes[1]]))
     counters = [torch.tensor([-(2**40) - 3, 2**32 - 77]) if sr else None for _ in range(2)]
     if rht and columnwise and m % 16:
         for fn, c in ((kernel, counters[0]), (reference, counters[1])):
@@ -182,7 +182,7 @@ def test_ties_of_elements_and_scales_round_as_the_reference(isa, dtype):
                 bad += [f"{tuple(x.shape)} {opt}: {b}" for b in compare(x, **opt, amaxes=(amax, amax))]
     assert not bad, bad[:10]
     # the ties are where the reference says they are: E2M1 midpoints to the even code, E4M3 ones too
-    out = reference(e2m1, PLAIN_SCHEME, None, rowwise=True, columnwise=False, amax=torch.tensor([2688.0]))
+    out = reference(e2m1, PLAIN_SCHEME, None, rowwise=True, columnwise=False, amax_rowwise=torch.tensor([2688.0]))
     # 6, 0.25 | 0.75, 1.25 | 1.75, 2.5 | 3.5, 5 -> codes 7, 0 | 2, 2 | 4, 4 | 6, 6 (ties to the even code)
     low = out["rowwise_data"][0, :4] & 0xF
     assert low.tolist() == [7, 2, 4, 6] and (out["rowwise_data"][0, :4] >> 4).tolist() == [0, 2, 4, 6]
@@ -375,19 +375,18 @@ def test_forced_triton_selects_the_triton_nvfp4_kernel(monkeypatch):
     import functools
 
     from engine.ops import triton as triton_kernels
-    from engine.quantizers import nvfp4 as nvfp4_quantizer
 
     monkeypatch.setenv("ENGINE_BACKEND", "triton")
     registry._resolve.cache_clear()
     try:
         for layout in ("nvfp4", "nvfp4_rht"):
-            fn = nvfp4_quantizer._kernel(layout, torch.empty(0))
+            fn = registry.kernel("quantize", layout, "cpu")
             assert isinstance(fn, functools.partial) and fn.func is registry.quantize_nvfp4
             assert fn.args == (triton_kernels,)
     finally:
         registry._resolve.cache_clear()
     monkeypatch.delenv("ENGINE_BACKEND")
-    fn = nvfp4_quantizer._kernel("nvfp4", types.SimpleNamespace(device=torch.device("cuda")))  # only its device is read
+    fn = registry.kernel("quantize", "nvfp4", "cuda")
     registry._resolve.cache_clear()
     assert fn.func is registry.quantize_nvfp4 and fn.args == (triton_kernels,)
 

@@ -174,9 +174,10 @@ def test_a_model_of_today_writes_the_recipe_header_its_fixture_holds(name):
     ({"scheme": "tensor_e4m3", "rule": "current", "params": [0.0]}, r"params: expected a dict"),
     ({"rule": "current"}, r"scheme: missing"),
     ({"scheme": "tensor_e4m3", "layout": "tensor"}, r"layout: give a spec either as"),
-    ({"layout": "mx", "element": "e4m3", "scaling": "e8m0", "pow2": True}, r"pow2: not an option of layout 'mx'"),
+    ({"layout": "mx", "element": "e4m3", "scaling": "e8m0", "pow2": True}, r"pow2: not an option of scaling 'e8m0'"),
     ({"layout": "tensor", "scaling": "delayed", "amax_epsilon": 1.0}, r"amax_epsilon: not an option"),
-    ({"layout": "block1d", "element": "e2m1"}, r"need layout 'mx'"),
+    ({"layout": "block1d", "element": "e2m1"}, r"there is no 'block1d' scheme of 'e2m1' elements"),
+    ({"layout": "block1d", "scaling": "delayed"}, r"scaling: 'delayed' scales do not fit layout 'block1d'"),
 ])
 def test_a_bad_spec_is_a_value_error_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):

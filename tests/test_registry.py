@@ -30,7 +30,7 @@ from engine.ops import backend, registry
 from engine.ops import quantize as qops
 from engine.ops.reference import dequantize_blocked
 from engine.formats import MX_ELEMENTS
-from engine.schemes import NVFP4_LAYOUTS, SCHEMES, Block, ScaleEncoding, Scheme
+from engine.schemes import BUFFER_FIELDS, SCHEMES, Block, ScaleEncoding, Scheme
 from engine.tensors.storage import QuantizedTensorBase
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -170,27 +170,29 @@ def compare_nvfp4(fn, layout: str, x: torch.Tensor, what: str, *, matrix: bool =
     `matrix=False`: the default options only (both usages, 1x16 blocks, RNE, x's own amaxes)."""
     bad = []
     scheme = next(s for s in SCHEMES.values() if s.layout == layout)
+    rht = scheme.columnwise_transform is not None
     m = x.reshape(-1, x.shape[-1]).shape[0] if x.dim() > 1 else 1
-    if layout == "nvfp4_rht" and m % 16 and m > 16:  # the RHT runs on the whole 16-token groups of x too
+    if rht and m % 16 and m > 16:  # the RHT runs on the whole 16-token groups of x too
         bad += compare_nvfp4(fn, layout, x.reshape(m, -1)[: m // 16 * 16], f"{what} (first {m // 16 * 16} rows)",
                              matrix=matrix)
-    for two_d in ((False,) if layout == "nvfp4_rht" or not matrix else (False, True)):
+    for two_d in ((False,) if rht or not matrix else (False, True)):
         for sr in (False, True) if matrix else (False,):
             for given in (None, (torch.tensor([3.5]), torch.tensor([1e-30]))) if matrix else (None,):
                 for rowwise, columnwise in ((True, True), (True, False), (False, True)) if matrix else ((True, True),):
                     counters = [torch.tensor([2**40 + 7, 2**32 - 100]) if sr else None for _ in range(2)]
                     opts = dict(rowwise=rowwise, columnwise=columnwise, two_d=two_d,
-                                amax=None if given is None else given[0], amax_t=None if given is None else given[1])
+                                amax_rowwise=None if given is None else given[0],
+                                amax_columnwise=None if given is None else given[1])
                     label = f"{scheme.name} {what} two_d={two_d} sr={sr} given={given is not None} " \
                             f"usages={rowwise, columnwise}"
-                    if layout == "nvfp4_rht" and columnwise and m % 16:
+                    if rht and columnwise and m % 16:
                         for f, c in ((fn, counters[0]), (registry.REFERENCE["quantize"], counters[1])):
                             with pytest.raises(ValueError, match="multiple of 16"):
                                 f(x, scheme, rng_counter=c, **opts)
                         continue
                     got, _ = fn(x, scheme, rng_counter=counters[0], **opts)
                     want, _ = registry.REFERENCE["quantize"](x, scheme, rng_counter=counters[1], **opts)
-                    for field in (*registry.BUFFER_FIELDS, "amax_rowwise", "amax_columnwise"):
+                    for field in scheme.fields:
                         if not same_bits(got[field], want[field]):
                             bad.append(f"{label} {field}")
                     if sr and not torch.equal(counters[0], counters[1]):
@@ -229,7 +231,7 @@ def compare_entry(op: str, layout: str, fn) -> list[str]:
                     if not same_bits(fn(codes), registry.REFERENCE["fp8_to_bf16"](codes)):
                         bad.append(f"fp8_to_bf16 {element}")
                 continue
-            if layout in NVFP4_LAYOUTS:
+            if any(s.tensor_scale for s in SCHEMES.values() if s.layout == layout):
                 bad += compare_nvfp4(fn, layout, x, f"{dtype} {name}")
                 continue
             for scheme in (s for s in SCHEMES.values() if s.layout == layout):
@@ -244,7 +246,7 @@ def compare_entry(op: str, layout: str, fn) -> list[str]:
                             rule = {**rule, "record_amax": want_state}
                         want, _ = registry.quantize_reference(x, scheme, rowwise=True, columnwise=True, scale=scale,
                                                               **rule)
-                        for field in registry.BUFFER_FIELDS:
+                        for field in BUFFER_FIELDS:
                             if not same_bits(got[field], want[field]):
                                 bad.append(f"{scheme.name} {dtype} {name} scale={scale} {rule} {field}")
                         if start is not None and not same_bits(got_state, want_state):
@@ -282,7 +284,7 @@ def _worker() -> None:
         if device == "cuda":
             assert entry.backend == "triton"
             fn = functools.partial(entry.fn, triton_kernels)
-            if layout in NVFP4_LAYOUTS:  # interpreted NVFP4 costs ~0.3 s a call: every option on a small input, the
+            if any(s.tensor_scale for s in SCHEMES.values() if s.layout == layout):  # interpreted NVFP4 costs ~0.3 s a call: every option on a small input, the
                 # defaults on each dtype's edge input (tests/test_triton_nvfp4.py has the targeted edge cases)
                 key = "-".join((op, layout, device))
                 out[key] = compare_nvfp4(fn, layout, edge_inputs(torch.bfloat16)["one-row"], "bf16 one-row")
@@ -306,12 +308,22 @@ def test_every_cuda_kernel_matches_the_reference_bitwise_under_the_triton_interp
 
 # ------------------------------------------------------------------------------------------- opcheck
 @pytest.mark.parametrize("scheme", ["tensor_e4m3", "tensor_e5m2_pow2", "block1d_e4m3_pow2", "block2d_e4m3",
-                                    "mx_e4m3", "mx_e5m2"])
+                                    "mx_e4m3", "mx_e5m2", "mx_e2m1", "axiswise_e4m3", "nvfp4_e2m1", "nvfp4_rht_e2m1"])
 def test_opcheck_quantize(scheme):
+    """engine::quantize's schema, fake kernel and registration, with every argument family: a per-tensor scale,
+    given tensor-level amaxes, a stochastic-rounding counter it advances (mutated), a rule's options."""
     x = torch.randn(48, 160)
-    scale = torch.tensor([2.0]) if scheme.startswith("tensor") else None
+    two_level = SCHEMES[scheme].tensor_scale
+    scale = torch.tensor([2.0]) if SCHEMES[scheme].rowwise_block.is_tensor else None
     for rowwise, columnwise in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(qops.quantize_op, (x, scheme, rowwise, columnwise, scale, 0.0, "rceil"))
+        if two_level:
+            for given, counter, options in ((None, None, "[]"), (torch.tensor([3.5]), torch.tensor([7, 0]),
+                                                                 '[["two_d", true]]' if "rht" not in scheme else "[]")):
+                torch.library.opcheck(qops.quantize_op, (x, scheme, rowwise, columnwise, None, 0.0, "rceil", given,
+                                                         given, counter, options))
+        else:
+            torch.library.opcheck(qops.quantize_op, (x, scheme, rowwise, columnwise, scale, 0.0, "rceil", None,
+                                                     None, None, "[]"))
 
 
 def test_opcheck_amax_and_fp8_to_bf16():
@@ -341,7 +353,7 @@ def test_a_missing_kernel_runs_the_reference_with_one_warning(monkeypatch, fresh
         qops.quantize(x, scheme, rowwise=True, columnwise=False)  # decided once: no second warning
     want, _ = registry.quantize_reference(x, scheme, rowwise=True, columnwise=True, scale=None, amax_epsilon=0.0,
                                           scale_mode="rceil")
-    assert all(same_bits(got[f], want[f]) for f in registry.BUFFER_FIELDS)
+    assert all(same_bits(got[f], want[f]) for f in BUFFER_FIELDS)
 
 
 def test_an_unavailable_backend_falls_back_per_op_and_forcing_it_is_an_error(monkeypatch, fresh_registry):

@@ -117,12 +117,12 @@ ERRORS = [  # (id, input maker, kwargs of engine.ops.triton.quantize_nvfp4, exce
 
 
 def options(opts: dict) -> dict:
-    out = dict(rowwise=True, columnwise=True, two_d=False, rng_counter=None, amax=None, amax_t=None)
+    out = dict(rowwise=True, columnwise=True, two_d=False, rng_counter=None, amax_rowwise=None, amax_columnwise=None)
     for key, value in opts.items():
         if key == "rng_counter":
             value = counter(*value)
-        elif key in ("amax", "amax_t"):
-            value = torch.tensor([value])
+        elif key in ("amax", "amax_t"):  # the registry's names of the given amaxes
+            key, value = {"amax": "amax_rowwise", "amax_t": "amax_columnwise"}[key], torch.tensor([value])
         out[key] = value
     return out
 

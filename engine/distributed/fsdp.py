@@ -45,7 +45,7 @@ import torch
 
 from engine.quantizers.rules import CurrentRule
 from engine.tensors.quantized import QuantizedTensor
-from engine.tensors.sharding import SLICEABLE_LAYOUTS, row_block
+from engine.tensors.sharding import row_block
 from engine.tensors.storage import QuantizedTensorBase
 
 __all__ = ["all_gather_fields", "average_gradients", "post_all_gather", "pre_all_gather", "replicated_weights",
@@ -81,9 +81,9 @@ def shard_refusal(weight: torch.Tensor, world_size: int) -> str | None:
 
 
 def _refusal(storage: QuantizedTensorBase, shape: torch.Size, world_size: int) -> str | None:
-    if storage.scheme.layout not in SLICEABLE_LAYOUTS or len(shape) != 2:
-        return (f"a {len(shape)}D {storage.scheme.name} weight has no row shards (FSDP2 all-gathers 2D weights of "
-                f"the {'/'.join(SLICEABLE_LAYOUTS)} layouts)")
+    if not storage.scheme.sliceable or len(shape) != 2:
+        return (f"a {len(shape)}D {storage.scheme.name} weight has no row shards (FSDP2 all-gathers 2D weights whose "
+                f"scheme has row slices: `Scheme.sliceable`)")
     if not storage.has_rowwise:
         return f"a {storage.scheme.name} weight without rowwise data"
     block = row_block(storage)

@@ -58,8 +58,8 @@ def _m_extent(scheme: Scheme, columnwise: bool) -> tuple[int, int]:
 
 def gatherable(scheme: Scheme, columnwise: bool, split: SeqSplit) -> bool:
     """Whether one usage of a tensor of `scheme` gathers exactly (a per-tensor scale must also be agreed)."""
-    if scheme.layout.startswith("nvfp4"):
-        return False  # per-usage amaxes and RHT'd columnwise data: not gathered quantized
+    if not scheme.gatherable(columnwise):
+        return False  # per-usage amaxes or transformed data: not gathered quantized
     if scheme.stored_block(columnwise).is_tensor:
         return True
     _, extent = _m_extent(scheme, columnwise)

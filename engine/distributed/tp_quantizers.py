@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from engine.collectives import group_size
 from engine.quantizers.base import Quantizer
-from engine.quantizers.nvfp4 import NVFP4Rule
 from engine.quantizers.rules import CurrentRule
 from engine.recipes import RecipeState, Role
 
@@ -35,9 +34,10 @@ def reducing_state(state: RecipeState | None, group: dist.ProcessGroup, roles: f
 
 
 def _per_tensor_current(quantizer: Quantizer) -> bool:
-    """Scales made from the amax of the whole tensor: current scaling's per-tensor scale, NVFP4's S_enc."""
-    return (type(quantizer.rule) is CurrentRule and quantizer.scheme.rowwise_block.is_tensor) or \
-        isinstance(quantizer.rule, NVFP4Rule)
+    """Scales made from the amax of the whole tensor by a rule that can all-reduce it: current scaling's
+    per-tensor scale, a tensor-level scale's amax (NVFP4's S_enc)."""
+    scheme = quantizer.scheme
+    return (scheme.rowwise_block.is_tensor or scheme.tensor_scale) and hasattr(quantizer.rule, "amax_reduction_group")
 
 
 def _make_view(state: RecipeState, group: dist.ProcessGroup, roles: frozenset[Role]) -> RecipeState:

@@ -129,6 +129,6 @@ def as_matrix(t: QuantizedTensor | QuantizedTensorBase | torch.Tensor, transpose
         t2d = ref.as_2d(t)
         return (t2d.t() if transposed else t2d).to(dtype)  # op(t): t [M, K], or t^T for a [K, M] tensor
     st = storage_of(t, name)
-    if transposed and st.scheme.layout == "nvfp4_rht":  # its columnwise data is of the RHT'd transpose: not t^T
+    if transposed and st.scheme.columnwise_transform is not None:  # columnwise data of the transformed transpose
         return ref.as_2d(st.dequantize(dtype)).t()
     return gemm_operand(t, transposed=transposed, name=name).dequantize(dtype)

@@ -25,6 +25,7 @@ from engine.inference.configs import Float8DynamicActivationFloat8Weight, MXWeig
 from engine.inference.int_formats import PartSpecs, check_scales
 from engine.quantizers import Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXQuantizer, NVFP4Quantizer
 from engine.quantizers.base import Quantizer
+from engine.schemes import Block, ScaleEncoding
 from engine.tensors.storage import QuantizedTensorBase, buffer_specs
 
 E4M3 = torch.float8_e4m3fn
@@ -45,6 +46,11 @@ class EngineWeightFormat:
     def scheme(self):  # noqa: ANN201 - engine.schemes.Scheme
         return self.quantizer.scheme
 
+    @property
+    def per_row(self) -> bool:
+        """One power-of-2 scale per row (per-row FP8: its scale applies exactly in bf16)."""
+        return self.scheme.rowwise_block == Block(1, 0)
+
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         st = self.quantizer.quantize_storage(w.detach())
         return self.parts_of(st)
@@ -53,7 +59,7 @@ class EngineWeightFormat:
         data = st.rowwise_data
         parts = {"data": data.view(torch.uint8) if data.dtype == E4M3 else data,
                  "scale_inv": st.rowwise_scale_inv.contiguous()}
-        if hasattr(st, "amax_rowwise"):
+        if self.scheme.tensor_scale:
             parts["amax"] = st.amax_rowwise
         return parts
 
@@ -61,7 +67,7 @@ class EngineWeightFormat:
         specs = buffer_specs(self.scheme, torch.Size(shape), rowwise=True, columnwise=False)
         (dshape, ddtype), (sshape, sdtype) = specs["rowwise_data"], specs["rowwise_scale_inv"]
         out = {"data": (tuple(dshape), (torch.uint8 if ddtype == E4M3 else ddtype,)), "scale_inv": (tuple(sshape), (sdtype,))}
-        if self.scheme.layout.startswith("nvfp4"):
+        if self.scheme.tensor_scale:
             out["amax"] = ((1,), (torch.float32,))
         return out
 
@@ -82,8 +88,8 @@ class EngineWeightFormat:
             raise ValueError(f"{STORAGE_PARTS.get(field, field)}: {rest}") from None
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        layout = self.scheme.layout
-        if dtype == torch.bfloat16 and layout in ("axiswise", "mx"):  # (fp32: the storage's NaN bits differ)
+        if dtype == torch.bfloat16 and (self.per_row or self.scheme.scale is ScaleEncoding.E8M0):
+            # (fp32: the storage's NaN bits differ)
             return self.decode_bf16(parts, shape)
         return self.storage(parts, shape, dtype).dequantize(dtype)
 
@@ -97,7 +103,7 @@ class EngineWeightFormat:
         else:
             values = qops.elements_to_bf16(data, self.scheme, cols=k)
         scale = parts["scale_inv"]
-        if self.scheme.layout == "axiswise":
+        if self.per_row:
             return values * scale.to(torch.bfloat16)
         scale = ref.e8m0_to_float(scale).to(torch.bfloat16)  # 2^(code - 127), exact in bf16; NaN for 255
         if k % MX_BLOCK == 0:
@@ -113,7 +119,7 @@ class EngineWeightFormat:
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scheme.layout == "axiswise" and x.shape[0] <= self.native_max_m and native.available():
+        if self.per_row and x.shape[0] <= self.native_max_m and native.available():
             out = native.fp8_linear(x, parts["data"], parts["scale_inv"].view(-1))
             return out if bias is None else out + bias.to(out.dtype)
         dtype = self.compute_dtype(x.dtype)

@@ -41,17 +41,15 @@ import torch
 
 from engine.modules.linear_function import GemmInput, LinearArgs, bprop, fprop
 from engine.modules.op_state import counters_of, merge_counters, op_inputs, op_state, plan
-from engine.ops.registry import BUFFER_FIELDS
 from engine.recipes.plain import recipe_for_key
 from engine.schemes import get_scheme
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
 
 
 def _saved_fields(scheme: str) -> tuple[str, ...]:
-    """The fields of a columnwise-only storage of `scheme` that a backward GEMM reads: data, scale_inv and the
-    layout's own columnwise fields (NVFP4's amax_columnwise), in a fixed order."""
-    cls = QuantizedTensorBase.class_for(get_scheme(scheme))
-    return tuple(f for f in (*BUFFER_FIELDS, *cls.extra_fields) if "columnwise" in f)
+    """The fields of a columnwise-only storage of `scheme` that a backward GEMM reads: data, scale_inv and, with a
+    tensor-level scale, amax_columnwise, in the scheme's order."""
+    return get_scheme(scheme).usage_fields(columnwise=True)
 
 
 def _saved_buffers(operand: GemmInput | None) -> list[torch.Tensor]:
@@ -171,8 +169,7 @@ def _linear_fwd_stored(
 ) -> list[torch.Tensor]:
     """`engine::linear_fwd` on an FP8 primary weight given as its buffers: the same outputs."""
     spec = json.loads(weight_spec)
-    fields = dict.fromkeys(BUFFER_FIELDS)
-    fields.update({name: weight_buffers[i] for name, i in spec["fields"].items()})
+    fields = {name: weight_buffers[i] for name, i in spec["fields"].items()}
     storage = QuantizedTensorBase.made(get_scheme(spec["scheme"]), torch.Size(spec["shape"]),
                                        getattr(torch, spec["dtype"].removeprefix("torch.")), None, fields)
     outputs = _linear_fwd(inp, QuantizedTensor.wrap(storage), bias, fwd_state, bwd_state, recipe, num_gemms, gemm,

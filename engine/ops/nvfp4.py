@@ -47,13 +47,12 @@ from engine.formats import E2M1
 from engine.ops import mx_elements
 from engine.ops import reference as ref
 from engine.ops.nvfp4_sr import encode_e2m1_stochastic
+from engine.schemes import RHT_SIGNS, Scheme
 
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
-#: TE's fixed sign vector of the 16-point random Hadamard transform (`get_wgrad_sign_vector`)
-RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
@@ -192,3 +191,39 @@ def rht_transform(xt: torch.Tensor) -> torch.Tensor:
         v = torch.stack([a + b, a - b], dim=3).reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
         h *= 2
     return v.reshape(rows, cols).to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------ reading a stored usage
+def dequantize_usage(data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, scheme: Scheme,
+                     shape: torch.Size, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The value (x's shape) of one stored usage of an NVFP4-like scheme: rowwise data `[..., ceil(K/2)]`, or
+    columnwise data of the transpose `[K, ceil(M/2)]`, whose transform (the RHT: H is orthonormal) is undone
+    in fp32."""
+    m, k = ref.dims_2d(shape)
+    if not columnwise:
+        return dequantize_2d(ref.as_2d(data), scales, amax, k).to(dtype).reshape(shape)
+    vt = dequantize_2d(data, scales, amax, m)
+    transform = scheme.transform(columnwise=True)
+    if transform is not None:  # y = xt @ blockdiag(H): xt = y @ blockdiag(H)^T
+        h = hadamard_matrix(device=vt.device)
+        vt = (vt.reshape(k, -1, transform.size) @ h.t()).reshape(k, m)
+    return vt.t().to(dtype).reshape(shape)
+
+
+def check_scales(scales: torch.Tensor, amax: object, usage: str) -> None:
+    """ValueError naming the field unless a stored usage has what quantizing makes: an fp32 [1] amax >= 0 (or
+    NaN), and E4M3 block scales >= 0 that hold the NaN code only when the amax is NaN (only a block with a NaN
+    gets it, and that NaN is the tensor's amax too). Read at load (syncs)."""
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(amax.shape) != (1,):
+        got = amax if not isinstance(amax, torch.Tensor) else f"{amax.dtype} {tuple(amax.shape)}"
+        raise ValueError(f"amax_{usage}: expected a float32 tensor of shape (1,), got {got}")
+    if bool((amax < 0).any()):
+        raise ValueError(f"amax_{usage}: expected an amax >= 0, got {amax.tolist()}")
+    values = scales.float()
+    bad = values < 0
+    if not bool(torch.isnan(amax).any()):
+        bad |= torch.isnan(values)
+    if bool(bad.any()):
+        raise ValueError(f"{usage}_scale_inv: expected E4M3 block scales >= 0 (the NaN code only with a NaN "
+                         f"amax, amax_{usage} = {amax.item()}), got {values[bad][:4].tolist()} "
+                         f"({int(bad.sum())} of {values.numel()})")

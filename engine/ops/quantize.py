@@ -12,6 +12,8 @@ the same implementation without the dispatcher's per-call cost (`traced`).
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterable
 from typing import Optional
 
@@ -23,7 +25,8 @@ from engine.ops import reference as ref
 from engine.schemes import Scheme, get_scheme
 
 Buffers = registry.Buffers
-QuantizeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: a rule's scheme-specific kernel options, as sorted (name, value) pairs (NVFP4: ("two_d", True), ...)
+Options = tuple[tuple[str, "bool | int | float | str"], ...]
 
 
 def _shares_scale(scheme: Scheme, rowwise: bool, columnwise: bool) -> bool:
@@ -32,33 +35,49 @@ def _shares_scale(scheme: Scheme, rowwise: bool, columnwise: bool) -> bool:
 
 
 def _output_specs(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool) -> list[tuple]:
-    """(shape, dtype) of the op's five outputs; a usage not asked for is an empty tensor."""
-    specs = []
-    for wanted, col in ((rowwise, False), (columnwise, True)):
-        specs.append((scheme.data_shape(x.shape, col) if wanted else (0,), scheme.data_dtype))
-    shared = _shares_scale(scheme, rowwise, columnwise)
-    for wanted, col in ((rowwise, False), (columnwise, True)):
-        present = wanted and not (col and shared)
-        specs.append((scheme.scale_shape(x.shape, col) if present else (0,), scheme.scale.dtype))
-    specs.append(((1,) if scheme.rowwise_block.is_tensor else (0,), torch.float32))
-    return specs  # row data, col data, row scale_inv, col scale_inv, amax
+    """(shape, dtype) of the op's outputs: each of `scheme.fields` (empty where not asked for, or where it is the
+    shared per-tensor scale already returned), then max|x| (per-tensor schemes; empty otherwise)."""
+    specs = scheme.buffer_specs(x.shape, rowwise=rowwise, columnwise=columnwise)
+    if _shares_scale(scheme, rowwise, columnwise):
+        del specs["columnwise_scale_inv"]
+    out = [specs.get(name, ((0,), torch.uint8)) for name in scheme.fields]
+    return out + [((1,) if scheme.rowwise_block.is_tensor else (0,), torch.float32)]
 
 
-def _buffers(
-    x: torch.Tensor, s: Scheme, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
-    amax_epsilon: float, scale_mode: str, record_amax: Optional[torch.Tensor] = None,
-) -> tuple[Buffers, torch.Tensor | None]:
-    """Checked inputs, then the registry's kernel: the buffers and max|x| (per-tensor schemes)."""
+def _counter_spec(rng_counter: torch.Tensor | None) -> tuple:
+    return ((2,) if rng_counter is not None else (0,), torch.int64)
+
+
+def _kernel_args(s: Scheme, scale: torch.Tensor | None, amax_epsilon: float, scale_mode: str,
+                 amax_rowwise: torch.Tensor | None, amax_columnwise: torch.Tensor | None,
+                 rng_counter: torch.Tensor | None, options: Options, check: bool = True) -> dict:
+    """The registry kernel's keyword arguments for the scheme's family: a tensor-level scale's (given amaxes, a
+    stochastic-rounding counter, its rule's options), or the one-level schemes' (scale, epsilon, E8M0 mode)."""
+    for t, name in ((scale, "scale"), (amax_rowwise, "amax_rowwise"), (amax_columnwise, "amax_columnwise"),
+                    (rng_counter, "rng_counter")):
+        if t is not None and check:
+            backend.check_tensor(t, name)
+    if s.tensor_scale:
+        if scale is not None:
+            raise ValueError(f"scale: {s.name} scales from its tensor-level amaxes; pass amax_rowwise / "
+                             "amax_columnwise instead")
+        return {"amax_rowwise": amax_rowwise, "amax_columnwise": amax_columnwise, "rng_counter": rng_counter,
+                **dict(options)}
+    if amax_rowwise is not None or amax_columnwise is not None or rng_counter is not None or options:
+        raise ValueError(f"amax_rowwise / amax_columnwise / rng_counter / options: {s.name} has one scale level "
+                         f"and rounds to nearest; got options {dict(options)}")
+    return {"scale": scale, "amax_epsilon": amax_epsilon, "scale_mode": scale_mode}
+
+
+def _buffers(x: torch.Tensor, s: Scheme, rowwise: bool, columnwise: bool, args: dict,
+             record_amax: Optional[torch.Tensor] = None) -> tuple[Buffers, torch.Tensor | None]:
+    """Checked x, then the registry's kernel: the buffers and max|x| (per-tensor schemes)."""
     backend.check_tensor(x, "x")
-    if scale is not None:
-        backend.check_tensor(scale, "scale")
     fn = registry.kernel("quantize", s.layout, "cpu" if x.is_cpu else x.device.type)  # .device costs ~1 us
     if record_amax is None:
-        buffers, amax = fn(x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon,
-                           scale_mode=scale_mode)
+        buffers, amax = fn(x, s, rowwise=rowwise, columnwise=columnwise, **args)
     else:  # per-tensor kernels record max(record_amax, max|x|) themselves
-        buffers, amax = fn(x, s, rowwise=rowwise, columnwise=columnwise, scale=scale, amax_epsilon=amax_epsilon,
-                           scale_mode=scale_mode, record_amax=record_amax)
+        buffers, amax = fn(x, s, rowwise=rowwise, columnwise=columnwise, record_amax=record_amax, **args)
     if s.rowwise_block.is_tensor and amax is None:
         amax = ref.amax(x)
     return buffers, amax
@@ -68,45 +87,62 @@ def _check_record_amax(record_amax: object, scheme: Scheme, traced: bool) -> Non
     if not traced:  # FakeTensors while tracing: the op's fake kernel, no memory read
         backend.check_tensor(record_amax, "record_amax")
     if not scheme.rowwise_block.is_tensor:
-        raise ValueError(f"record_amax: only per-tensor schemes record an amax, got the {scheme.layout} scheme "
-                         f"{scheme.name}")
+        raise ValueError(f"record_amax: only per-tensor schemes record an amax, got {scheme.name}")
     if record_amax.dtype != torch.float32 or record_amax.numel() != 1:
         raise TypeError(f"record_amax: expected a 1-element float32 tensor, got a {record_amax.dtype} tensor of "
                         f"shape {tuple(record_amax.shape)}")
 
 
-def _quantize(
-    x: torch.Tensor, s: Scheme, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
-    amax_epsilon: float, scale_mode: str,
-) -> QuantizeOutputs:
-    """The implementation of engine::quantize: the buffers as five tensors (empty where absent)."""
-    buffers, amax = _buffers(x, s, rowwise, columnwise, scale, amax_epsilon, scale_mode)
-    got = [buffers["rowwise_data"], buffers["columnwise_data"], buffers["rowwise_scale_inv"],
-           None if _shares_scale(s, rowwise, columnwise) else buffers["columnwise_scale_inv"], amax]
-    outputs, storages = [], {x.untyped_storage().data_ptr()}
-    for t, (shape, dtype) in zip(got, _output_specs(x, s, rowwise, columnwise)):
-        if t is None:
-            t = torch.empty(shape, dtype=dtype, device=x.device)
-        elif t.numel() and t.untyped_storage().data_ptr() in storages:
-            t = t.clone()  # a transpose that needed no copy (a dim of 1) is a view: custom ops return no aliases
-        storages.add(t.untyped_storage().data_ptr())
-        outputs.append(t)
-    return tuple(outputs)
+@functools.lru_cache(maxsize=None)
+def _parse_options(text: str) -> Options:
+    """`options` of the op: JSON of the sorted pairs (what `_options_text` wrote)."""
+    return tuple((k, v) for k, v in json.loads(text))
+
+
+def _options_text(options: Options) -> str:
+    return json.dumps(sorted(options))
 
 
 @torch.library.custom_op("engine::quantize", mutates_args=())
 def quantize_op(
     x: torch.Tensor, scheme: str, rowwise: bool, columnwise: bool, scale: Optional[torch.Tensor],
-    amax_epsilon: float, scale_mode: str,
-) -> QuantizeOutputs:
-    """x quantized by the named scheme: (row data, col data, row scale_inv, col scale_inv, amax)."""
-    return _quantize(x, get_scheme(scheme), rowwise, columnwise, scale, amax_epsilon, scale_mode)
+    amax_epsilon: float, scale_mode: str, amax_rowwise: Optional[torch.Tensor],
+    amax_columnwise: Optional[torch.Tensor], rng_counter: Optional[torch.Tensor], options: str,
+) -> list[torch.Tensor]:
+    """x quantized by the named scheme: each of the scheme's `fields` (empty where absent), max|x| (per-tensor
+    schemes), and the stochastic-rounding counter advanced (empty without one).
+
+    `scale` / `amax_epsilon` / `scale_mode`: a one-level scheme's rule (a given per-tensor scale, current
+    scaling's epsilon, E8M0's rounding). `amax_rowwise` / `amax_columnwise` (given tensor-level amaxes),
+    `rng_counter` (stochastic rounding's (stream, offset); the op is functional: it returns the advanced
+    counter, which the caller copies back) and `options` (JSON pairs: the rule's kernel options): a scheme
+    with a tensor-level scale.
+    """
+    s = get_scheme(scheme)
+    counter = None if rng_counter is None else rng_counter.clone()
+    args = _kernel_args(s, scale, amax_epsilon, scale_mode, amax_rowwise, amax_columnwise, counter,
+                        _parse_options(options))
+    buffers, amax = _buffers(x, s, rowwise, columnwise, args)
+    if _shares_scale(s, rowwise, columnwise):
+        buffers = {**buffers, "columnwise_scale_inv": None}
+    outputs = []
+    storages = {t.untyped_storage().data_ptr() for t in (x, scale, amax_rowwise, amax_columnwise) if t is not None}
+    for name, (shape, dtype) in zip((*s.fields, "amax"), _output_specs(x, s, rowwise, columnwise)):
+        t = amax if name == "amax" else buffers.get(name)
+        if t is None or (name == "amax" and not s.rowwise_block.is_tensor):
+            t = torch.empty(shape, dtype=dtype, device=x.device)
+        elif t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()  # a view (a transpose that needed no copy, a given amax): custom ops return no aliases
+        storages.add(t.untyped_storage().data_ptr())
+        outputs.append(t)
+    return outputs + [torch.empty(0, dtype=torch.int64, device=x.device) if counter is None else counter]
 
 
 @quantize_op.register_fake
-def _quantize_fake(x, scheme, rowwise, columnwise, scale, amax_epsilon, scale_mode):
-    specs = _output_specs(x, get_scheme(scheme), rowwise, columnwise)
-    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in specs)
+def _quantize_fake(x, scheme, rowwise, columnwise, scale, amax_epsilon, scale_mode, amax_rowwise, amax_columnwise,
+                   rng_counter, options):
+    specs = _output_specs(x, get_scheme(scheme), rowwise, columnwise) + [_counter_spec(rng_counter)]
+    return [x.new_empty(shape, dtype=dtype) for shape, dtype in specs]
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -196,30 +232,40 @@ def quantize(
     amax_epsilon: float = 0.0,
     scale_mode: str = "rceil",
     record_amax: torch.Tensor | None = None,
+    amax_rowwise: torch.Tensor | None = None,
+    amax_columnwise: torch.Tensor | None = None,
+    rng_counter: torch.Tensor | None = None,
+    options: Options = (),
 ) -> tuple[Buffers, torch.Tensor | None]:
     """(the buffers of x under `scheme` for the asked usages, max|x| for per-tensor schemes else None).
 
-    `scale`: a given per-tensor scale (delayed scaling); otherwise scales come from the data
-    (the current-scaling rule with `amax_epsilon`, or E8M0 by `scale_mode`). `record_amax`
-    (per-tensor schemes; a 1-element fp32 tensor) becomes max(record_amax, max|x|) in place,
-    NaN if either is NaN: delayed scaling's record, in the same kernel call on the CPU.
+    One-level schemes: `scale`, a given per-tensor scale (delayed scaling); otherwise scales come from
+    the data (the current-scaling rule with `amax_epsilon`, or E8M0 by `scale_mode`). `record_amax`
+    (per-tensor schemes; a 1-element fp32 tensor) becomes max(record_amax, max|x|) in place, NaN if
+    either is NaN: delayed scaling's record, in the same kernel call on the CPU. A scheme with a
+    tensor-level scale: `amax_rowwise` / `amax_columnwise` (given, e.g. all-reduced, amaxes; else x's),
+    `rng_counter` (stochastic rounding, advanced in place) and its rule's `options`.
     """
     backend.check_not_subclass(x, "x")
     if record_amax is not None:
         _check_record_amax(record_amax, scheme, traced(x))
-    if not traced(x):  # eager: the op's implementation, without packing its outputs into five tensors
-        return _buffers(x, scheme, rowwise, columnwise, scale, float(amax_epsilon), scale_mode, record_amax)
-    row_data, col_data, row_scale, col_scale, amax = quantize_op(
-        x, scheme.name, rowwise, columnwise, scale, float(amax_epsilon), scale_mode)
+    args = _kernel_args(scheme, scale, float(amax_epsilon), scale_mode, amax_rowwise, amax_columnwise, rng_counter,
+                        options, check=not traced(x))
+    if not traced(x):  # eager: the op's implementation, without packing its outputs into tensors
+        return _buffers(x, scheme, rowwise, columnwise, args, record_amax)
+    *outputs, amax, counter = quantize_op(x, scheme.name, rowwise, columnwise, scale, float(amax_epsilon),
+                                          scale_mode, amax_rowwise, amax_columnwise, rng_counter,
+                                          _options_text(options))
     if record_amax is not None:  # the op is functional: the record is a torch op after it
         registry.record_max(record_amax, amax)
+    if rng_counter is not None:  # and so is the counter's advance
+        rng_counter.copy_(counter)
+    buffers = dict(zip(scheme.fields, outputs))
     if _shares_scale(scheme, rowwise, columnwise):
-        col_scale = row_scale
-    buffers = {
-        "rowwise_data": row_data if rowwise else None, "rowwise_scale_inv": row_scale if rowwise else None,
-        "columnwise_data": col_data if columnwise else None,
-        "columnwise_scale_inv": col_scale if columnwise else None,
-    }
+        buffers["columnwise_scale_inv"] = buffers["rowwise_scale_inv"]
+    for columnwise_usage, wanted in ((False, rowwise), (True, columnwise)):
+        if not wanted:
+            buffers.update(dict.fromkeys(scheme.usage_fields(columnwise_usage)))
     return buffers, (amax if scheme.rowwise_block.is_tensor else None)
 
 

@@ -12,8 +12,9 @@ Kernel functions take and return plain tensors:
 `quantize(x, scheme, *, rowwise, columnwise, scale, amax_epsilon, scale_mode)` returns the
 four buffers (None for a usage not asked for) and max|x| where the kernel measured it; the
 per-tensor ones also take `record_amax` (a 1-element fp32 tensor that becomes
-max(record_amax, max|x|) in place, delayed scaling's record). NVFP4's (`quantize_nvfp4_reference`) take its
-options instead (two_d, rng_counter, given amaxes) and add the usages' amaxes to the buffers. `delayed_update(amax_history,
+max(record_amax, max|x|) in place, delayed scaling's record). Schemes with a tensor-level scale (NVFP4:
+`quantize_nvfp4_reference`) take given per-usage amaxes, a stochastic-rounding counter and their rule's options
+instead, and add the usages' amaxes to the buffers. `delayed_update(amax_history,
 scale, fp8_max, margin, algo, held)` is delayed scaling's update of its state, in place.
 """
 
@@ -33,10 +34,9 @@ from engine.ops import backend, nvfp4, nvfp4_sr
 from engine.ops import reference as ref
 from engine.ops.exact_gemm import exact_gemm as exact_gemm_reference
 from engine.ops.reference import quantize_blocked
-from engine.schemes import NVFP4_LAYOUTS, Scheme
+from engine.schemes import BUFFER_FIELDS, SCHEMES, Scheme
 
 Buffers = dict[str, "torch.Tensor | None"]
-BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 Result = tuple[Buffers, "torch.Tensor | None"]
 
 
@@ -48,8 +48,8 @@ def record_max(into: torch.Tensor, amax: torch.Tensor) -> None:
 
 def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
                        record_amax: torch.Tensor | None = None, **rule) -> Result:
-    """Any scheme, one usage at a time, by the generic reference (NVFP4: `quantize_nvfp4_reference`)."""
-    if scheme.layout in NVFP4_LAYOUTS:
+    """Any scheme, one usage at a time, by the generic reference (a tensor-level scale: `quantize_nvfp4_reference`)."""
+    if scheme.tensor_scale:
         return quantize_nvfp4_reference(x, scheme, rowwise=rowwise, columnwise=columnwise, **rule)
     out: Buffers = dict.fromkeys(BUFFER_FIELDS)
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
@@ -63,13 +63,14 @@ def quantize_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, column
 
 
 def quantize_nvfp4_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
-                             two_d: bool = False, rng_counter: torch.Tensor | None = None,
-                             amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None) -> Result:
+                             rng_counter: torch.Tensor | None = None, amax_rowwise: torch.Tensor | None = None,
+                             amax_columnwise: torch.Tensor | None = None, **options: object) -> Result:
     """NVFP4 by `engine.ops.nvfp4.quantize`: the buffers plus `amax_rowwise` / `amax_columnwise`, and x's amax.
 
     `rng_counter` (int64 (seed, offset)) selects stochastic rounding: the rowwise bits are drawn first,
     then the columnwise ones, the offset advanced in place past each (`nvfp4_sr.advance`).
-    `amax` / `amax_t`: given per-tensor amaxes (all-reduced), else x's own.
+    `amax_rowwise` / `amax_columnwise`: given per-tensor amaxes (all-reduced), else x's own. `options`: the
+    rule's (`two_d`: 16x16 tiles).
     """
     m, k = ref.as_2d(x).shape
     rbits = rbits_t = None
@@ -79,17 +80,17 @@ def quantize_nvfp4_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, 
     if rng_counter is not None and columnwise:
         rbits_t = nvfp4_sr.random_bits((k, m), rng_counter)
         nvfp4_sr.advance(rng_counter, k * m)
-    out = nvfp4.quantize(x, rowwise=rowwise, columnwise=columnwise, two_d=two_d, rht=scheme.layout == "nvfp4_rht",
-                         rbits=rbits, rbits_t=rbits_t, amax=amax, amax_t=amax_t)
+    out = nvfp4.quantize(x, rowwise=rowwise, columnwise=columnwise, rht=scheme.columnwise_transform is not None,
+                         rbits=rbits, rbits_t=rbits_t, amax=amax_rowwise, amax_t=amax_columnwise, **options)
     return out, out["amax_rowwise"]
 
 
 def quantize_nvfp4(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
-                   two_d: bool = False, rng_counter: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-                   amax_t: torch.Tensor | None = None) -> Result:
+                   rng_counter: torch.Tensor | None = None, amax_rowwise: torch.Tensor | None = None,
+                   amax_columnwise: torch.Tensor | None = None, **options: object) -> Result:
     """NVFP4 in one kernel call (`quantize_nvfp4_reference`'s arguments and result); the counter advanced as there."""
-    out = kernels.quantize_nvfp4(x, rowwise=rowwise, columnwise=columnwise, two_d=two_d,
-                                 rht=scheme.layout == "nvfp4_rht", amax=amax, amax_t=amax_t, counter=rng_counter)
+    out = kernels.quantize_nvfp4(x, rowwise=rowwise, columnwise=columnwise, rht=scheme.columnwise_transform is not None,
+                                 amax=amax_rowwise, amax_t=amax_columnwise, counter=rng_counter, **options)
     if rng_counter is not None:
         m, k = ref.as_2d(x).shape
         for wanted in (rowwise, columnwise):
@@ -283,6 +284,9 @@ class Kernel:
 
 
 ANY = "*"  # an op that does not depend on the scheme
+#: families with a tensor-level scale (NVFP4 and NVFP4 with the RHT): one kernel reads the transform from the scheme
+_TWO_LEVEL = sorted({s.layout for s in SCHEMES.values() if s.tensor_scale})
+_CODED = sorted({s.layout for s in SCHEMES.values() if s.coded})
 _LAYOUT_KERNELS = {"block1d": quantize_per_tile, "block2d": quantize_per_tile, "mx": quantize_mx}
 KERNELS: dict[tuple[str, str, str], Kernel] = {
     ("quantize", "tensor", "cpu"): Kernel("native", quantize_per_tensor_fused),
@@ -292,13 +296,13 @@ KERNELS: dict[tuple[str, str, str], Kernel] = {
     **{(op, ANY, device): Kernel(name, fn) for op, fn in (("amax", amax_kernel), ("fp8_to_bf16", fp8_to_bf16_kernel))
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
     **{("elements_to_bf16", layout, "cpu"): Kernel("native", elements_to_bf16_kernel)  # MXFP4/MXFP6/NVFP4 codes
-       for layout in ("mx", "nvfp4", "nvfp4_rht")},
+       for layout in _CODED},
     ("delayed_update", ANY, "cpu"): Kernel("native", delayed_update_kernel),  # no Triton kernel: see quantize.py
     ("exact_gemm", ANY, "cpu"): Kernel("native", exact_gemm_kernel),  # CUDA runs torch._scaled_mm
     # no Triton entry: its 1-row kernel holds a whole tile (here a whole row) in registers
     ("quantize", "axiswise", "cpu"): Kernel("native", quantize_per_row),
     # NVFP4 (the RHT layout's columnwise usage fused in on the CPU; a separate RHT kernel in Triton)
-    **{("quantize", layout, device): Kernel(name, quantize_nvfp4) for layout in NVFP4_LAYOUTS
+    **{("quantize", layout, device): Kernel(name, quantize_nvfp4) for layout in _TWO_LEVEL
        for device, name in (("cpu", "native"), ("cuda", "triton"))},
 }
 REFERENCE: dict[str, Callable] = {

@@ -48,8 +48,8 @@ class Quantizer:
     ) -> None:
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme: expected an engine.schemes.Scheme, got {type(scheme).__name__}")
-        if not isinstance(rule, ScaleRule) or scheme.layout not in rule.layouts:
-            raise TypeError(f"rule: expected a scale rule for the {scheme.layout} layout, got {rule!r}")
+        if not isinstance(rule, ScaleRule) or not rule.fits(scheme):
+            raise TypeError(f"rule: expected a scale rule that fits {scheme.name}, got {rule!r}")
         self.scheme = scheme
         self.rule = rule
         self.rowwise_usage = check_bool(rowwise, "rowwise")
@@ -71,9 +71,9 @@ class Quantizer:
 
     @property
     def columnwise_row_multiple(self) -> int:
-        """The columnwise usage needs x's row count (tokens) to be a multiple of this: 1 here, 16 for NVFP4's
-        RHT (it mixes 16 tokens). The layers pad their wgrad operands with zero rows up to it."""
-        return 1
+        """The columnwise usage needs x's row count (tokens) to be a multiple of this (the scheme's transform mixes
+        that many: 16 for NVFP4's RHT, else 1). The layers pad their wgrad operands with zero rows up to it."""
+        return self.scheme.row_multiple(columnwise=True)
 
     def config(self) -> dict[str, Any]:
         """The settings as plain data (what makes two quantizers quantize alike)."""

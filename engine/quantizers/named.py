@@ -100,7 +100,7 @@ class Float8BlockQuantizer(_FromTheData):
 
     @property
     def block_scaling_dim(self) -> int:
-        return 2 if self.scheme.layout == "block2d" else 1
+        return self.scheme.block_scaling_dim
 
     def config(self) -> dict[str, Any]:
         return {"fp8_dtype": dtype_name(self.fp8_dtype), "block_scaling_dim": self.block_scaling_dim,

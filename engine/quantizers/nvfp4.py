@@ -1,7 +1,7 @@
 """NVFP4Quantizer (TE's name): NVFP4 with TE's per-tensor options, making `NVFP4Tensor`s.
 
-The numerics are `engine.ops.nvfp4`; the registry's kernel runs them (the C++ kernel on the CPU,
-the Triton one on CUDA; elsewhere the reference, with a one-time warning). Options as TE's
+The numerics are `engine.ops.nvfp4`; `engine::quantize` runs them as it runs every scheme (the C++
+kernel on the CPU, the Triton one on CUDA; elsewhere the reference, with a one-time warning). Options as TE's
 quantizer has them: `with_rht` (columnwise data from the 16-point RHT of the transpose: inputs
 and output gradients), `with_2d_quantization` (16x16 tiles: weights), `stochastic_rounding`
 (gradients). Stochastic rounding draws its bits from `rng_counter`, an int64 `[2]` tensor
@@ -12,20 +12,20 @@ amax is all-reduced (max) over the group before the scales are made, as current 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.checks import check_bool
 from engine.collectives import all_reduce_max
-from engine.ops import backend, nvfp4, registry
+from engine.ops import nvfp4
+from engine.ops import quantize as qops
 from engine.ops import reference as ref
 from engine.quantizers.base import Quantizer
 from engine.quantizers.registry import RuleParams, name_quantizer, register_rule
 from engine.quantizers.rules import Buffers, ScaleRule
-from engine.schemes import SCHEMES, Scheme
+from engine.schemes import SCHEMES, ScaleEncoding, Scheme
 
 
 class NVFP4Params(RuleParams):
@@ -39,7 +39,9 @@ class NVFP4Params(RuleParams):
 class NVFP4Rule(ScaleRule):
     """Scales from the per-tensor amax (S_enc) and each block's (E4M3); optional 2D tiles and stochastic rounding."""
 
-    layouts = ("nvfp4", "nvfp4_rht")
+    @classmethod
+    def fits(cls, scheme: Scheme) -> bool:  # E4M3 block scales under a tensor-level fp32 amax
+        return scheme.tensor_scale and scheme.scale is ScaleEncoding.E4M3
 
     def __init__(self, *, two_d: bool = False, stochastic_rounding: bool = False,
                  rng_counter: torch.Tensor | None = None, amax_reduction_group: dist.ProcessGroup | None = None) -> None:
@@ -67,36 +69,33 @@ class NVFP4Rule(ScaleRule):
     def state(self) -> dict[str, torch.Tensor]:
         return {"rng_counter": self.rng_counter}
 
+    def options(self) -> tuple[tuple[str, Any], ...]:
+        """The kernel options of this rule's settings (`engine.ops.quantize.quantize`'s `options`)."""
+        return (("two_d", True),) if self.two_d else ()
+
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
-        rht = scheme.layout == "nvfp4_rht"
         x2d = ref.as_2d(x)
-        m = x2d.shape[0]
-        if rht and columnwise and m % nvfp4.NVFP4_BLOCK:
-            raise ValueError(f"x: the RHT of the columnwise usage mixes {nvfp4.NVFP4_BLOCK} tokens, so the token "
-                             f"count (the product of the leading dims) must be a multiple of {nvfp4.NVFP4_BLOCK}, "
-                             f"got {m} (shape {tuple(x.shape)}); append zero rows up to the next multiple, as "
-                             f"engine's layers do for their wgrad operands")
-        amaxes = None
+        multiple = scheme.row_multiple(columnwise=True)
+        if columnwise and x2d.shape[0] % multiple:
+            raise ValueError(f"x: the transform of the columnwise usage mixes {multiple} tokens, so the token "
+                             f"count (the product of the leading dims) must be a multiple of {multiple}, got "
+                             f"{x2d.shape[0]} (shape {tuple(x.shape)}); append zero rows up to the next multiple, "
+                             "as engine's layers do for their wgrad operands")
+        amaxes = {}
         if self.amax_reduction_group is not None:
-            amaxes = [ref.amax(x2d) if rowwise else torch.zeros(1),
-                      ref.amax(nvfp4.columnwise_input(x2d, rht)) if columnwise else torch.zeros(1)]
-            all_reduce_max(amaxes, self.amax_reduction_group)
-        out, _ = _kernel(scheme.layout, x)(
-            x, scheme, rowwise=rowwise, columnwise=columnwise, two_d=self.two_d,
-            rng_counter=self.rng_counter if self.stochastic_rounding else None,
-            amax=None if amaxes is None else amaxes[0], amax_t=None if amaxes is None else amaxes[1])
-        if rowwise:
-            out["rowwise_data"] = out["rowwise_data"].reshape(scheme.data_shape(x.shape, False))
-        return out
+            found = [ref.amax(x2d) if rowwise else torch.zeros(1),
+                     ref.amax(nvfp4.columnwise_input(x2d, scheme.columnwise_transform is not None))
+                     if columnwise else torch.zeros(1)]
+            all_reduce_max(found, self.amax_reduction_group)
+            amaxes = {"amax_rowwise": found[0], "amax_columnwise": found[1]}
+        buffers, _ = qops.quantize(x, scheme, rowwise=rowwise, columnwise=columnwise, options=self.options(),
+                                   rng_counter=self.rng_counter if self.stochastic_rounding else None, **amaxes)
+        return buffers
 
-
-def _kernel(layout: str, x: torch.Tensor) -> Callable[..., registry.Result]:
-    """The registry's NVFP4 quantize for x's device: the C++ kernel on the CPU, the Triton one on CUDA (the
-    reference, with the registry's one-time warning, on a device with neither). FakeTensors (torch.compile's
-    custom ops tracing) take the reference: torch ops, which make the shapes without reading data."""
-    if isinstance(x, FakeTensor):
-        return registry.quantize_nvfp4_reference
-    return registry.kernel("quantize", layout, x.device.type)
+    def kernel_args(self) -> dict[str, Any] | None:
+        if self.amax_reduction_group is not None:
+            return None
+        return {"rng_counter": self.rng_counter if self.stochastic_rounding else None, **dict(self.options())}
 
 
 class NVFP4Quantizer(Quantizer):
@@ -119,11 +118,7 @@ class NVFP4Quantizer(Quantizer):
 
     @property
     def with_rht(self) -> bool:
-        return self.scheme.layout == "nvfp4_rht"
-
-    @property
-    def columnwise_row_multiple(self) -> int:
-        return nvfp4.NVFP4_BLOCK if self.with_rht else 1
+        return self.scheme.columnwise_transform is not None
 
     @property
     def with_2d_quantization(self) -> bool:

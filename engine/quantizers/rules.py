@@ -8,7 +8,7 @@
 * `E8M0Rule`: an E8M0 exponent per MX block, "rceil" (NVIDIA hardware) or "floor" (OCP spec).
 
 A rule is small data plus one method, `quantize`, that asks `engine.ops.quantize` for the
-buffers of a scheme. Which rule fits which layout is said by `layouts`. Each rule registers
+buffers of a scheme. Which schemes a rule fits it says from their fields (`fits`). Each rule registers
 itself (`registry.register_rule`) under the name a quantizer spec gives it, with the pydantic
 model of its parameters.
 """
@@ -61,13 +61,10 @@ def check_state_tensor(t: Any, name: str, *, zero_ok: bool) -> torch.Tensor:
 class ScaleRule(ABC):
     """How the scales of one quantization are found."""
 
-    #: scheme layouts the rule can scale
-    layouts: ClassVar[tuple[str, ...]]
-
     @classmethod
+    @abstractmethod
     def fits(cls, scheme: Scheme) -> bool:
-        """Whether this rule can scale `scheme` (what a quantizer spec may pair it with)."""
-        return scheme.layout in cls.layouts
+        """Whether this rule can scale `scheme` (what a quantizer spec may pair it with), from its fields."""
 
     @classmethod
     def from_config(cls, **settings: Any) -> ScaleRule:
@@ -115,11 +112,10 @@ class DelayedParams(RuleParams):
 class DelayedRule(ScaleRule):
     """Quantize with the given `scale`; record max|x| into `amax` (max with what is there), both in place."""
 
-    layouts = ("tensor",)
-
     @classmethod
-    def fits(cls, scheme: Scheme) -> bool:
-        return super().fits(scheme) and scheme.scale is ScaleEncoding.FP32  # a given scale: any fp32
+    def fits(cls, scheme: Scheme) -> bool:  # one given fp32 scale (any value) per tensor, one scale level
+        return scheme.rowwise_block.is_tensor and scheme.scale is ScaleEncoding.FP32 and \
+            isinstance(scheme.element, torch.dtype) and not scheme.tensor_scale
 
     def __init__(self, scale: torch.Tensor, amax: torch.Tensor, *, check: bool = True) -> None:
         # check=False: views into scaling state its owner keeps valid (no host reads; traceable)
@@ -155,7 +151,10 @@ class CurrentRule(ScaleRule):
     collective, `agree_on_amaxes`); used as it is.
     """
 
-    layouts = ("tensor", "block1d", "block2d", "axiswise")
+    @classmethod
+    def fits(cls, scheme: Scheme) -> bool:  # fp32 scales from the data, per tensor, tile or row, FP8 elements
+        return scheme.scale in (ScaleEncoding.FP32, ScaleEncoding.FP32_POW2) and \
+            isinstance(scheme.element, torch.dtype) and scheme.element.is_floating_point and not scheme.tensor_scale
 
     def __init__(self, amax_epsilon: float = 0.0, amax_reduction_group: dist.ProcessGroup | None = None, *,
                  agreed_amax: torch.Tensor | None = None) -> None:
@@ -193,7 +192,9 @@ class E8M0Params(RuleParams):
 class E8M0Rule(ScaleRule):
     """MX shared exponents: "rceil" rounds amax / fp8_max up to a power of two; "floor" is the OCP rule."""
 
-    layouts = ("mx",)
+    @classmethod
+    def fits(cls, scheme: Scheme) -> bool:
+        return scheme.scale is ScaleEncoding.E8M0 and not scheme.tensor_scale
 
     def __init__(self, scale_mode: str = "rceil") -> None:
         if scale_mode not in ref.SCALE_MODES:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from engine.quantizers import Quantizer
 from engine.recipes.format import Format
+from engine.recipes.streams import check_counters, seed_streams
 from engine.recipes.operands import (
     BACKWARD_ROLES, FORWARD_ROLES, Gemm, Operand, QuantizerSpec, Role, check_num_gemms,
 )
@@ -85,7 +86,10 @@ class Recipe(BaseModel):
                 else:
                     for use in (first, second):
                         quantizers[use, gemm] = None if specs[use] is None else specs[use].make()
-        return RecipeState(self, forward, num_gemms, quantizers)
+        state = RecipeState(self, forward, num_gemms, quantizers)
+        state.rng_counters = seed_streams([(gemm, q) for (_, gemm), q in quantizers.items()],
+                                          getattr(self, "seed", 0), device)
+        return state
 
     @classmethod
     def restore_callable(cls, field: str, marker: str) -> Any:
@@ -109,9 +113,14 @@ class Recipe(BaseModel):
         """Fold what an op's state recorded into the state holding `tensors` (nothing to fold here)."""
 
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
-        """A checkpoint's scaling state for this recipe: stateless recipes save none."""
-        if part is not None:
-            raise ValueError(f"{where}: a {self.name} recipe's state has no scaling state")
+        """A checkpoint's scaling state for this recipe: None, or the stochastic-rounding counters of its
+        quantizers that round stochastically (`engine.recipes.streams`)."""
+        if part is None:
+            return
+        if not (isinstance(part, dict) and set(part) == {"rng_counter"}):
+            raise ValueError(f"{where}: a {self.name} recipe's state has no scaling state but stochastic-rounding "
+                             f"counters ({{'rng_counter': int64 [n, 2]}}), got {part!r:.200}")
+        check_counters(part, where, None)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in type(self).model_fields)
@@ -132,9 +141,8 @@ class RecipeState:
         self._quantizers = quantizers
         self._uses: dict[tuple[Role, int], tuple[Quantizer | None, Quantizer | None]] = {}  # `uses`, looked up once
         self.key = recipe.key  # plain data read by compiled code (a str, guarded by value)
-        #: NVFP4 quantizers: the compiled ops do not carry their per-tensor amaxes, and stochastic rounding's
-        #: counter advances only in eager code (plain data compiled code can read)
-        self.nvfp4 = any(q is not None and q.scheme.layout.startswith("nvfp4") for q in quantizers.values())
+        #: the counters of the quantizers that round stochastically, in order (`engine.recipes.streams`)
+        self.rng_counters: list[torch.Tensor] = []
         #: per GEMM, the scheme names of the x (wgrad) and W (dgrad) a forward saves (None: high precision)
         self.saved_schemes = [tuple(None if quantizers.get((use, g)) is None else quantizers[use, g].scheme.name
                                     for use in ((Gemm.WGRAD, Role.INPUT), (Gemm.DGRAD, Role.WEIGHT)))
@@ -194,14 +202,29 @@ class RecipeState:
         """Advance scaling state after a step (nothing to advance here)."""
 
     def to_plain(self) -> dict[str, torch.Tensor] | None:
-        """Scaling state for a checkpoint (None: there is none)."""
-        return None
+        """Scaling state for a checkpoint: the stochastic-rounding counters (None: there are none)."""
+        if not self.rng_counters:
+            return None
+        return {"rng_counter": torch.stack([c.detach().cpu() for c in self.rng_counters])}
 
     def load_plain(self, part: dict[str, torch.Tensor]) -> None:
-        """Take a checked checkpoint state (from `to_plain` of a state of this recipe kind)."""
+        """Take a checked checkpoint state (from `to_plain` of a state of this recipe kind): each counter
+        continues where the saved one stopped."""
+        saved = part.get("rng_counter")
+        if saved is None or len(saved) != len(self.rng_counters):
+            raise ValueError(f"_extra_state['rng_counter']: the saved state has {0 if saved is None else len(saved)} "
+                             f"stochastic-rounding counters, this module's {self.recipe.name} state has "
+                             f"{len(self.rng_counters)}")
+        for counter, value in zip(self.rng_counters, saved):
+            counter.copy_(value)
 
     def carry_from(self, old: RecipeState) -> None:
-        """Keep what `old` (the state of the recipe used before) learned, where it applies."""
+        """Keep what `old` (the state of the recipe used before) learned, where it applies: its stochastic-rounding
+        counters, when it has as many."""
+        counters = getattr(old, "rng_counters", None)
+        if counters and len(counters) == len(self.rng_counters):
+            for counter, before in zip(self.rng_counters, counters):
+                counter.copy_(before)
 
     def replay_copy(self) -> RecipeState:
         """What an activation recompute quantizes with to repeat this forward: quantizers that read the

@@ -61,7 +61,7 @@ from engine.quantizers.registry import entry_of
 from engine.recipes.base import Recipe, RecipeState
 from engine.recipes.delayed import DelayedScaling, DelayedScalingState, check_delayed_state
 from engine.recipes.format import Format, StreamSeed, fixed_format
-from engine.recipes.nvfp4 import check_counters, seed_streams
+from engine.recipes.streams import check_counters, seed_streams
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, Operand, check_num_gemms
 from engine.recipes.role import QuantizerRole
 from engine.recipes.spec import QuantizerSpec

@@ -6,24 +6,18 @@ with the 16-point random Hadamard transform on their columnwise (wgrad) usage; o
 stochastically rounded. Each switch turns one of these off, with TE's names and defaults (TE reads
 its defaults from NVTE_NVFP4_DISABLE_* environment variables; here they are plain fields).
 
-Stochastic rounding draws from a counter owned by the module's backward recipe state: `(stream,
-offset)`, the offset advancing by the elements quantized. `stream` holds `seed + gemm index` in its
-low 32 bits and, in its high 32 bits, a number drawn from torch's default generator when the module
-builds its states (as TE's stochastic rounding draws from torch's RNG): every module rounds with its
-own random stream, and `torch.manual_seed` makes a run reproducible. The counters are scaling state:
-they are saved in the module's `_extra_state` and a resumed run continues its streams exactly.
+Stochastic rounding draws from a counter owned by the module's backward recipe state
+(`engine.recipes.streams`, as for every recipe whose specs round stochastically): `(stream, offset)`,
+seeded from `seed`, saved in the module's `_extra_state`, so a resumed run continues its streams.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
-
-import torch
+from typing import ClassVar
 
 from pydantic import field_validator
 
-from engine.quantizers import Quantizer
-from engine.recipes.base import SLOTS_PER_GEMM, Recipe, RecipeState
+from engine.recipes.base import Recipe
 from engine.recipes.format import Format, StreamSeed, fixed_format
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Operand, QuantizerSpec, Role
 
@@ -59,69 +53,3 @@ class NVFP4BlockScaling(Recipe):
             Role.GRAD_OUTPUT: spec(rht=not self.disable_rht, stochastic_rounding=not self.disable_stochastic_rounding),
         }
         return {op: by_role[op[1]] for op in OPERANDS}
-
-    def make_state(
-        self, *, forward: bool, num_gemms: int = 1, device: torch.device | str | None = None,
-        module: str = "", gemm_names: Sequence[str] = (),
-    ) -> RecipeState:
-        base = super().make_state(forward=forward, num_gemms=num_gemms, device=device)
-        state = NVFP4State(self, forward, num_gemms, base._quantizers)
-        state.rng_counters = seed_streams([(gemm, state.quantizer(role, gemm)) for gemm in range(num_gemms)
-                                           for role in (FORWARD_ROLES if forward else BACKWARD_ROLES)],
-                                          self.seed, device)
-        return state
-
-    def check_saved_state(self, part: Any, where: str, slots: int) -> None:
-        """None, or a backward state's stochastic-rounding counters: int64 [gemms, 2] (stream, offset >= 0)."""
-        if part is not None:
-            check_counters(part, where, slots // SLOTS_PER_GEMM[False])
-
-
-def seed_streams(quantizers: Sequence[tuple[int, Quantizer | None]], seed: int,
-                 device: torch.device | str | None) -> list[torch.Tensor]:
-    """Give each stochastically rounding quantizer of (gemm index, quantizer) its own counter, in order: `seed +
-    gemm` in the stream's low 32 bits, a draw from torch's default generator in its high bits; the counters."""
-    counters = []
-    for gemm, q in quantizers:
-        if q is not None and getattr(q.rule, "stochastic_rounding", False):
-            stream = int(torch.randint(0, 2**31, (1,)).item()) << 32 | (seed + gemm) & 0xFFFFFFFF
-            q.rule.rng_counter = torch.tensor([stream, 0], dtype=torch.int64, device=device)
-            counters.append(q.rule.rng_counter)
-    return counters
-
-
-def check_counters(part: Any, where: str, rows: int | None) -> None:
-    """A saved state's stochastic-rounding counters: {'rng_counter': int64 [rows, 2]} (stream, offset >= 0);
-    `rows` None: any number of rows."""
-    counters = part.get("rng_counter") if isinstance(part, dict) and set(part) == {"rng_counter"} else None
-    shape = f"({rows}, 2)" if rows is not None else "(n, 2)"
-    if not isinstance(counters, torch.Tensor) or type(counters) is not torch.Tensor or \
-            counters.dtype != torch.int64 or counters.dim() != 2 or counters.shape[1] != 2 or \
-            (rows is not None and counters.shape[0] != rows):
-        raise ValueError(f"{where}: expected {{'rng_counter': an int64 tensor of shape {shape}}} "
-                         f"(stochastic rounding's stream and offset per GEMM), got {part!r:.200}")
-    if bool((counters[:, 1] < 0).any()):
-        raise ValueError(f"{where}['rng_counter']: offsets must be >= 0, got {counters[:, 1].tolist()}")
-
-
-class NVFP4State(RecipeState):
-    """An NVFP4 recipe state: the quantizers, and the stochastic-rounding counters they advance (saved)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.rng_counters: list[torch.Tensor] = []
-
-    def to_plain(self) -> dict[str, torch.Tensor] | None:
-        if not self.rng_counters:
-            return None
-        return {"rng_counter": torch.stack([c.detach().cpu() for c in self.rng_counters])}
-
-    def load_plain(self, part: dict[str, torch.Tensor]) -> None:
-        """A checked saved state: each GEMM's counter continues where the saved one stopped."""
-        for counter, saved in zip(self.rng_counters, part["rng_counter"]):
-            counter.copy_(saved)
-
-    def carry_from(self, old: RecipeState) -> None:
-        if isinstance(old, NVFP4State) and len(old.rng_counters) == len(self.rng_counters):
-            for counter, before in zip(self.rng_counters, old.rng_counters):
-                counter.copy_(before)

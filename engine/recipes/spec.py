@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validat
 
 from engine.formats import element_name
 from engine.quantizers import Quantizer, RuleParams, quantizer_from_spec, rule_entry
-from engine.schemes import NVFP4_LAYOUTS, SCHEMES, ScaleEncoding, get_scheme
+from engine.schemes import SCHEMES, ScaleEncoding, get_scheme
 
 ELEMENTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -51,37 +51,22 @@ class LegacySpec(BaseModel):
 
     @model_validator(mode="after")
     def _rule_fits_layout(self) -> LegacySpec:
-        if (self.scaling == "nvfp4") != (self.layout == "nvfp4"):
-            raise ValueError(f"scaling: layout 'nvfp4' takes scaling 'nvfp4' and no other layout does; got "
-                             f"{self.scaling!r} for layout {self.layout!r}")
-        if self.layout == "nvfp4":
-            if self.element != "e2m1":
-                raise ValueError(f"element: NVFP4 elements are 'e2m1', got {self.element!r}")
-        else:
-            if self.rht or self.stochastic_rounding or self.two_d:
-                raise ValueError(f"rht / stochastic_rounding / two_d: NVFP4 options, got layout {self.layout!r}")
-            if (self.scaling == "e8m0") != (self.layout == "mx"):
-                raise ValueError(f"scaling: MX layouts take 'e8m0' scales and others 'current' or 'delayed'; got "
-                                 f"{self.scaling!r} for layout {self.layout!r}")
-            if self.scaling == "delayed" and self.layout != "tensor":
-                raise ValueError(f"scaling: 'delayed' scales are per tensor; got layout {self.layout!r}")
-            if self.element not in ELEMENTS and self.layout != "mx":
-                raise ValueError(f"element: {self.element!r} elements (MXFP4/MXFP6) need layout 'mx', got layout "
-                                 f"{self.layout!r}")
-        # options the quantizer of this layout and scaling does not read: refused rather than ignored
-        unread = {"pow2": self.layout in ("mx", "nvfp4") or self.scaling == "delayed",
-                  "amax_epsilon": self.scaling != "current", "scale_mode": self.scaling != "e8m0"}
+        # options the rule (`scaling`) does not read: refused rather than ignored
         defaults = LegacySpec.model_fields
-        for field, ignored in unread.items():
-            if ignored and getattr(self, field) != defaults[field].default:
-                raise ValueError(f"{field}: not an option of layout {self.layout!r} with scaling {self.scaling!r} "
-                                 f"(its quantizer does not read it), got {getattr(self, field)!r}")
+        for field in ("pow2", "amax_epsilon", "scale_mode", "rht", "stochastic_rounding", "two_d"):
+            if field not in FIRST_FORM_OPTIONS[self.scaling] and getattr(self, field) != defaults[field].default:
+                raise ValueError(f"{field}: not an option of scaling {self.scaling!r} (its quantizer does not read "
+                                 f"it), got {getattr(self, field)!r}")
+        name = self.scheme()
+        if name not in SCHEMES:
+            raise ValueError(f"layout / element: there is no {self.layout!r} scheme of {self.element!r} elements "
+                             f"(scheme {name!r}); known schemes: {sorted(SCHEMES)}")
+        if not rule_entry(self.scaling).rule.fits(SCHEMES[name]):
+            raise ValueError(f"scaling: {self.scaling!r} scales do not fit layout {self.layout!r} (scheme {name})")
         return self
 
     def scheme(self) -> str:
-        if self.layout == "nvfp4":
-            return "nvfp4_rht_e2m1" if self.rht else "nvfp4_e2m1"
-        return f"{self.layout}_{self.element}" + ("_pow2" if self.pow2 else "")
+        return f"{self.layout}{'_rht' if self.rht else ''}_{self.element}" + ("_pow2" if self.pow2 else "")
 
     def params(self) -> dict[str, Any]:
         return {"current": {"amax_epsilon": self.amax_epsilon}, "e8m0": {"scale_mode": self.scale_mode},
@@ -90,6 +75,9 @@ class LegacySpec(BaseModel):
 
 
 LEGACY_FIELDS = frozenset(LegacySpec.model_fields)
+#: the first form's options each rule (`scaling`) reads
+FIRST_FORM_OPTIONS = {"current": ("pow2", "amax_epsilon"), "e8m0": ("scale_mode",),
+                      "nvfp4": ("rht", "stochastic_rounding", "two_d"), "delayed": ()}
 #: the rules the first form can name (its `scaling`)
 LEGACY_RULES = ("current", "e8m0", "nvfp4", "delayed")
 
@@ -99,10 +87,11 @@ def first_form_fields(scheme: str, rule: str, params: RuleParams) -> dict[str, A
     (an option the rule does not have at its first-form default)."""
     found = get_scheme(scheme)
     given = params.model_dump()
-    return {"layout": "nvfp4" if found.layout in NVFP4_LAYOUTS else found.layout,
+    return {"layout": found.family,
             "element": element_name(found.element), "scaling": rule, "pow2": found.scale is ScaleEncoding.FP32_POW2,
             "amax_epsilon": given.get("amax_epsilon", 0.0), "scale_mode": given.get("scale_mode", "rceil"),
-            "rht": found.layout == "nvfp4_rht", "stochastic_rounding": given.get("stochastic_rounding", False),
+            "rht": found.columnwise_transform is not None,
+            "stochastic_rounding": given.get("stochastic_rounding", False),
             "two_d": given.get("with_2d_quantization", False)}
 
 

@@ -22,10 +22,7 @@ from torch.utils._pytree import tree_map_only
 from engine.collectives import all_reduce_max
 from engine.hooks import Hook
 from engine.ops import quantize as qops
-from engine.tensors.storage import (
-    DEQUANTIZE_DTYPES, Float8BlockwiseTensorStorage, Float8TensorStorage, MXTensorStorage,
-    QuantizedTensorBase, check_dequantize_dtype,
-)
+from engine.tensors.storage import DEQUANTIZE_DTYPES, QuantizedTensorBase, check_dequantize_dtype
 
 aten = torch.ops.aten
 
@@ -69,7 +66,7 @@ class QuantizedTensor(torch.Tensor):
     @staticmethod
     def wrap(storage: QuantizedTensorBase, requires_grad: bool = False) -> QuantizedTensor:
         """The tensor class for this storage's scheme, around it."""
-        return QuantizedTensor._by_storage[type(storage)](storage, requires_grad=requires_grad)
+        return QuantizedTensor._by_storage.get(type(storage), QuantizedTensor)(storage, requires_grad=requires_grad)
 
     # ------------------------------------------------------------------ the storage API, delegated
     @property
@@ -456,26 +453,3 @@ def _requantize(results: list[tuple[QuantizedTensor, torch.Tensor]]) -> None:
         own = tensor._qstorage.quantizer
         own.with_agreed_amax(agreed[i]).update_quantized(plain, tensor)
         tensor._qstorage.quantizer = own  # keeps quantizing with its group afterwards
-
-
-# ---------------------------------------------------------------------- the layout names users know
-class Float8Tensor(QuantizedTensor):
-    """A per-tensor FP8 value (delayed or current scaling) as a torch.Tensor."""
-
-    storage_class = Float8TensorStorage
-
-
-class Float8BlockwiseTensor(QuantizedTensor):
-    """A 1x128 / 128x128 block-scaled FP8 value as a torch.Tensor."""
-
-    storage_class = Float8BlockwiseTensorStorage
-
-
-class MXTensor(QuantizedTensor):
-    """An OCP MX value (MXFP8, MXFP6 or MXFP4: the scheme's element says which) as a torch.Tensor."""
-
-    storage_class = MXTensorStorage
-
-
-#: the name from before MXFP4/MXFP6: the same class
-MXFP8Tensor = MXTensor

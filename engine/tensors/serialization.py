@@ -58,13 +58,13 @@ def _scheme_of(fields: dict[str, Any], quantizer_state: Any) -> Scheme:
     if name not in _LEGACY_LAYOUTS:
         raise ValueError(f"storage_class: expected one of {sorted(_LEGACY_LAYOUTS)}, got {name!r}")
     layout = _LEGACY_LAYOUTS[name]
-    if layout == "block":
+    if name == "Float8BlockwiseTensorStorage":
         dim = fields.pop("block_scaling_dim", 1)
         if dim not in (1, 2) or isinstance(dim, bool):
             raise ValueError(f"block_scaling_dim: expected 1 or 2, got {dim!r}")
         layout = f"block{dim}d"
     pow2 = isinstance(quantizer_state, dict) and quantizer_state.get("force_pow_2_scales") is True
-    return fp8_scheme(layout, fp8_dtype, pow2=pow2 and layout != "mx")
+    return fp8_scheme(layout, fp8_dtype, pow2=pow2 and name != "MXFP8TensorStorage")
 
 
 def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
@@ -78,8 +78,7 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
         shape = torch.Size(fields.pop("shape"))
         nominal_dtype = parse_dtype(fields.pop("nominal_dtype"), "nominal_dtype")
         buffers = {name: fields.pop(name) for name in BUFFER_FIELDS}
-        extras = {name: fields.pop(name, None) for name in getattr(QuantizedTensorBase.class_for(scheme),
-                                                                   "extra_fields", ())}
+        extras = {name: fields.pop(name, None) for name in scheme.fields if name not in BUFFER_FIELDS}
     except (KeyError, TypeError) as err:
         raise ValueError(f"quantized tensor state is malformed ({err!r}); keys: {sorted(plain)}") from err
     if fields:
@@ -97,7 +96,7 @@ def rebuild_storage(plain: dict[str, Any]) -> QuantizedTensorBase:
     quantizer = None
     if quantizer_state is not None:
         quantizer = QUANTIZER_LOADERS["quantizer"](quantizer_state)
-        if quantizer.scheme.layout != scheme.layout or quantizer.scheme.element != scheme.element:
+        if not quantizer.scheme.same_layout(scheme) or quantizer.scheme.element != scheme.element:
             raise ValueError(f"quantizer: a {type(quantizer).__name__} ({quantizer.scheme.name}) cannot quantize "
                              f"into a {scheme.name} tensor")
         scheme = quantizer.scheme  # a pre-scheme block checkpoint learns its scale encoding from its quantizer
@@ -119,6 +118,8 @@ def _check_buffers(scheme: Scheme, shape: torch.Size, buffers: dict[str, Any]) -
     rowwise, columnwise = buffers["rowwise_data"] is not None, buffers["columnwise_data"] is not None
     specs = buffer_specs(scheme, shape, rowwise=rowwise, columnwise=columnwise)
     for name, (size, dtype) in specs.items():
+        if name not in buffers:  # the tensor-level amaxes: checked with their values (`check_values`)
+            continue
         t = buffers[name]
         if t is None or tuple(t.shape) != tuple(size) or t.dtype != dtype:
             got = None if t is None else f"{t.dtype} {tuple(t.shape)}"
@@ -180,8 +181,8 @@ def to_components(key: str, tensor: QuantizedTensor | QuantizedTensorBase) -> di
                                    come back), and the kind and settings of its quantizer
                                    ({"class": name, "config": Quantizer.config()} or null); the
                                    quantizer's state (delayed scaling's) is the module's to save.
-                                   Its tensors are the layout's own buffers beside the four above
-                                   (`extra_fields`: NVFP4's fp32 [1] `amax_rowwise` /
+                                   Its tensors are the scheme's buffers beside the four above
+                                   (`scheme.fields`: NVFP4's fp32 [1] `amax_rowwise` /
                                    `amax_columnwise`), by field name; other layouts have none (their
                                    records are as they always were)
 
@@ -205,7 +206,7 @@ def to_components(key: str, tensor: QuantizedTensor | QuantizedTensorBase) -> di
               "rowwise": st.has_rowwise, "columnwise": st.has_columnwise,
               "quantizer": None if st.quantizer is None else {"class": type(st.quantizer).__name__,
                                                                "config": st.quantizer.config()}}
-    extras = {name: t.detach() for name in type(st).extra_fields if (t := getattr(st, name)) is not None}
+    extras = {name: t.detach() for name, t in st.buffers().items() if name not in BUFFER_FIELDS and t is not None}
     out[key + META_SUFFIX] = encode_record(QUANTIZED_MAGIC, QUANTIZED_VERSION, header, extras)
     return out
 
@@ -273,7 +274,7 @@ def pop_components(state_dict: MutableMapping[str, Any], key: str) -> tuple[Quan
 
 def _check_extras(extras: dict[str, torch.Tensor], scheme: Scheme, meta_key: str) -> None:
     """A record's tensors are some of the layout's own buffers (their values are the storage's to check)."""
-    declared = QuantizedTensorBase.class_for(scheme).extra_fields
+    declared = [name for name in scheme.fields if name not in BUFFER_FIELDS]
     unknown = sorted(set(extras) - set(declared))
     if unknown:
         raise ValueError(f"{meta_key}: unknown tensors {unknown}; a {scheme.name} tensor keeps "

@@ -21,14 +21,11 @@ from typing import Any
 
 import torch
 
-from engine.ops.registry import BUFFER_FIELDS
 from engine.schemes import ScaleEncoding
 from engine.tensors.quantized import QuantizedTensor, _handles
 from engine.tensors.storage import QuantizedTensorBase
 
 aten = torch.ops.aten
-#: layouts whose row slices this file makes
-SLICEABLE_LAYOUTS = ("tensor", "block1d", "block2d", "mx")
 _E8M0_ONE = 127  # the E8M0 code of 2**0
 
 
@@ -43,8 +40,7 @@ def row_block(storage: QuantizedTensorBase) -> int:
 
 
 def _sliceable(storage: QuantizedTensorBase) -> bool:
-    return (len(storage.shape) == 2 and storage.scheme.layout in SLICEABLE_LAYOUTS
-            and set(storage.buffers()) == set(BUFFER_FIELDS))
+    return len(storage.shape) == 2 and storage.scheme.sliceable
 
 
 def slice_rows(storage: QuantizedTensorBase, start: int, stop: int) -> QuantizedTensorBase:
@@ -111,8 +107,8 @@ def _refuse_row_split(self: QuantizedTensor, dim: int) -> None:
     storage = self._qstorage
     if len(storage.shape) == 2 and dim in (0, -2) and not _sliceable(storage):
         raise NotImplementedError(
-            f"split along dim 0 of a {storage.scheme.name} ({storage.scheme.layout} layout) quantized tensor: row "
-            f"slices are implemented for the {'/'.join(SLICEABLE_LAYOUTS)} layouts only. This is how FSDP2 shards "
+            f"split along dim 0 of a {storage.scheme.name} quantized tensor: row slices exist only for schemes "
+            "without a block spanning all rows, a tensor-level scale or a transform. This is how FSDP2 shards "
             "parameters: FP8 primary weights (fp8_model_init) of this recipe cannot be sharded; build the model "
             "without fp8_model_init (FSDP2 then gathers high-precision weights) or dequantize() first")
 

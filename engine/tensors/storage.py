@@ -7,26 +7,26 @@ Modules keep only what backward needs (`update_usage`) and hand the buffers to a
 (`prepare_for_saving` / `restore_from_saved`), so quantized bytes, not high precision,
 wait for backward.
 
-There is one storage type: buffer shapes, views, deriving one usage from the other,
-dequantizing and serialization are all functions of the storage's `Scheme`. The public
-names `Float8TensorStorage`, `Float8BlockwiseTensorStorage` and `MXTensorStorage` (= `MXFP8TensorStorage`) are
-the same type seen per layout (so `isinstance` keeps working); they also accept the
-constructor arguments they had before schemes (`fp8_dtype`, `block_scaling_dim`).
+There is one storage type: which buffers it holds (a scheme with a tensor-level scale adds one
+fp32 amax per usage), buffer shapes, views, deriving one usage from the other, dequantizing and
+serialization are all functions of the storage's `Scheme`. The public names (`Float8TensorStorage`,
+`NVFP4TensorStorage`, ...: `engine.tensors.named`) are the same type seen per scheme family, so
+`isinstance` keeps working.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, ClassVar
 
 import torch
 
 from engine.hooks import Hook
-from engine.ops import mx_elements
+from engine.ops import mx_elements, nvfp4
 from engine.ops import reference as ref
-from engine.ops.registry import BUFFER_FIELDS
 from engine.ops.reference import dequantize_blocked
-from engine.schemes import ScaleEncoding, Scheme, dims_2d, fp8_scheme
+from engine.schemes import AMAX_FIELDS, BUFFER_FIELDS, ScaleEncoding, Scheme, dims_2d
 
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 #: dtypes a quantized value can be dequantized into (float64 too, for `.double()` and checks)
@@ -35,6 +35,13 @@ DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64
 REBUILD_STORAGE: Hook = Hook("QuantizedTensorBase.__reduce__", "engine.tensors.serialization")
 
 __all__ = ["BUFFER_FIELDS", "QuantizedTensorBase", "check_dequantize_dtype", "compact", "dims_2d"]
+NO_BUFFERS = dict.fromkeys(BUFFER_FIELDS + AMAX_FIELDS)
+
+
+def _usage_fields(parts: dict[str, torch.Tensor | None], columnwise: bool) -> dict[str, torch.Tensor | None]:
+    """{"data", "scale_inv", "amax"} of one usage as the storage's field names for `columnwise` or rowwise."""
+    usage = "columnwise" if columnwise else "rowwise"
+    return {(f"amax_{usage}" if part == "amax" else f"{usage}_{part}"): t for part, t in parts.items()}
 
 
 def check_dequantize_dtype(dtype: Any) -> torch.dtype:
@@ -54,34 +61,31 @@ def compact(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def buffer_specs(scheme: Scheme, shape: torch.Size, *, rowwise: bool, columnwise: bool) -> BufferSpecs:
     """Shape and dtype of each buffer a tensor of `shape` needs under `scheme` for the given usages."""
-    specs: BufferSpecs = {}
-    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
-        if wanted:
-            col = usage == "columnwise"
-            specs[f"{usage}_data"] = (scheme.data_shape(shape, col), scheme.data_dtype)
-            specs[f"{usage}_scale_inv"] = (scheme.scale_shape(shape, col), scheme.scale.dtype)
-    return specs
+    return scheme.buffer_specs(shape, rowwise=rowwise, columnwise=columnwise)
 
 
 class QuantizedTensorBase:
-    """Rowwise/columnwise data and scale_inv buffers of one value, laid out as `scheme` says."""
+    """The buffers of one value (`scheme.fields`: data and scale_inv per usage, and an amax per usage with a
+    tensor-level scale), laid out as `scheme` says."""
 
-    #: the layouts a legacy subclass stands for (the base stands for all)
-    layouts: ClassVar[tuple[str, ...]] = ()
-    #: fields a layout keeps beside the four buffers (NVFP4's per-usage amaxes)
-    extra_fields: ClassVar[tuple[str, ...]] = ()
-    _by_layout: ClassVar[dict[str, type[QuantizedTensorBase]]] = {}
+    #: the public name classes (`engine.tensors.named`), in the order their `holds` is asked
+    _named: ClassVar[list[type[QuantizedTensorBase]]] = []
     _by_name: ClassVar[dict[str, type[QuantizedTensorBase]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         QuantizedTensorBase._by_name[cls.__name__] = cls
-        for layout in cls.layouts:
-            QuantizedTensorBase._by_layout[layout] = cls
+        QuantizedTensorBase._named.append(cls)
+        QuantizedTensorBase.class_for.cache_clear()
+
+    @classmethod
+    def holds(cls, scheme: Scheme) -> bool:
+        """Whether a storage of `scheme` is seen through this class (a name class says it from the fields)."""
+        return True
 
     def __new__(cls, *args: Any, scheme: Scheme | None = None, **kwargs: Any) -> QuantizedTensorBase:
-        # one type, seen through the class named for the scheme's layout
-        target = cls.class_for(scheme) if scheme is not None and not cls.layouts else cls
+        # one type, seen through the class named for the scheme's family
+        target = cls.class_for(scheme) if scheme is not None and cls is QuantizedTensorBase else cls
         return super().__new__(target)
 
     def __init__(
@@ -94,6 +98,8 @@ class QuantizedTensorBase:
         rowwise_scale_inv: torch.Tensor | None = None,
         columnwise_data: torch.Tensor | None = None,
         columnwise_scale_inv: torch.Tensor | None = None,
+        amax_rowwise: torch.Tensor | None = None,
+        amax_columnwise: torch.Tensor | None = None,
         quantizer: Any = None,
         **legacy: Any,
     ) -> None:
@@ -102,8 +108,10 @@ class QuantizedTensorBase:
             scheme = quantizer.scheme if quantizer is not None else self._legacy_scheme(**legacy)
         elif legacy:
             raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(legacy)} next to scheme=")
-        if self.layouts and scheme.layout not in self.layouts:
-            raise TypeError(f"scheme: a {type(self).__name__} holds {'/'.join(self.layouts)} layouts, got {scheme!r}")
+        if not self.holds(scheme):
+            raise TypeError(f"scheme: a {type(self).__name__} cannot hold {scheme!r}")
+        if not scheme.tensor_scale and (amax_rowwise is not None or amax_columnwise is not None):
+            raise TypeError(f"amax_rowwise / amax_columnwise: {scheme.name} has no tensor-level scale")
         self.scheme = scheme
         self.shape = torch.Size(shape)
         self.nominal_dtype = nominal_dtype
@@ -111,16 +119,19 @@ class QuantizedTensorBase:
         self.rowwise_scale_inv = rowwise_scale_inv
         self.columnwise_data = columnwise_data
         self.columnwise_scale_inv = columnwise_scale_inv
+        self.amax_rowwise = amax_rowwise
+        self.amax_columnwise = amax_columnwise
         self.quantizer = quantizer
 
     @staticmethod
+    @functools.lru_cache(maxsize=None)
     def class_for(scheme: Scheme) -> type[QuantizedTensorBase]:
-        """The class a storage of `scheme` is seen through (one per layout family)."""
-        return QuantizedTensorBase._by_layout.get(scheme.layout, QuantizedTensorBase)
+        """The class a storage of `scheme` is seen through (the first name class that holds it)."""
+        return next((cls for cls in QuantizedTensorBase._named if cls.holds(scheme)), QuantizedTensorBase)
 
     @classmethod
     def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
-        """The scheme of a storage built with the pre-scheme arguments of a layout class."""
+        """The scheme of a storage built with the pre-scheme arguments of a name class."""
         raise TypeError(f"{cls.__name__}: expected scheme= (an engine.schemes.Scheme)")
 
     # ------------------------------------------------------------------ metadata
@@ -130,8 +141,8 @@ class QuantizedTensorBase:
 
     @property
     def block_scaling_dim(self) -> int | None:
-        """1 or 2 for 1x128 / 128x128 block scaling (None for other layouts)."""
-        return {"block1d": 1, "block2d": 2}.get(self.scheme.layout)
+        """1 or 2 for 1x128 / 128x128 block scaling (None for other schemes)."""
+        return self.scheme.block_scaling_dim
 
     @property
     def shares_scale_inv(self) -> bool:
@@ -159,7 +170,8 @@ class QuantizedTensorBase:
         return self.columnwise_data is not None
 
     def buffers(self) -> dict[str, torch.Tensor | None]:
-        return {name: getattr(self, name) for name in BUFFER_FIELDS}
+        """The scheme's fields and what each holds (None: a usage not held)."""
+        return {name: getattr(self, name) for name in self.scheme.fields}
 
     def metadata(self) -> dict[str, Any]:
         """Everything but the buffers, as keyword arguments of the constructor."""
@@ -179,14 +191,14 @@ class QuantizedTensorBase:
         storage = object.__new__(cls)
         fields = storage.__dict__
         fields.update(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer)
-        fields.update(dict.fromkeys(cls.extra_fields))  # NVFP4's amaxes: None unless the buffers hold them
+        fields.update(NO_BUFFERS)
         fields.update(buffers)
         return storage
 
     def without_rowwise(self) -> QuantizedTensorBase:
         """A new storage without this one's rowwise data and scales (what backward reads of fprop's operands)."""
         return QuantizedTensorBase.made(self.scheme, self.shape, self.nominal_dtype, self.quantizer,
-                                        {**self.buffers(), "rowwise_data": None, "rowwise_scale_inv": None})
+                                        {**self.buffers(), **dict.fromkeys(self.scheme.usage_fields(False))})
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (a buffer shared by both usages counts once)."""
@@ -211,6 +223,8 @@ class QuantizedTensorBase:
         buffers = {name: torch.empty(size, dtype=dt, device=device) for name, (size, dt) in specs.items()}
         if scheme.rowwise_block.is_tensor and rowwise and columnwise:
             buffers["columnwise_scale_inv"] = buffers["rowwise_scale_inv"]
+        if scheme.tensor_scale and scheme.derivable and rowwise and columnwise:
+            buffers["amax_columnwise"] = buffers["amax_rowwise"]
         return QuantizedTensorBase(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer,
                                    **buffers)
 
@@ -245,13 +259,15 @@ class QuantizedTensorBase:
         """The quantized transpose of a 2D tensor where the scheme gives it exactly (derivable schemes)."""
         if len(self.shape) != 2 or not self.scheme.derivable or not (self.has_rowwise or self.has_columnwise):
             return None
-        row_data, row_scale = self.rowwise_data, self.rowwise_scale_inv
-        col_data, col_scale = self.columnwise_data, self.columnwise_scale_inv
-        if col_data is None:
-            col_data, col_scale = self._derived(columnwise=True)
-        return self.replace(shape=torch.Size((self.shape[1], self.shape[0])),
-                            rowwise_data=col_data, rowwise_scale_inv=col_scale,
-                            columnwise_data=row_data, columnwise_scale_inv=row_scale)
+        row = {n.removeprefix("rowwise_").removesuffix("_rowwise"): getattr(self, n)
+               for n in self.scheme.usage_fields(False)}
+        if self.columnwise_data is None:
+            col = self._derived(columnwise=True)
+        else:
+            col = {n.removeprefix("columnwise_").removesuffix("_columnwise"): getattr(self, n)
+                   for n in self.scheme.usage_fields(True)}
+        return self.replace(shape=torch.Size((self.shape[1], self.shape[0])), **_usage_fields(col, False),
+                            **_usage_fields(row, True))
 
     # ------------------------------------------------------------------ usages
     def update_usage(self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None) -> None:
@@ -266,17 +282,16 @@ class QuantizedTensorBase:
             raise ValueError("update_usage: at least one of rowwise_usage / columnwise_usage must stay True")
         if not (self.has_rowwise or self.has_columnwise):
             raise ValueError(f"update_usage: {type(self).__name__} holds no data (emptied by prepare_for_saving)")
-        if want_row and not self.has_rowwise:
-            self.rowwise_data, self.rowwise_scale_inv = self._derived(columnwise=False)
-        if want_col and not self.has_columnwise:
-            self.columnwise_data, self.columnwise_scale_inv = self._derived(columnwise=True)
-        if not want_row:
-            self.rowwise_data = self.rowwise_scale_inv = None
-        if not want_col:
-            self.columnwise_data = self.columnwise_scale_inv = None
+        for columnwise, want, has in ((False, want_row, self.has_rowwise), (True, want_col, self.has_columnwise)):
+            if want and not has:
+                self.__dict__.update(_usage_fields(self._derived(columnwise=columnwise), columnwise))
+        for columnwise, want in ((False, want_row), (True, want_col)):
+            if not want:
+                self.__dict__.update(dict.fromkeys(self.scheme.usage_fields(columnwise)))
 
-    def _derived(self, *, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One usage made from the other: the transposed data and scales (exact for derivable schemes)."""
+    def _derived(self, *, columnwise: bool) -> dict[str, torch.Tensor]:
+        """One usage made from the other: {"data", "scale_inv"(, "amax")}, the transposed data and scales (exact
+        for derivable schemes)."""
         usage, other = ("columnwise", "rowwise") if columnwise else ("rowwise", "columnwise")
         if not self.scheme.derivable:
             raise ValueError(
@@ -284,26 +299,29 @@ class QuantizedTensorBase:
                 f"the other dim); quantize the high-precision tensor with {usage} usage instead"
             )
         if columnwise:
-            data, scale = ref.transpose_2d(self.rowwise_data), self.rowwise_scale_inv
+            data, scale, amax = ref.transpose_2d(self.rowwise_data), self.rowwise_scale_inv, self.amax_rowwise
         else:
-            data, scale = self.columnwise_data.t().contiguous().view(self.shape), self.columnwise_scale_inv
-        return data, (scale if self.shares_scale_inv else scale.t().contiguous())
+            data = self.columnwise_data.t().contiguous().view(self.shape)
+            scale, amax = self.columnwise_scale_inv, self.amax_columnwise
+        out = {"data": data, "scale_inv": scale if self.shares_scale_inv else scale.t().contiguous()}
+        return {**out, "amax": amax} if self.scheme.tensor_scale else out
 
     # ------------------------------------------------------------------ saving for backward
     def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedTensorBase]:
         """Hand the buffers to autograd's saved tensors and empty self. Returns (buffers, self)."""
-        tensors = [getattr(self, name) for name in BUFFER_FIELDS]
-        for name in BUFFER_FIELDS:
-            setattr(self, name, None)
+        fields = self.scheme.fields
+        tensors = [getattr(self, name) for name in fields]
+        self.__dict__.update(dict.fromkeys(fields))
         return tensors, self
 
     def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Take back this storage's buffers from the front of `tensors`; return the rest."""
-        if len(tensors) < len(BUFFER_FIELDS):
-            raise ValueError(f"restore_from_saved: expected at least {len(BUFFER_FIELDS)} tensors, got {len(tensors)}")
-        for name, t in zip(BUFFER_FIELDS, tensors):
-            setattr(self, name, t)
-        return list(tensors[len(BUFFER_FIELDS):])
+        """Take back this storage's buffers (`scheme.fields`) from the front of `tensors`; return the rest."""
+        fields = self.scheme.fields
+        if len(tensors) < len(fields):
+            raise ValueError(f"restore_from_saved: expected at least {len(fields)} tensors for a {self.scheme.name} "
+                             f"storage, got {len(tensors)}")
+        self.__dict__.update(zip(fields, tensors))
+        return list(tensors[len(fields):])
 
     # ------------------------------------------------------------------ values
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -311,9 +329,14 @@ class QuantizedTensorBase:
         dtype = self.nominal_dtype if dtype is None else check_dequantize_dtype(dtype)
         for usage, columnwise in (("rowwise", False), ("columnwise", True)):
             data = getattr(self, f"{usage}_data")
-            if data is not None:
-                return dequantize_blocked(data, getattr(self, f"{usage}_scale_inv"), self.scheme, shape=self.shape,
-                                          columnwise=columnwise, dtype=dtype)
+            if data is None:
+                continue
+            scale_inv = getattr(self, f"{usage}_scale_inv")
+            if self.scheme.tensor_scale:  # two scale levels (and the transform undone): NVFP4's reference
+                return nvfp4.dequantize_usage(data, scale_inv, getattr(self, f"amax_{usage}"), self.scheme,
+                                              self.shape, columnwise, dtype)
+            return dequantize_blocked(data, scale_inv, self.scheme, shape=self.shape, columnwise=columnwise,
+                                      dtype=dtype)
         raise ValueError(f"dequantize: {type(self).__name__} holds no data (emptied by prepare_for_saving)")
 
     # ------------------------------------------------------------------ quantizer
@@ -324,7 +347,7 @@ class QuantizedTensorBase:
         is used the next time the tensor is quantized into (`quantize_`, `copy_`).
         """
         scheme = getattr(quantizer, "scheme", None)
-        if quantizer is not None and (scheme is None or self.class_for(scheme) is not type(self)):
+        if quantizer is not None and (scheme is None or self.class_for(scheme) is not self.class_for(self.scheme)):
             raise TypeError(f"quantizer: expected a quantizer that makes {type(self).__name__}, got {quantizer!r}")
         old = self.quantizer
         if old is not None and quantizer is not None and old.config() != quantizer.config():
@@ -343,6 +366,11 @@ class QuantizedTensorBase:
         for usage, columnwise in (("rowwise", False), ("columnwise", True)):
             data, scale = getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale_inv")
             if data is None:
+                if self.scheme.tensor_scale and getattr(self, f"amax_{usage}") is not None:
+                    raise ValueError(f"amax_{usage}: expected None, as {usage}_data is None")
+                continue
+            if self.scheme.tensor_scale:
+                nvfp4.check_scales(scale, getattr(self, f"amax_{usage}"), usage)
                 continue
             if self.scheme.scale is ScaleEncoding.E8M0:
                 _check_e8m0_nan(data, scale, self.scheme, columnwise, f"{usage}_scale_inv")
@@ -397,43 +425,3 @@ def _check_e8m0_nan(data: torch.Tensor, codes: torch.Tensor, scheme: Scheme, col
         where = [tuple(i) for i in bad.nonzero()[:4].tolist()]
         what = "element codes are not all +0" if scheme.coded else "data holds no NaN"
         raise ValueError(f"{name}: E8M0 code 255 (NaN) in blocks whose {what}, at {where} ({int(bad.sum())} blocks)")
-
-
-# ---------------------------------------------------------------------- the layout names users know
-class Float8TensorStorage(QuantizedTensorBase):
-    """Per-tensor FP8 (delayed and current scaling): one fp32 scale_inv, columnwise data `[K, M]`."""
-
-    layouts = ("tensor",)
-
-    @classmethod
-    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
-        return fp8_scheme("tensor", fp8_dtype, **kw)
-
-
-class Float8BlockwiseTensorStorage(QuantizedTensorBase):
-    """FP8 with an fp32 scale_inv per 1x128 (1D) or 128x128 (2D) tile, columnwise data `[K, M]`."""
-
-    layouts = ("block1d", "block2d")
-
-    @classmethod
-    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, block_scaling_dim: int = 1,
-                       **kw: Any) -> Scheme:
-        if block_scaling_dim not in (1, 2) or isinstance(block_scaling_dim, bool):
-            raise ValueError(f"block_scaling_dim: expected 1 (1x128 tiles) or 2 (128x128 tiles), "
-                             f"got {block_scaling_dim!r}")
-        return fp8_scheme(f"block{block_scaling_dim}d", fp8_dtype, **kw)
-
-
-class MXTensorStorage(QuantizedTensorBase):
-    """OCP MX (MXFP8, MXFP6, MXFP4): an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block; columnwise
-    data keeps x's shape (E2M1 codes packed two per byte along the last dim)."""
-
-    layouts = ("mx",)
-
-    @classmethod
-    def _legacy_scheme(cls, *, fp8_dtype: torch.dtype | None = None, **kw: Any) -> Scheme:
-        return fp8_scheme("mx", fp8_dtype, **kw)
-
-
-#: the name from before MXFP4/MXFP6: the same class
-MXFP8TensorStorage = MXTensorStorage
