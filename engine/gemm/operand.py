@@ -99,7 +99,7 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
-    nvfp4 = scheme.scale is ScaleEncoding.E4M3
+    nvfp4 = scheme.tensor_scale  # two scale levels: the block scales times the usage amax / (6 * 448)
     codes = None
     if nvfp4:  # NVFP4 codes: columnwise data is [K, M] (packed along M); exact bf16 values
         m, k = dims_2d(st.shape)
