@@ -47,11 +47,17 @@ def case_of(case_id: str) -> Case:
 
 
 def rounds_stochastically(recipe: Recipe) -> bool:
-    """Whether any quantizer of the recipe (in a two-GEMM module's states) rounds stochastically."""
-    for forward in (True, False):
-        state = recipe.make_state(forward=forward, num_gemms=2, module="LayerNormMLP", gemm_names=("fc1", "fc2"))
-        if any(getattr(q.rule, "stochastic_rounding", False) for q in state._quantizers.values() if q is not None):
-            return True
+    """Whether any quantizer of the recipe (in the states of a LayerNormMLP's two GEMMs, or of a Linear's or
+    LayerNormLinear's one) rounds stochastically."""
+    from engine.recipes import OPERANDS
+
+    for module, names in (("LayerNormMLP", ("fc1", "fc2")), ("Linear", ("",)), ("LayerNormLinear", ("",))):
+        for forward in (True, False):
+            state = recipe.make_state(forward=forward, num_gemms=len(names), module=module, gemm_names=names)
+            quantizers = [state.operand(op, g) for op in OPERANDS if op[1].is_forward == forward
+                          for g in range(len(names))]
+            if any(getattr(q.rule, "stochastic_rounding", False) for q in quantizers if q is not None):
+                return True
     return False
 
 
@@ -72,7 +78,7 @@ def without_stochastic_rounding(recipe: Recipe) -> Recipe:
 
 
 class _deterministic:
-    """A CustomRecipe factory answering as `factory` does, with `stochastic_rounding` taken out of its specs (a
+    """A CustomRecipe factory answering as `factory` does, with `stochastic_rounding` off in its specs (a
     module-level class, so the recipe's key names it the same in every process)."""
 
     def __init__(self, factory: Callable) -> None:
@@ -81,8 +87,8 @@ class _deterministic:
 
     def __call__(self, role: Any) -> Any:
         answer = self.factory(role)
-        if isinstance(answer, QuantizerSpec) and answer.params.get("stochastic_rounding"):
-            params = {k: v for k, v in answer.params.items() if k != "stochastic_rounding"}
+        if isinstance(answer, QuantizerSpec) and getattr(answer.params, "stochastic_rounding", False):
+            params = {**answer.params.model_dump(), "stochastic_rounding": False}
             return QuantizerSpec(scheme=answer.scheme, rule=answer.rule, params=params)
         return answer
 
