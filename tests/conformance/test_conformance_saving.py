@@ -140,14 +140,17 @@ def test_a_checkpoint_loads_under_another_recipe_as_that_recipes_model(source: C
     state = via_file(src.state_dict())
     loaded = build(b, primary, seed=1)
     # the warning comes at load (FP8 weights: the model has B's states already) or at the first forward
-    with pytest.warns(UserWarning, match=f"saved under {type(a).__name__}"):
+    with pytest.warns(UserWarning, match=rf"saved under {type(a).__name__}\(.*loaded under {type(b).__name__}\("):
         loaded.load_state_dict(state, strict=True)
-        loaded_weights = [{k: None if t is None else t.clone() for k, t in buffers(p).items()} for p in loaded.parameters()]
+        loaded_weights = [(type(p), {k: None if t is None else t.clone() for k, t in buffers(p).items()})
+                          for p in loaded.parameters()]
         got = step(loaded, b, 2)
     if primary:
         requantized = build(b, primary, seed=1)
         requantized.load_state_dict(engine.plain_state_dict(state), strict=True)
-        for (name, mine), theirs, requant in zip(src.named_parameters(), loaded_weights, requantized.parameters()):
+        for (name, mine), (kind, theirs), requant in zip(src.named_parameters(), loaded_weights,
+                                                         requantized.parameters()):
+            assert kind is type(requant), name  # the kind of tensor B's model holds
             if isinstance(mine, QuantizedTensor) and isinstance(requant, QuantizedTensor):
                 want_buffers = buffers(mine) if same_quantizer(mine, requant) else buffers(requant)
                 assert_same_bits(list(theirs.values()), list(want_buffers.values()), name)
