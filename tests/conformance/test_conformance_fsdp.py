@@ -190,8 +190,8 @@ def test_a_sharded_step_equals_one_process(ranks: list[dict], case_id: str, weig
         for i, (g, w) in enumerate(zip(r[key]["state"], state)):
             assert torch.equal(g, w), f"scaling state tensor {i} differs"
     if weights == "fp8" and case_id in ("DelayedScaling", "MXFP8BlockScaling", "Float8CurrentScaling"):
-        assert any(ranks[0][key]["sharded"][n] for n in ranks[0][key]["types"] if ranks[0][key]["types"][n] != "Tensor"), \
-            "no FP8 weight was sharded"
+        types, sharded = ranks[0][key]["types"], ranks[0][key]["sharded"]
+        assert any(sharded[n] for n, t in types.items() if t != "Tensor"), "no FP8 weight was sharded"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the no_dist load, on purpose

@@ -82,7 +82,7 @@ def test_recompute_is_bit_identical(case: Case, mode: str, weights: str) -> None
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         step, item = divmod(i, len(want) // STEPS)
-        assert torch.equal(g, w), f"step {step}, item {item} (0 output, 1 input gradient): max diff {(g - w).abs().max()}"
+        assert torch.equal(g, w), f"step {step}, item {item} (0: output, 1: input gradient): {(g - w).abs().max()}"
     assert len(got_states) == len(want_states)
     for i, (g, w) in enumerate(zip(got_states, want_states)):
         assert torch.equal(g, w), f"scaling state tensor {i} differs"
