@@ -6,7 +6,8 @@ the input gradient, one parameter's gradient), the reference computed in float64
 
 One quantized use of a tensor T (a GEMM operand: fprop's input, dgrad's weight, ...) has relative RMS error
 eps(use), from its quantizer's element format (m mantissa bits, largest value `max`, smallest subnormal `sub`)
-and where its scale rule puts a block's amax A on the element grid: A / scale in [a_lo, a_hi] (`scale_window`).
+and where its scale rule puts a block's amax A on the element grid: A / scale in [a_lo, a_hi] (`scale_window`;
+delayed scaling: the tensor's amax times the scale the quantizer holds).
 
 * Rounding in the normal range: the grid step at v is <= 2u|v|, u = 2^-(m+1). Rounding to nearest leaves an
   error uniform over one step: E[d^2] <= u^2 v^2 / 3. Stochastic rounding to the neighbours with probabilities
@@ -66,35 +67,40 @@ OPERAND_NAME = {"fi": ("fprop", "input"), "fw": ("fprop", "weight"), "dg": ("dgr
                 "dw": ("dgrad", "weight"), "wi": ("wgrad", "input"), "wg": ("wgrad", "grad_output")}
 
 
-def scale_window(quantizer) -> tuple[float, float]:
-    """[a_lo, a_hi]: where the quantizer's scale rule puts a block's amax on its element grid."""
+def scale_window(quantizer, amax: float) -> tuple[float, float]:
+    """[a_lo, a_hi]: where the quantizer's scale rule puts the amax of a block on its element grid (`amax`: the
+    tensor's, for a rule that is given its scale)."""
     fmt = element_format(quantizer.scheme.element)
     encoding = quantizer.scheme.scale
+    given = getattr(quantizer.rule, "scale", None)
+    if isinstance(given, torch.Tensor):  # delayed scaling: the scale it holds (1 before one was learned)
+        a = amax * float(given.reshape(-1)[0])
+        return min(a, fmt.max), min(a, fmt.max)
     if encoding is ScaleEncoding.E4M3:  # NVFP4: amax / 6 as an E4M3 block scale, rounded to nearest (<= 2^-4)
         return fmt.max / (1 + 2.0**-4), fmt.max / (1 - 2.0**-4)
     if encoding is ScaleEncoding.E8M0 and getattr(quantizer.rule, "scale_mode", "rceil") == "floor":
         return 2.0**fmt.max_exponent, 2.0 ** (fmt.max_exponent + 1)
-    # fp32 (current: exact; delayed: amax / 2^margin, margin <= 1 here), power-of-2 rounded up, E8M0 rceil
+    # fp32 from the data (current scaling: exact), power-of-2 rounded up, E8M0 rceil
     return fmt.max / 2, fmt.max
 
 
-def use_error(quantizer, crest: float) -> float:
-    """eps of one quantized use (None: high precision, 0) for a tensor of crest factor `crest`."""
+def use_error(quantizer, t: torch.Tensor) -> float:
+    """eps of one quantized use of `t` (quantizer None: high precision, 0)."""
     if quantizer is None:
         return 0.0
+    t = t.detach().double()
+    amax = t.abs().max().item()
+    crest = amax / max(t.square().mean().sqrt().item(), 1e-300)
     fmt = element_format(quantizer.scheme.element)
     stochastic = bool(getattr(quantizer.rule, "stochastic_rounding", False))
-    a_lo, a_hi = scale_window(quantizer)
+    a_lo, a_hi = scale_window(quantizer, amax)
+    if a_lo == 0:
+        return 1.0  # every value rounds to 0
     u = 2.0 ** -(fmt.mantissa_bits + 1)
     rounding = u**2 if stochastic else u**2 / 3
     saturation = max(0.0, 1 - fmt.max / a_hi)
     subnormal = (crest * fmt.min_subnormal / a_lo) ** 2 / (4 if stochastic else 12)
     return math.sqrt(max(rounding, saturation**2) + subnormal)
-
-
-def crest(t: torch.Tensor) -> float:
-    t = t.detach().double()
-    return (t.abs().max() / t.square().mean().sqrt()).item()
 
 
 def trace(spec: dict, params: dict[str, torch.Tensor], x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -126,9 +132,9 @@ def operand_errors(module, spec: dict, tensors: dict[str, torch.Tensor], primary
             state = module._bwd_state if role == "grad_output" else module._fwd_state
             q = state.operand((Gemm(gemm), Role(role)), g)
             t = tensors[f"{g}.{OPERAND_TENSOR[short]}"]
-            e2 = use_error(q, crest(t)) ** 2
+            e2 = use_error(q, t) ** 2
             if primary and short == "dw":
-                e2 += 2 * use_error(fprop_weight, crest(t)) ** 2
+                e2 += 2 * use_error(fprop_weight, t) ** 2
             out[f"{g}{short}"] = e2
     for name, parts in COMPOSITE.items():  # in order: "dz" reads "z"
         if all(p in out for p in parts):
