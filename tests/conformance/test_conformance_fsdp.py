@@ -14,7 +14,7 @@ a + b has one order, so losses, weights and scaling state are the same bits (tes
 
 Then each rank saves the FSDP2 model's `get_model_state_dict` with torch.distributed.checkpoint, loads it into a
 fresh FSDP2 model (another seed) and compares every local buffer of every parameter, NVFP4's amaxes included,
-and the next step's loss bit for bit; the parent loads the checkpoint into one process without FSDP2
+and the next step's loss, weights and scaling state bit for bit; the parent loads the checkpoint into one process without FSDP2
 (`no_dist=True`) and compares with the ranks' values.
 """
 
@@ -94,11 +94,18 @@ def _dcp_round_trip(model, recipe, case_id: str, rank: int, out_dir: str) -> dic
     state = get_model_state_dict(fresh)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(fresh, state)
-    mismatched = [name for (name, p), q in zip(model.named_parameters(), fresh.parameters())
-                  if type(getattr(p, "_local_tensor", p)) is not type(getattr(q, "_local_tensor", q))
-                  or _differ(buffers(p), buffers(q))]
+    mismatched = _mismatched(model, fresh)
     next_losses = [train_sharded(m, recipe, rank, range(STEPS, STEPS + 1))[0] for m in (model, fresh)]
-    return {"mismatched": mismatched, "next": torch.stack(next_losses)}
+    states = [scaling_state(m) for m in (model, fresh)]
+    return {"mismatched": mismatched, "next": torch.stack(next_losses), "mismatched_after": _mismatched(model, fresh),
+            "state_after": len(states[0]) == len(states[1]) and all(map(torch.equal, *states))}
+
+
+def _mismatched(model: torch.nn.Module, other: torch.nn.Module) -> list[str]:
+    """The parameters whose local tensors differ in kind or in any buffer's bits."""
+    return [name for (name, p), q in zip(model.named_parameters(), other.parameters())
+            if type(getattr(p, "_local_tensor", p)) is not type(getattr(q, "_local_tensor", q))
+            or _differ(buffers(p), buffers(q))]
 
 
 def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -203,9 +210,11 @@ def test_the_distributed_state_dict_reloads_fp8_weights(ranks: list[dict], case_
 
     key = (case_id, "fp8")
     for r in ranks:
-        assert r[key]["dcp"]["mismatched"] == [], r[key]["dcp"]["mismatched"]
-        first, second = r[key]["dcp"]["next"]
+        dcp_result = r[key]["dcp"]
+        assert dcp_result["mismatched"] == [], dcp_result["mismatched"]
+        first, second = dcp_result["next"]  # the next step: the same loss, weights and scaling state
         assert torch.equal(first, second)
+        assert dcp_result["mismatched_after"] == [] and dcp_result["state_after"], dcp_result
     recipe = case_of(case_id).recipe()
     one = make_model(recipe, True, seed=1)
     state = one.state_dict()
