@@ -14,8 +14,8 @@ a + b has one order, so losses, weights and scaling state are the same bits (tes
 
 Then each rank saves the FSDP2 model's `get_model_state_dict` with torch.distributed.checkpoint, loads it into a
 fresh FSDP2 model (another seed) and compares every local buffer of every parameter, NVFP4's amaxes included,
-and the next step's loss, weights and scaling state bit for bit; the parent loads the checkpoint into one process without FSDP2
-(`no_dist=True`) and compares with the ranks' values.
+and the next step's loss, weights and scaling state bit for bit; the parent loads the checkpoint into one
+process without FSDP2 (`no_dist=True`) and compares with the ranks' values.
 """
 
 from __future__ import annotations
