@@ -3,9 +3,11 @@
 A case is a recipe class exported by `engine.recipes` (tests/checkpoint_specs.py's `exported_recipe_classes`,
 built by its `make_recipe`: the fixtures' fields where a class needs some), plus one variant per other value of
 each of its option fields: a bool flipped, each other value of a `Literal` (or `Optional[Literal]`), each other
-`Format`. A value the class refuses at construction (a fixed `fp8_format`) is no variant. So a new recipe class,
-or a new option of an existing one (NVFP4's `disable_rht`, MXFP6's `element`, ...), is a case without a line
-edited here. Fields of other types (numbers, callables, dicts) keep the case's value.
+`Format`. A value the class refuses at construction (a fixed `fp8_format`) is no variant, nor is one that
+quantizes as an earlier case does (the same quantizer configs: a field only the distributed amax reduction reads,
+or a default spelled out). So a new recipe class, or a new option of an existing one (NVFP4's `disable_rht`,
+MXFP6's `element`, ...), is a case without a line edited here. Fields of other types (numbers, callables, dicts)
+keep the case's value.
 
 `CASES` holds every case; `DEFAULTS` one per class (each class as `make_recipe` builds it), for the contracts
 whose cost is per case (the distributed ones). A case's id is its class name, then `field=value` for a variant.
@@ -14,6 +16,7 @@ whose cost is per case (the distributed ones). A case's id is its class name, th
 from __future__ import annotations
 
 import enum
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +62,7 @@ def option_values(annotation: Any) -> list[Any] | None:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return list(typing.get_args(annotation))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
         parts = [option_values(a) for a in args if a is not type(None)]
         if any(p is None for p in parts):
