@@ -1,4 +1,9 @@
-"""Checkpoints: scaling state in _extra_state, weights_only loads, loads across recipes (formats: test_saving.py)."""
+"""Checkpoints: scaling state in _extra_state, weights_only loads, loads across recipes (formats: test_saving.py).
+
+The round trip and the load across every pair of recipes, for every recipe `engine.recipes` exports, are the
+contract of tests/conformance/test_conformance_saving.py; here: the records' contents, delayed scaling's state
+into a high-precision run, requantizing FP8 weights, plain torch checkpoints, malformed states.
+"""
 
 
 import pytest
@@ -7,24 +12,9 @@ import torch
 import engine
 from engine.autocast import fp8_autocast, fp8_model_init
 from engine.modules.saving import encode_extra_state, read_extra_state
-from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from engine.recipes import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 from engine.tensors import Float8Tensor, MXFP8Tensor, QuantizedTensor
 from tiny_models import TinyModel, next_output, roundtrip, train
-
-RECIPES = [DelayedScaling(amax_history_len=8), Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
-
-
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
-def test_resume_under_the_same_recipe_is_bit_exact(recipe):
-    torch.manual_seed(0)
-    model = TinyModel()
-    train(model, recipe, steps=3)
-    state = roundtrip(model.state_dict())
-    torch.manual_seed(1)
-    fresh = TinyModel()
-    fresh.load_state_dict(state)
-    assert torch.equal(next_output(fresh, recipe), next_output(model, recipe))
-
 
 def test_extra_state_holds_the_recipe_and_the_delayed_scaling_state():
     model = TinyModel()
@@ -45,22 +35,14 @@ def test_extra_state_holds_the_recipe_and_the_delayed_scaling_state():
     assert set(extra) == {"recipe"} and extra["recipe"]["fields"]["use_power_2_scales"] is True
 
 
-@pytest.mark.parametrize("target", [MXFP8BlockScaling(), Float8BlockScaling(), None], ids=lambda r: getattr(r, "name", "bf16"))
-def test_a_delayed_checkpoint_loads_under_another_recipe_or_none(target):
+def test_a_delayed_checkpoint_loads_into_a_high_precision_run():
     model = TinyModel()
     train(model, DelayedScaling(amax_history_len=8), steps=2)
     state = roundtrip(model.state_dict())
     fresh = TinyModel()
     fresh.load_state_dict(state)
-    if target is None:  # high precision: the FP8 state is simply not used
-        x = torch.randn(2, 32, 64)
-        assert torch.equal(fresh(x), model(x))
-        return
-    with pytest.warns(UserWarning, match=r"saved under DelayedScaling\(.*loaded under " + type(target).__name__):
-        out = next_output(fresh, target)
-    with fp8_autocast(enabled=False):
-        want = fresh(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(99)))
-    assert ((out - want).norm() / want.norm()).item() < 0.2
+    x = torch.randn(2, 32, 64)  # high precision: the FP8 state is simply not used
+    assert torch.equal(fresh(x), model(x))
 
 
 def test_fp8_primary_weights_are_requantized_for_another_recipe():

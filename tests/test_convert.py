@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import checkpoint_specs
 import engine
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from engine.tensors import QuantizedTensor
@@ -27,6 +28,8 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+#: the FP8 recipes, whose claim it is that a converted model trains within 5% of bf16 (`test_training_tracks_bf16`;
+#: 4-bit recipes do not, docs/demo.md); every exported recipe takes every shape (`test_every_recipe_takes_every_shape`)
 RECIPES = {
     "delayed": DelayedScaling(amax_history_len=16),
     "current": Float8CurrentScaling(),
@@ -273,25 +276,35 @@ def test_layers_engine_cannot_take_are_named_in_one_warning():
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [cls.__name__ for cls in checkpoint_specs.exported_recipe_classes()])
 def test_every_recipe_takes_every_shape(recipe, fp8_weights):
-    """No shape is skipped: partial blocks, dims of 1 and odd sizes run forward and backward."""
+    """No shape is skipped, under every recipe `engine.recipes` exports: partial blocks, dims of 1 and odd sizes run
+    forward and backward, the output within twice the bound of fprop's two quantized operands
+    (tests/conformance/bounds.py; twice: 3 x 1 outputs are too few values for its RMS estimate): rounding, not
+    garbage."""
+    from conformance import bounds
+    from engine.recipes import Gemm, Role
+
+    r = checkpoint_specs.make_recipe(recipe)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1, 7), nn.Linear(7, 129), nn.Linear(129, 33), nn.Linear(33, 1))
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine.convert(model, keep_output_head=False, fp8_weights=fp8_weights,
-                       recipe=RECIPES[recipe] if fp8_weights else None)
+        engine.convert(model, keep_output_head=False, fp8_weights=fp8_weights, recipe=r if fp8_weights else None)
     assert all(isinstance(m, engine.Linear) for m in model)
     for layer, plain in zip(model, reference):
         x = torch.randn(3, plain.in_features)
         for _ in range(2):  # the second step runs on delayed scales learned from the first
-            with engine.fp8_autocast(recipe=RECIPES[recipe]):
+            with engine.fp8_autocast(recipe=r):
                 y = layer(x)
         y.sum().backward()
         want = plain(x)
-        assert (y - want).norm() <= 0.1 * want.norm()  # FP8 rounding (E4M3: 2^-4 per operand), not garbage
+        fprop = [layer._fwd_state.operand((Gemm.FPROP, role)) for role in (Role.INPUT, Role.WEIGHT)]
+        errors = [bounds.use_error(q, t) for q, t in zip(fprop, (x, plain.weight))]
+        bound = 2 * max(bounds.FP32_BOUND, bounds.SAFETY * (errors[0] ** 2 + errors[1] ** 2) ** 0.5)
+        assert bound < 1
+        assert (y - want).norm() <= bound * want.norm(), ((y - want).norm() / want.norm(), bound)
         assert layer.weight.grad is not None and layer.bias.grad is not None
 
 

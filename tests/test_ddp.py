@@ -1,7 +1,8 @@
 """DistributedDataParallel over engine modules on 2 and 4 gloo processes (one spawn per world size runs every case).
 
-* Training under each CPU recipe leaves the same weights (and delayed-scaling state) on every rank, and delayed
-  scaling all-reduces its amaxes once per step, in one collective for all modules.
+* Training under every recipe `engine.recipes` exports leaves the same weights and scaling state (delayed
+  histories, stochastic-rounding counters) on every rank, and a recipe with amaxes to agree on (delayed scaling)
+  all-reduces them once per autocast exit and entry, in one collective for all modules.
 * Gradient accumulation (`no_sync()` for the first micro-batch, `is_first_microbatch` weight caching) gives the
   gradient one process computes on the concatenated batch.
 """
@@ -16,13 +17,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint_specs
 from engine.autocast import fp8_autocast
-from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from engine.recipes import DelayedScaling
 from tiny_models import TinyModel
 
 STEPS = 2
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling,
-           "mxfp8": MXFP8BlockScaling}
+#: every recipe class `engine.recipes` exports, by name (tests/checkpoint_specs.py builds them)
+RECIPES = [cls.__name__ for cls in checkpoint_specs.exported_recipe_classes()]
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -46,11 +48,11 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = {}
-        for name, cls in RECIPES.items():
+        for name in RECIPES:
             torch.manual_seed(0)
             model = DDP(TinyModel())
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            recipe, calls, orig = cls(), [], dist.all_reduce
+            recipe, calls, orig = checkpoint_specs.make_recipe(name), [], dist.all_reduce
 
             def counting(tensor, *args, **kwargs):
                 calls.append(tensor.numel())
@@ -70,11 +72,14 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
                 dist.all_reduce = orig
             inner = model.module
             state = {n: p.detach().clone() for n, p in inner.named_parameters()}
+            reduces = False
             for m in ("qkv", "proj", "mlp"):
-                st = getattr(inner, m)._fwd_state
-                if hasattr(st, "amax_history"):
-                    state[f"{m}.scale"], state[f"{m}.history"] = st.scale.clone(), st.amax_history.clone()
-            result[name] = {"state": state, "calls": calls}
+                for direction in ("fwd", "bwd"):
+                    st = getattr(getattr(inner, m), f"_{direction}_state")
+                    reduces |= bool(st.amaxes_to_reduce())
+                    for key, value in (st.to_plain() or {}).items():
+                        state[f"{m}.{direction}.{key}"] = value.clone()
+            result[name] = {"state": state, "calls": calls, "reduces": reduces}
         # gradient accumulation: micro-batch 1 under no_sync (weights quantized and cached), micro-batch 2 reuses them
         torch.manual_seed(0)
         model = DDP(AccumulatingModel())
@@ -97,12 +102,14 @@ def ranks(request, tmp_path_factory):
     return world_size, [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", RECIPES)
 def test_every_rank_ends_with_the_same_weights_and_scales(ranks, name):
     world_size, results = ranks
     first = results[0][name]["state"]
-    if name == "delayed":
-        assert {"qkv.scale", "mlp.history"} <= set(first)
+    if name == "DelayedScaling":
+        assert {"qkv.fwd.scale", "mlp.bwd.amax_history"} <= set(first)
+    if name == "NVFP4BlockScaling":
+        assert {"qkv.bwd.rng_counter", "mlp.bwd.rng_counter"} <= set(first)
     for r in results[1:]:
         assert r[name]["state"].keys() == first.keys()
         for key, value in first.items():
@@ -112,15 +119,18 @@ def test_every_rank_ends_with_the_same_weights_and_scales(ranks, name):
     assert not torch.equal(first["proj.weight"], TinyModel().proj.weight.detach())
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", RECIPES)
 def test_delayed_scaling_reduces_all_modules_amaxes_in_one_collective(ranks, name):
     """Each reduction serves every module at once (3 modules, 4 GEMMs): at the autocast's exit the forward amaxes
     (3 per GEMM) with the backward slots (2 per GEMM) = 20, and, since the backward runs after the exit, the
-    backward's 8 at the next autocast's entry (engine/autocast.py): 2 small collectives per step, not one per module."""
+    backward's 8 at the next autocast's entry (engine/autocast.py): 2 small collectives per step, not one per module.
+    A recipe with nothing to agree on makes none; another with amaxes (CustomRecipe's delayed fc1) the same two."""
     _, results = ranks
     calls = results[0][name]["calls"]
-    if name == "delayed":
+    if name == "DelayedScaling":
         assert calls == [20] + [8, 20] * (STEPS - 1) + [8, 8]  # (the flush: its entry, then its exit)
+    elif results[0][name]["reduces"]:
+        assert len(calls) == 2 * STEPS + 1, calls
     else:
         assert calls == []
 

@@ -3,6 +3,10 @@
 Each case is compared with one process running the same global batch as the ranks' micro-batches in turn
 (gradients summed, then divided by the world size, as FSDP2 reduces them), so the quantized activations and
 gradients are the same bits on both sides and only the order of the gradient sum can differ.
+
+Every recipe `engine.recipes` exports runs FSDP2 on 2 ranks in tests/conformance/test_conformance_fsdp.py. Here,
+what is special to a gather layout: the bytes each all-gather moves (per tensor, 128x128 tiles, MX), uneven
+shards on 4 ranks, bf16 mixed precision; RECIPES holds one recipe per gather layout (and both per-tensor rules).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from engine.tensors import QuantizedTensor
 
 STEPS = 2
 LR = 0.05
+#: one recipe per all-gather layout `gathered_bytes` counts (per tensor: delayed and current; 128x128 tiles; MX)
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling,
            "mxfp8": MXFP8BlockScaling}
 #: the FP8 cases each world size runs (128x128 tiles on 4 ranks would need 512-row weights: 2 ranks only)

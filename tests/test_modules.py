@@ -3,6 +3,11 @@
 The reference (tests/torch_reference.py) shares no code with engine. Outside fp8_autocast the
 modules must match it to their dtype's rounding; inside, to a bound derived from the FP8
 formats; and a wrong weight or a swapped gate must fall far outside those bounds.
+
+Every recipe `engine.recipes` exports runs the module contract (a bound from each operand's element
+format) in tests/conformance/test_conformance_modules.py. What stays here is special to the FP8 elements
+(E4M3/E5M2): the tight bounds below (with a lower bound: the module ran in FP8), FP8-exact operands, and the
+one byte per element a saved FP8 activation takes; FP8_RECIPES holds one recipe per FP8 scaling kind.
 `python tests/test_modules.py` prints the measured errors next to the bounds.
 """
 
@@ -12,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint_specs
 import engine
 import torch_reference as ref
 from engine import autocast
@@ -19,7 +25,8 @@ from engine.autocast import fp8_autocast, fp8_model_init
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, Role
 from engine.tensors import QuantizedTensor
 
-RECIPES = {
+#: one recipe per FP8 scaling kind (per tensor delayed / current, 1x128 / 128x128 blocks, MX)
+FP8_RECIPES = {
     "delayed": DelayedScaling(amax_history_len=4),
     "current": Float8CurrentScaling(),
     "block": Float8BlockScaling(),
@@ -251,28 +258,28 @@ def test_outside_autocast_bf16_modules_match_the_float64_reference(case):
 
 
 # ---------------------------------------------------------------------------- FP8
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_fp8_outputs_and_gradients_are_within_the_format_bound(recipe, case):
     spec, shape = case
     module = build(spec)
     x, dy = inputs(spec, shape)
-    out, got = run(module, x, dy, RECIPES[recipe])
+    out, got = run(module, x, dy, FP8_RECIPES[recipe])
     want_out, want = ref.forward_backward(spec, params_of(module), x, dy)
     assert out.shape == want_out.shape and out.dtype == torch.float32
-    bounds = fp8_bounds(spec, RECIPES[recipe])
+    bounds = fp8_bounds(spec, FP8_RECIPES[recipe])
     for name, err in errors(out, got, want_out, want).items():
         assert err < bounds[name], (name, err, bounds[name])
         if bounds[name] > FP32_BOUND:  # it ran in FP8, and the bound is not padded
             assert err > bounds[name] / 3, (name, err, bounds[name])
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=str)
 @pytest.mark.parametrize("primary", [False, True], ids=["hp_weight", "fp8_weight"])
 def test_fp8_gemms_of_exactly_representable_operands_are_exact(recipe, primary):
     """Inputs, weights, biases and output gradients the FP8 formats hold exactly, with partial sums
     exact in fp32: fprop, dgrad, wgrad and the bias gradient must equal the float64 reference."""
-    r = RECIPES[recipe]
+    r = FP8_RECIPES[recipe]
     with fp8_model_init(enabled=primary, recipe=r):
         module = engine.Linear(64, 96)
     module.load_state_dict({"weight": fp8_grid((96, 64), 1), "bias": fp8_grid((96,), 2)})
@@ -286,21 +293,6 @@ def test_fp8_gemms_of_exactly_representable_operands_are_exact(recipe, primary):
         assert torch.equal(got[name], want[name].float()), name
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
-def test_token_counts_that_are_not_block_multiples(recipe):
-    """10 tokens and 40 features: partial 32-blocks and 128-tiles along both dims."""
-    spec = {"kind": "linear"}
-    torch.manual_seed(3)
-    module = engine.Linear(40, 24)
-    g = torch.Generator().manual_seed(4)
-    x, dy = torch.randn(2, 5, 40, generator=g), torch.randn(2, 5, 24, generator=g)
-    out, got = run(module, x, dy, RECIPES[recipe])
-    want_out, want = ref.forward_backward(spec, params_of(module), x, dy)
-    bounds = fp8_bounds(spec, RECIPES[recipe])
-    for name, err in errors(out, got, want_out, want).items():
-        assert err < bounds[name], (name, err, bounds[name])
-
-
 # ---------------------------------------------------------------------------- mutants must fail
 @pytest.mark.parametrize("recipe", [None, "current"])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
@@ -310,7 +302,7 @@ def test_a_model_gating_the_other_half_is_far_outside_the_bound(activation, reci
     spec = {"kind": "mlp", "activation": activation}
     module = build(spec)
     x, dy = inputs(spec, (4, 32, 64))
-    r = RECIPES.get(recipe)
+    r = FP8_RECIPES.get(recipe)
     out, got = run(module, x, dy, r)
     params = params_of(module)
     bounds = fp8_bounds(spec, r) if r is not None else dict.fromkeys(["out", "x", *params], FP32_BOUND)
@@ -329,10 +321,10 @@ WRONG_WEIGHTS = {
 }
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=str)
 @pytest.mark.parametrize("spec", [{"kind": "linear"}, {"kind": "mlp", "activation": "swiglu"}], ids=lambda s: s["kind"])
 def test_fp8_primary_weights_match_their_dequantized_values_and_not_a_wrong_weight(recipe, spec):
-    r = RECIPES[recipe]
+    r = FP8_RECIPES[recipe]
     with fp8_model_init(recipe=r):
         module = build(spec)
     weights = [n for n, p in module.named_parameters() if isinstance(p, QuantizedTensor)]
@@ -358,10 +350,10 @@ def test_fp8_primary_weights_match_their_dequantized_values_and_not_a_wrong_weig
             assert ref.rel_error(got["x"], bad["x"]) > 3 * bounds["x"], name
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=str)
 @pytest.mark.parametrize("spec", [{"kind": "linear"}, {"kind": "mlp"}], ids=lambda s: s["kind"])
 def test_fp8_primary_weight_forward_follows_the_loaded_weight(recipe, spec):
-    r = RECIPES[recipe]
+    r = FP8_RECIPES[recipe]
     with fp8_model_init(recipe=r):
         module = build(spec)
     x, _ = inputs(spec, (4, 32, 64))
@@ -382,12 +374,13 @@ def test_fp8_primary_weight_forward_follows_the_loaded_weight(recipe, spec):
 
 
 # ---------------------------------------------------------------------------- other behaviour
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", [cls.__name__ for cls in checkpoint_specs.exported_recipe_classes()])
 def test_fp8_linear_is_the_gemm_of_its_quantized_operands(recipe):
-    """Tight check: fprop equals x_q W_q^T of the operands the recipe's quantizers make."""
+    """Tight check, every recipe `engine.recipes` exports: fprop equals x_q W_q^T of the operands the recipe's
+    quantizers make."""
     module = build({"kind": "linear"})
     x = torch.randn(64, 64)
-    r = RECIPES[recipe]
+    r = checkpoint_specs.make_recipe(recipe)
     with fp8_autocast(recipe=r):
         module(x)  # builds the states; delayed scaling updates its scales at exit
     state = module._fwd_state
@@ -426,14 +419,14 @@ def saved_bytes(fn):
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=str)
 def test_fp8_linear_saves_about_half_the_activation_bytes_of_bf16(recipe):
     module = engine.Linear(256, 256, params_dtype=torch.bfloat16)
     x = torch.randn(4, 64, 256, dtype=torch.bfloat16, requires_grad=True)
     bf16 = saved_bytes(lambda: module(x))
 
     def fp8_step():
-        with fp8_autocast(recipe=RECIPES[recipe]):
+        with fp8_autocast(recipe=FP8_RECIPES[recipe]):
             module(x)
 
     ratio = saved_bytes(fp8_step) / bf16
@@ -550,7 +543,7 @@ def test_bad_inputs_and_arguments_give_clear_errors():
     assert not autocast.is_fp8_enabled()
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=str)
 def test_no_grad_forward_quantizes_only_what_fprop_reads(recipe, monkeypatch):
     """Under torch.no_grad nothing is saved for backward, so no columnwise copies are made."""
     from engine.quantizers import Quantizer
@@ -565,11 +558,11 @@ def test_no_grad_forward_quantizes_only_what_fprop_reads(recipe, monkeypatch):
 
     monkeypatch.setattr(Quantizer, "quantize_storage", spy)
     module = build({"kind": "linear"})
-    with torch.no_grad(), fp8_autocast(recipe=RECIPES[recipe]):
+    with torch.no_grad(), fp8_autocast(recipe=FP8_RECIPES[recipe]):
         module(torch.randn(32, 64))
     assert made == [(True, False), (True, False)]  # input, weight
     made.clear()
-    with fp8_autocast(recipe=RECIPES[recipe]):
+    with fp8_autocast(recipe=FP8_RECIPES[recipe]):
         module(torch.randn(32, 64, requires_grad=True)).sum().backward()
     assert made[:2] == [(True, True), (True, True)]  # wgrad reads x columnwise, dgrad reads W columnwise
 
@@ -597,7 +590,7 @@ def print_error_table(seeds: int = 5) -> None:
                          lambda k, sp=spec, sh=shape: bf16_bound(sp["kind"], k, math.prod(sh[:-1]))))
     for primary in (False, True):
         for spec, shape in CASES:
-            for name, recipe in RECIPES.items():
+            for name, recipe in FP8_RECIPES.items():
                 bounds = fp8_bounds(spec, recipe, primary)
                 rows.append((name + (" fp8_weight" if primary else ""), spec, shape, recipe, primary,
                              worst_errors(spec, shape, recipe, seeds, primary), bounds.__getitem__))

@@ -34,17 +34,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import checkpoint_specs
 import engine
-from engine.recipes import RECIPES as RECIPES_BY_NAME
+from conformance.harness import without_stochastic_rounding
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 D, B = 64, 2  # FFN and sequence: 128 per rank (whole 128-blocks on every rank, as the exact checks need)
 RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
            "block": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling()}
-#: the newer recipes, plain tensor parallel on 4 ranks (NVFP4 without stochastic rounding: its random bits
-#: follow each element's position in the tensor, which a shard does not share with the whole)
-MORE_RECIPES = {"rowwise": RECIPES_BY_NAME["rowwise"](), "mxfp4": RECIPES_BY_NAME["mxfp4"](),
-                "nvfp4": RECIPES_BY_NAME["nvfp4"](disable_stochastic_rounding=True)}
+#: every other recipe class `engine.recipes` exports, plain tensor parallel on 4 ranks (2 ranks and sequence
+#: parallel: tests/conformance/test_conformance_tp.py); without stochastic rounding: its random bits follow each
+#: element's position in the tensor, which a shard does not share with the whole
+MORE_RECIPES = {cls.__name__: without_stochastic_rounding(checkpoint_specs.make_recipe(cls.__name__))
+                for cls in checkpoint_specs.exported_recipe_classes()
+                if cls not in {type(r) for r in RECIPES.values() if r is not None}}
 EXACT = ("fc1_out", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 BOUNDED = ("y", "dx", "fc1.layer_norm_weight", "fc1.layer_norm_bias")
 
@@ -393,7 +396,8 @@ def test_tensor_and_sequence_parallel_match_one_process(world_size, ranks):
 
 @pytest.mark.parametrize("name", list(MORE_RECIPES))
 def test_newer_recipes_under_tensor_parallel(ranks, name):
-    """FP8 rowwise, MXFP4 and NVFP4 (its per-tensor S_enc agreed over the group like current scaling's scale)."""
+    """FP8 rowwise, MX FP4/FP6, NVFP4 (its per-tensor S_enc agreed over the group like current scaling's scale),
+    operand maps and factories: every recipe class but the four above."""
     model, xs, dys = make_case(name, WORLD)
     ref = run_steps(model, xs, dys, MORE_RECIPES[name])
     ref.update({n: p.grad for n, p in model.named_parameters()})
