@@ -7,7 +7,8 @@ A shape is KxN (in_features x out_features: x [M, K], W [N, K]; 4096x11008 and 1
 orientations of an MLP). Default timing: one thread, the calling thread's CPU time over the least
 disturbed of `--blocks` interleaved blocks (`common.least_disturbed_cpu_seconds`), which is what a quiet
 machine shows; `--wall`: wall-time medians with torch's default threads (both cores). Every config is
-timed against bf16 `x @ w.t()` in the same run. Weight bytes are the quantized parts' (bf16: N*K*2).
+timed against bf16 `x @ w.t()` in the same run. Weight bytes are the memory a quantized weight holds
+(`QuantizedWeight.nbytes_quantized`: its storage, and oneDNN's prepacked copy next to it; bf16: N*K*2).
 Each call reads its weight from memory, as a layer of a model does: every variant cycles through copies
 of its weight, at least `--cold-mib` (default 128, four times this machine's 32 MiB L3) of them in all,
 so no call finds its weight in the cache (`--cold-mib 0`: one weight, cache-warm after the first call,
@@ -32,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
+from engine.formats import INT4  # noqa: E402
 from engine.inference import int_formats  # noqa: E402
 from engine.inference.weight import QuantizedWeight  # noqa: E402
+from engine.ops import int_elements  # noqa: E402
 
 CONFIGS = {
     "int8wo": engine.Int8WeightOnly(),
@@ -62,10 +65,10 @@ def torch_kernel(name: str, w: torch.Tensor) -> tuple[Callable[..., torch.Tensor
     """(f(x, *weight) = x @ W^T by torch's own weight-only CPU op, weight tensors) for `name` of TORCH_KERNELS."""
     if name == "torch-int8pack":
         return torch.ops.aten._weight_int8pack_mm, int_formats.rowwise_int8(w, torch.bfloat16)
-    fmt = int_formats.Int4Format(engine.Int4WeightOnly(group_size=128))
-    q, scale, zero = fmt.codes_and_params(w)
+    st = QuantizedWeight.from_float(w, engine.Int4WeightOnly(group_size=128)).storage  # codes -8..7, (scale, zero)
+    q = int_elements.load(st.rowwise_data, INT4, w.shape[1]) + 8  # torch's codes: 0..15
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-    sz = torch.stack([scale.t(), zero.t()], dim=2).contiguous()
+    sz = st.rowwise_scale_inv.transpose(0, 1).contiguous()
     return (lambda x, p, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 128, s)), (packed, sz)
 
 

@@ -22,23 +22,26 @@ from enum import Enum
 
 import torch
 
-from engine.formats import FP8_DTYPES, MX_ELEMENTS, FloatFormat, IntFormat, element_name, parse_element
+from engine.formats import FP8_DTYPES, INT4, INT8, MX_ELEMENTS, FloatFormat, IntFormat, element_name, parse_element
 
 BUFFER_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 AMAX_FIELDS = ("amax_rowwise", "amax_columnwise")
 
 
 class ScaleEncoding(str, Enum):
-    """How scale_inv is stored: any fp32, fp32 powers of two, uint8 E8M0 exponent codes, or E4M3 values (NVFP4)."""
+    """How scale_inv is stored: any fp32, fp32 powers of two, uint8 E8M0 exponent codes, E4M3 values (NVFP4), or
+    bf16 values (the integer weights of a bf16 model)."""
 
     FP32 = "fp32"
     FP32_POW2 = "fp32_pow2"
     E8M0 = "e8m0"
     E4M3 = "e4m3"
+    BF16 = "bf16"
 
     @property
     def dtype(self) -> torch.dtype:
-        return {ScaleEncoding.E8M0: torch.uint8, ScaleEncoding.E4M3: torch.float8_e4m3fn}.get(self, torch.float32)
+        return {ScaleEncoding.E8M0: torch.uint8, ScaleEncoding.E4M3: torch.float8_e4m3fn,
+                ScaleEncoding.BF16: torch.bfloat16}.get(self, torch.float32)
 
     @property
     def is_pow2(self) -> bool:
@@ -115,12 +118,16 @@ class Scheme:
     #: a second scale level: one fp32 amax per usage, the block scales encoded relative to it (NVFP4)
     tensor_scale: bool = False
     columnwise_transform: Transform | None = None  # the rowwise usage never has one
+    #: asymmetric blocks: each scale has a zero point, stored next to it (scale_inv's last dim is (scale, zero)), and
+    #: an element's value is code * scale + zero (integer elements, codes over their whole range: int4 -8..7)
+    zero_point: bool = False
 
     @property
     def name(self) -> str:
         element = element_name(self.element)
         suffix = "_pow2" if self.scale is ScaleEncoding.FP32_POW2 and self.layout != "mx" else ""
-        return f"{self.layout}_{element}{suffix}"
+        suffix += "_bf16" if self.scale is ScaleEncoding.BF16 else ""
+        return f"{self.layout}_{element}{suffix}{'_asym' if self.zero_point else ''}"
 
     # ------------------------------------------------------------------ what derives from the fields
     @property
@@ -179,6 +186,11 @@ class Scheme:
         """The data holds uint8 float element codes (E2M1 / E2M3 / E3M2), not a torch dtype's values."""
         return isinstance(self.element, FloatFormat)
 
+    @property
+    def integer(self) -> bool:
+        """Integer elements (int8, packed int4: `engine.ops.int_elements`)."""
+        return isinstance(self.element, IntFormat)
+
     def data_shape(self, shape: torch.Size | tuple[int, ...], columnwise: bool) -> tuple[int, ...]:
         if columnwise and self.columnwise_transposed:
             m, k = dims_2d(shape)
@@ -193,10 +205,12 @@ class Scheme:
         """Shape of scale_inv for a tensor of `shape`, in the orientation its data is stored."""
         m, k = dims_2d(shape)
         if not columnwise:
-            return self.rowwise_block.grid(m, k)
-        if self.columnwise_transposed:
-            return self.columnwise_block.transposed().grid(k, m)
-        return self.columnwise_block.grid(m, k)
+            grid = self.rowwise_block.grid(m, k)
+        elif self.columnwise_transposed:
+            grid = self.columnwise_block.transposed().grid(k, m)
+        else:
+            grid = self.columnwise_block.grid(m, k)
+        return (*grid, 2) if self.zero_point else grid
 
     def buffer_specs(self, shape: torch.Size | tuple[int, ...], *, rowwise: bool,
                      columnwise: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -257,6 +271,16 @@ LAYOUTS: dict[str, tuple[Block, Block, bool]] = {
 }
 
 
+#: the integer layouts (engine.quantize_'s weights, int8 dynamic's activations): one scale per row of the 2D
+#: view ("channel": a weight's output channel, an activation's token), or per group of g along K; their
+#: columnwise usage (never made by quantize_) per column / per g x 1, stored transposed
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT_LAYOUTS: dict[str, tuple[Block, Block, bool]] = {
+    "channel": (Block(1, 0), Block(0, 1), True),
+    **{f"group{g}": (Block(1, g), Block(g, 1), True) for g in INT4_GROUP_SIZES},
+}
+
+
 NVFP4_BLOCK = 16
 #: NVFP4 (E2M1, an E4M3 scale per 16, one fp32 amax per usage; `engine.ops.nvfp4`): rowwise 1x16 blocks,
 #: columnwise 16x1 stored transposed `[K, M]` as TE stores it. Scales are stored per row of the data
@@ -276,7 +300,16 @@ def _registry() -> dict[str, Scheme]:
     schemes += [Scheme(layout, MX_ELEMENTS["e2m1"], ScaleEncoding.E4M3, Block(1, NVFP4_BLOCK), Block(NVFP4_BLOCK, 1),
                        True, 2, tensor_scale=True, columnwise_transform=transform)
                 for layout, transform in (("nvfp4", None), ("nvfp4_rht", RHT16))]
-    return {s.name: s for s in schemes}
+    # int8 per channel with fp32 scales, or bf16 scales (a bf16 weight's); int4 per group, asymmetric, bf16
+    # scales and zeros, two codes a byte
+    schemes += [Scheme("channel", INT8, enc, *INT_LAYOUTS["channel"]) for enc in (ScaleEncoding.FP32,
+                                                                                 ScaleEncoding.BF16)]
+    schemes += [Scheme(f"group{g}", INT4, ScaleEncoding.BF16, *INT_LAYOUTS[f"group{g}"], elements_per_byte=2,
+                       zero_point=True) for g in INT4_GROUP_SIZES]
+    by_name = {s.name: s for s in schemes}
+    if len(by_name) != len(schemes):
+        raise AssertionError("two schemes share a name: the name must say every field that differs")
+    return by_name
 
 
 #: every scheme `engine` can store, by name
@@ -298,6 +331,18 @@ def fp8_scheme(layout: str, element: torch.dtype, *, pow2: bool = False) -> Sche
     row, col, transposed = LAYOUTS[layout]
     encoding = ScaleEncoding.E8M0 if layout == "mx" else (ScaleEncoding.FP32_POW2 if pow2 else ScaleEncoding.FP32)
     return SCHEMES[Scheme(layout, element, encoding, row, col, transposed).name]
+
+
+def int8_channel_scheme(scale_dtype: torch.dtype = torch.float32) -> Scheme:
+    """int8 with one scale per row of the 2D view, in fp32 or bf16."""
+    return SCHEMES["channel_int8_bf16" if scale_dtype == torch.bfloat16 else "channel_int8"]
+
+
+def int4_group_scheme(group_size: int) -> Scheme:
+    """Asymmetric int4 per group of `group_size` along K (one of INT4_GROUP_SIZES), bf16 scales and zeros."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size: expected one of {list(INT4_GROUP_SIZES)}, got {group_size!r}")
+    return SCHEMES[f"group{group_size}_int4_bf16_asym"]
 
 
 def mx_scheme(element: torch.dtype | FloatFormat | str) -> Scheme:

@@ -78,7 +78,7 @@ def test_int8_weight_only_odd_k_runs_the_formula() -> None:
     engine.quantize_(m, engine.Int8WeightOnly())
     fmt = m.weight.fmt
     x = torch.randn(fmt.native_max_m + 1, 40, dtype=torch.bfloat16)
-    q, scale = m.weight.parts["data"], m.weight.parts["scale"]
+    q, scale = m.weight.storage.rowwise_data, m.weight.storage.rowwise_scale_inv.view(-1)
     assert torch.equal(m(x), ((x.float() @ q.float().t()) * scale.float()).bfloat16())
     deq = m.weight.dequantize(torch.float64)
     ref = fp64_linear(x[:3], deq)
@@ -118,8 +118,9 @@ def test_int4_pads_k_to_the_group(k: int) -> None:
     m = layer(torch.nn.Linear, k, 40)
     w = torch.nn.functional.pad(m.weight.detach().double(), (0, 128 - k))
     engine.quantize_(m, engine.Int4WeightOnly(group_size=64))
-    parts = m.weight.parts
+    parts = m.weight.plain_parts()  # the kernel's layout, as saved; the storage is the [40, k] weight's
     assert parts["data"].shape == (48, 64) and parts["scale_and_zero"].shape == (2, 48, 2)
+    assert m.weight.storage.rowwise_data.shape == (40, k // 2) and m.weight.storage.rowwise_scale_inv.shape == (40, 2, 2)
     g = w.reshape(40, 2, 64)
     scale = ((g.amax(2) - g.amin(2)) / 15).float().bfloat16().double()
     zero = (g.amin(2) + 8 * scale).float().bfloat16().double()
@@ -194,7 +195,7 @@ def test_float8_weight_only_is_exact_in_bf16() -> None:
     engine.quantize_(m, engine.Float8WeightOnly())
     deq = m.weight.dequantize(torch.float64)
     assert torch.equal(m.weight.dequantize(torch.bfloat16).double(), deq)
-    scale_inv = m.weight.parts["scale_inv"].double().reshape(-1, 1)
+    scale_inv = m.weight.storage.rowwise_scale_inv.double().reshape(-1, 1)
     assert torch.equal(torch.frexp(scale_inv)[0], torch.full_like(scale_inv, 0.5))  # powers of two
     assert bool(((w - deq).abs() <= 2 ** -4 * w.abs() + 2 ** -10 * scale_inv).all())
     for rows in (5, m.weight.fmt.native_max_m + 1):
@@ -262,7 +263,7 @@ def test_mx_weight_only(element: str, scale_mode: str) -> None:
     m = layer(torch.nn.Linear, 64, 32)
     codes, expected = mx_expected(m.weight.detach(), element, scale_mode)
     engine.quantize_(m, engine.MXWeightOnly(element, scale_mode))
-    assert torch.equal(m.weight.parts["scale_inv"], codes)
+    assert torch.equal(m.weight.storage.rowwise_scale_inv, codes)
     deq = m.weight.dequantize(torch.float64)
     assert torch.equal(deq, expected)
     assert torch.equal(m.weight.dequantize(torch.bfloat16).double(), expected)
@@ -426,7 +427,7 @@ def test_fast_decode_equals_the_storage_dequantize(config: object, k: int) -> No
     w = torch.randn(24, k, dtype=torch.bfloat16) * torch.logspace(-3, 3, 24, dtype=torch.bfloat16)[:, None]
     w[5, 7] = float("nan")
     q = QuantizedWeight.from_float(w, config)
-    st = q.fmt.storage(q.parts, (24, k), torch.bfloat16)
     for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(q.dequantize(dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           st.dequantize(dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(q.fmt.decode(q.operands, (24, k), dtype).view(view), q.storage.dequantize(dtype).view(view))
+        assert torch.equal(q.dequantize(dtype).view(view), q.storage.dequantize(dtype).view(view))

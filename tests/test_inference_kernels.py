@@ -17,8 +17,9 @@ import torch
 
 import avx2_emulation
 import engine
+from engine.formats import INT4
 from engine.inference import int8_mm, int_formats, saving
-from engine.ops import native
+from engine.ops import int_elements, native
 from tests.test_native import ISAS
 
 FP32_U = 2.0 ** -24
@@ -179,11 +180,13 @@ def test_bad_arguments_are_named() -> None:
 
 # ------------------------------------------------------------------------------ the int4 format's layout
 def test_int4_format_packs_two_codes_a_byte() -> None:
-    """Int4WeightOnly's data: byte [n, i] = q[n, 2i] | q[n, 2i+1] << 4; the format's pack / unpack undo each other."""
-    q = torch.randint(0, 16, (5, 8), dtype=torch.uint8)
-    packed = int_formats.pack_int4(q)
-    assert torch.equal(packed, (q[:, 0::2] + 16 * q[:, 1::2]).to(torch.uint8))
-    assert torch.equal(int_formats.unpack_int4(packed), q)
+    """Int4WeightOnly's data: codes c in [-8, 7] as q = c + 8, byte [n, i] = q[n, 2i] | q[n, 2i+1] << 4 (an odd
+    last dim: a high nibble of 0); the int4 element's store / load undo each other."""
+    q = torch.randint(0, 16, (5, 9), dtype=torch.uint8)
+    packed = int_elements.store(q.float() - 8, INT4)
+    padded = torch.nn.functional.pad(q, (0, 1))
+    assert torch.equal(packed, (padded[:, 0::2] + 16 * padded[:, 1::2]).to(torch.uint8))
+    assert torch.equal(int_elements.load(packed, INT4, 9), q.float() - 8)
 
 
 def test_int4_layer_runs_the_kernel_by_shape() -> None:
@@ -191,11 +194,11 @@ def test_int4_layer_runs_the_kernel_by_shape() -> None:
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 40, bias=False).bfloat16()
     engine.quantize_(lin, engine.Int4WeightOnly(group_size=64))
-    parts, fmt = lin.weight.parts, lin.weight.fmt
+    parts, fmt = lin.weight.operands, lin.weight.fmt
     w = lin.weight.dequantize(torch.float32)
-    q = int_formats.unpack_int4(parts["data"][:40]).float()
+    codes = int_elements.load(parts["data"][:40], INT4, 256)
     sz = parts["scale_and_zero"][:, :40].float().repeat_interleave(64, dim=0)
-    mags = (q - 8).abs() * sz[:, :, 0].t() + sz[:, :, 1].t().abs()
+    mags = codes.abs() * sz[:, :, 0].t() + sz[:, :, 1].t().abs()
     for dtype, limit in ((torch.bfloat16, fmt.native_max_m_bf16), (torch.float32, fmt.native_max_m)):
         for m in (1, limit, limit + 1):
             x = torch.randn(m, 256, dtype=dtype)
@@ -311,7 +314,7 @@ def test_int8_dynamic_on_onednn_is_the_int32_formula(prepack_from: int, m: int, 
     plain = lin.weight.plain_parts()
     q_ref, sw_ref = int_formats.rowwise_int8(lin.weight.dequantize(torch.float32))  # re-derived from the values
     assert torch.equal(plain["data"], q_ref) and plain["data"].is_contiguous()
-    prepacked = lin.weight.parts["data"].is_mkldnn
+    prepacked = lin.weight.operands["data"].is_mkldnn
     assert not (prepacked and (prepack_from > n * k or avx2_emulation.emulated()))
     xq, _ = int_formats.rowwise_int8(x)
     assert m == 0 or float((xq.double() @ q_ref.double().t()).abs().max()) > 2 ** 24
@@ -333,7 +336,7 @@ WITHOUT_VNNI = """
         int_formats.Int8DynamicFormat.onednn_min_elements = prepack_from
         lin = crafted_int8_layer()
         engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
-        prepacked.append(lin.weight.parts["data"].is_mkldnn)
+        prepacked.append(lin.weight.operands["data"].is_mkldnn)
         plain = lin.weight.plain_parts()
         for m in (1, 5, 17, 64):
             for dtype in (torch.float32, torch.bfloat16):
@@ -379,7 +382,7 @@ def test_onednn_weights_copy_clone_and_load(monkeypatch) -> None:
     x = torch.randn(3, 64, generator=gen)
     with torch.no_grad():
         b.load_state_dict(a.state_dict())
-        assert torch.equal(b(x), a(x)) and b.weight.parts["data"].is_mkldnn
+        assert torch.equal(b(x), a(x)) and b.weight.operands["data"].is_mkldnn
         c = torch.nn.Linear(64, 24)
         engine.quantize_(c, engine.Int8DynamicActivationInt8Weight())
         c.weight.copy_(source_weight)  # a plain tensor: quantized as it is copied in
@@ -390,7 +393,7 @@ def test_onednn_weights_copy_clone_and_load(monkeypatch) -> None:
         d = torch.nn.Linear(64, 24)
         engine.quantize_(d, engine.Int8DynamicActivationInt8Weight())
         d.load_state_dict(a.state_dict(), assign=True)
-        assert torch.equal(d(x), a(x)) and d.weight.parts["data"].is_mkldnn
+        assert torch.equal(d(x), a(x)) and d.weight.operands["data"].is_mkldnn
 
 
 def test_int8_dynamic_layout_follows_the_weight_size() -> None:
@@ -399,8 +402,8 @@ def test_int8_dynamic_layout_follows_the_weight_size() -> None:
     small, large = torch.nn.Linear(64, 32), torch.nn.Linear(2048, 1024)
     for lin in (small, large):
         engine.quantize_(lin, engine.Int8DynamicActivationInt8Weight())
-    assert not small.weight.parts["data"].is_mkldnn
-    assert large.weight.parts["data"].is_mkldnn == prepacks()
+    assert not small.weight.operands["data"].is_mkldnn
+    assert large.weight.operands["data"].is_mkldnn == prepacks()
     assert not (avx2_emulation.emulated() and prepacks())
 
 

@@ -160,7 +160,7 @@ def test_round_trips_are_bit_exact(config: object, tmp_path) -> None:
         target.load_state_dict(loaded)
         for module, name in ((0, "weight"), (1, "fc1_weight"), (1, "fc2_weight")):
             mine, theirs = getattr(target[module], name), getattr(source[module], name)
-            assert isinstance(mine, QuantizedWeight) and set(mine.parts) == set(theirs.parts)
+            assert isinstance(mine, QuantizedWeight) and set(mine.operands) == set(theirs.operands)
             for part, t in theirs.plain_parts().items():  # as saved (parts may hold a kernel's layout)
                 assert torch.equal(mine.plain_parts()[part].view(torch.uint8), t.view(torch.uint8)), (name, part)
         with torch.no_grad():
@@ -173,8 +173,8 @@ def test_plain_checkpoint_loads_into_a_quantized_model() -> None:
     target.load_state_dict(model(0).state_dict())
     reference = engine.quantize_(model(0), engine.Int8WeightOnly())
     for name in ("fc1_weight", "fc2_weight"):
-        for part, t in getattr(reference[1], name).parts.items():
-            assert torch.equal(getattr(target[1], name).parts[part], t)
+        for part, t in getattr(reference[1], name).plain_parts().items():
+            assert torch.equal(getattr(target[1], name).plain_parts()[part], t)
 
 
 # ---------------------------------------------------------------------------- errors and filters
@@ -205,7 +205,7 @@ def test_module_filter_sees_each_module_once_and_errors_name_the_weight() -> Non
         engine.quantize_(m, engine.Int8WeightOnly())
     fresh = torch.nn.Sequential(engine.LayerNormMLP(64, 96)).bfloat16()  # fc2's K = 96: padded to the group
     engine.quantize_(fresh, engine.Int4WeightOnly(group_size=64))
-    assert fresh[0].fc2_weight.parts["data"].shape == (64, 64)
+    assert fresh[0].fc2_weight.plain_parts()["data"].shape == (64, 64)
 
 
 def test_demo_gpt_quantizes_every_linear_weight() -> None:
@@ -238,8 +238,8 @@ def test_fp8_primary_weights_are_quantized_from_their_value() -> None:
         engine.quantize_(m, engine.Int8WeightOnly())
     x = inputs(64)
     for name in ("fc1_weight", "fc2_weight"):
-        for part, t in getattr(plain, name).parts.items():
-            assert torch.equal(getattr(fp8, name).parts[part], t), (name, part)
+        for part, t in getattr(plain, name).plain_parts().items():
+            assert torch.equal(getattr(fp8, name).plain_parts()[part], t), (name, part)
     with torch.no_grad():
         assert torch.equal(fp8(x), plain(x))
 

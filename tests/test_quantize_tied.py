@@ -27,10 +27,13 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
 
 
 def held_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct tensor the model's parameters hold (a QuantizedWeight's parts; a tie counted once)."""
+    """Bytes of every distinct tensor the model's parameters hold (a QuantizedWeight's storage buffers and GEMM
+    operands; a tie counted once)."""
     seen, total = set(), 0
     for _, param in model.named_parameters(remove_duplicate=False):
-        tensors = param.parts.values() if isinstance(param, QuantizedWeight) else [param]
+        tensors = [param]
+        if isinstance(param, QuantizedWeight):
+            tensors = [*param.operands.values(), *(t for t in param.storage.buffers().values() if t is not None)]
         for t in tensors:
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             if key not in seen:

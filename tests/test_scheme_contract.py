@@ -87,6 +87,12 @@ KNOWN = {
     "axiswise_e4m3": (False, False, (True, True), 1, None, False),
     "nvfp4_e2m1": (False, False, (False, False), 1, None, True),
     "nvfp4_rht_e2m1": (False, False, (False, False), 16, None, True),
+    # int8 per channel (quantize_'s weights, int8 dynamic's tokens): axiswise's blocks, so not sliceable either
+    "channel_int8": (False, False, (True, True), 1, None, False),
+    "channel_int8_bf16": (False, False, (True, True), 1, None, False),
+    # int4 per group of 32..256 along K with zero points: 1 x g tiles slice by rows, bf16 scales are no FP8 tiles
+    "group32_int4_bf16_asym": (True, False, (True, True), 1, None, False),
+    "group128_int4_bf16_asym": (True, False, (True, True), 1, None, False),
 }
 
 
@@ -117,13 +123,36 @@ def test_buffer_specs_follow_the_fields():
     assert mx == {"columnwise_data": ((64, 17), torch.uint8), "columnwise_scale_inv": ((2, 33), torch.uint8)}
 
 
+def test_integer_buffer_specs_follow_the_fields():
+    """int4 per 64 along K of a [40, 100] weight: codes two a byte (a partial last byte and group), a (scale, zero)
+    pair of bf16 per group; int8 per channel of a [3, 5, 7] tensor: int8 data in its shape, one scale per row of
+    the 2D view, fp32 or bf16 as the encoding says; the columnwise usage per column, stored transposed."""
+    int4 = get_scheme("group64_int4_bf16_asym")
+    assert int4.zero_point and int4.elements_per_byte == 2 and int4.rowwise_block == Block(1, 64)
+    assert int4.buffer_specs((40, 101), rowwise=True, columnwise=True) == {
+        "rowwise_data": ((40, 51), torch.uint8), "rowwise_scale_inv": ((40, 2, 2), torch.bfloat16),
+        "columnwise_data": ((101, 20), torch.uint8), "columnwise_scale_inv": ((101, 1, 2), torch.bfloat16),
+    }
+    for name, dtype in (("channel_int8", torch.float32), ("channel_int8_bf16", torch.bfloat16)):
+        assert get_scheme(name).buffer_specs((3, 5, 7), rowwise=True, columnwise=True) == {
+            "rowwise_data": ((3, 5, 7), torch.int8), "rowwise_scale_inv": ((15, 1), dtype),
+            "columnwise_data": ((7, 15), torch.int8), "columnwise_scale_inv": ((7, 1), dtype),
+        }
+    assert sorted(n for n, s in SCHEMES.items() if s.integer) == [
+        "channel_int8", "channel_int8_bf16", "group128_int4_bf16_asym", "group256_int4_bf16_asym",
+        "group32_int4_bf16_asym", "group64_int4_bf16_asym"]
+
+
 def test_every_registered_scheme_has_a_name_class_and_a_rule():
-    """Each scheme is held by exactly one public name class and scaled by at least one registered rule."""
+    """Each scheme is held by exactly one public name class and scaled by at least one registered rule (an integer
+    scheme: by its reference, `engine.ops.int_elements`, what quantize_'s formats quantize with; no float rule
+    claims one, which would quantize it with float casts)."""
     from engine.quantizers import RULE_ENTRIES
     from engine.tensors import QuantizedTensorBase
 
     for scheme in SCHEMES.values():
         holders = [cls.__name__ for cls in QuantizedTensorBase._named if cls.holds(scheme)]
         assert len(holders) == 1, (scheme.name, holders)
-        assert any(entry.fits(scheme) for entry in RULE_ENTRIES.values()), scheme.name
+        assert scheme.integer or any(entry.fits(scheme) for entry in RULE_ENTRIES.values()), scheme.name
+        assert not (scheme.integer and any(entry.fits(scheme) for entry in RULE_ENTRIES.values())), scheme.name
     assert get_scheme("axiswise_e4m3").rowwise_block == Block(1, 0)

@@ -287,8 +287,9 @@ def test_quantized_codes_are_nearest_and_scales_follow_the_rule(case, dtype):
                                         layout=layout, rule=rule, columnwise=columnwise, scale=DELAYED_SCALE)
 
 
-# FP8 elements (brute_force.py decodes FP8 bytes); MX E2M1/E2M3/E3M2 schemes: tests/test_mx_small.py's brute force
-GENERIC_CASES = [(name, mode) for name, scheme in SCHEMES.items() if not scheme.coded
+# FP8 elements (brute_force.py decodes FP8 bytes); MX E2M1/E2M3/E3M2 schemes: tests/test_mx_small.py's brute force;
+# integer schemes: tests/test_int_schemes.py
+GENERIC_CASES = [(name, mode) for name, scheme in SCHEMES.items() if not scheme.coded and not scheme.integer
                  for mode in (("rceil", "floor") if scheme.scale is ScaleEncoding.E8M0 else ("",))]
 GENERIC_CASES += [(name, "delayed") for name, scheme in SCHEMES.items() if scheme.layout == "tensor"]
 

@@ -3,7 +3,7 @@
 
     import engine
     engine.quantize_(model, engine.Int4WeightOnly(group_size=128))
-    model(x)                                   # each linear layer runs torch's int4 CPU GEMM
+    model(x)                                   # each linear layer runs engine's int4 CPU GEMM
     torch.save(model.state_dict(), path)       # plain tensors; loads with weights_only=True
 """
 

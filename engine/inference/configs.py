@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 from engine.checks import check_instance
+from engine.schemes import INT4_GROUP_SIZES  # (re-exported: the group sizes are the int4 schemes')
 
 #: every config class by name (what a checkpoint record names)
 CONFIGS: dict[str, type[InferenceConfig]] = {}
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 MX_ELEMENTS = ("e4m3", "e2m3", "e3m2", "e2m1")
 FLOAT8_GRANULARITIES = ("tensor", "row")
 MX_SCALE_MODES = ("rceil", "floor")

@@ -1,8 +1,8 @@
 """Weight formats built on engine's own quantizers: FP8 (weight-only and dynamic), MX and NVFP4 weight-only.
 
-The weight is quantized by an engine quantizer (rowwise usage only: inference never reads W^T) and
-kept as its storage's plain buffers ("data", "scale_inv", and NVFP4's "amax"); FP8 data is kept as
-its bytes (uint8), as MX and NVFP4 codes are, so a checkpoint's `weight` key is never an FP8 tensor
+The weight is quantized by an engine quantizer (rowwise usage only: inference never reads W^T) into its
+storage; a checkpoint holds the storage's buffers as parts ("data", "scale_inv", and NVFP4's "amax"), FP8
+data as its bytes (uint8), as MX and NVFP4 codes are, so a checkpoint's `weight` key is never an FP8 tensor
 without engine's own component keys (engine.Linear refuses those).
 
 Per-row FP8 weight-only runs engine's C++ GEMV/GEMM at small M (`native.fp8_linear`: E4M3 decoded in registers,
@@ -22,20 +22,19 @@ from engine.ops import native
 from engine.ops import quantize as qops
 from engine.ops import reference as ref
 from engine.inference.configs import Float8DynamicActivationFloat8Weight, MXWeightOnly
-from engine.inference.int_formats import PartSpecs, check_scales
+from engine.inference.weight_format import PartSpecs, WeightFormat, check_scales, rowwise
 from engine.quantizers import Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXQuantizer, NVFP4Quantizer
 from engine.quantizers.base import Quantizer
-from engine.schemes import Block, ScaleEncoding
-from engine.tensors.storage import QuantizedTensorBase, buffer_specs
+from engine.schemes import Block, ScaleEncoding, Scheme
+from engine.tensors.storage import QuantizedTensorBase
 
 E4M3 = torch.float8_e4m3fn
 MX_BLOCK = 32
-#: the part each storage field is saved as
-STORAGE_PARTS = {"rowwise_data": "data", "rowwise_scale_inv": "scale_inv", "amax_rowwise": "amax"}
 
 
-class EngineWeightFormat:
-    """A weight held as one engine quantizer's rowwise buffers."""
+class EngineWeightFormat(WeightFormat):
+    """A weight held as one engine quantizer's rowwise storage; its parts are the storage's buffers ("data" as
+    bytes, "scale_inv", and NVFP4's "amax")."""
 
     exact_bf16 = True  # the dequantized weight is exact in bf16
 
@@ -43,7 +42,7 @@ class EngineWeightFormat:
         self.quantizer = quantizer
 
     @property
-    def scheme(self):  # noqa: ANN201 - engine.schemes.Scheme
+    def scheme(self) -> Scheme:
         return self.quantizer.scheme
 
     @property
@@ -51,11 +50,10 @@ class EngineWeightFormat:
         """One power-of-2 scale per row (per-row FP8: its scale applies exactly in bf16)."""
         return self.scheme.rowwise_block == Block(1, 0)
 
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        st = self.quantizer.quantize_storage(w.detach())
-        return self.parts_of(st)
+    def quantize(self, w: torch.Tensor) -> QuantizedTensorBase:
+        return self.quantizer.quantize_storage(w.detach())
 
-    def parts_of(self, st: QuantizedTensorBase) -> dict[str, torch.Tensor]:
+    def to_parts(self, st: QuantizedTensorBase) -> dict[str, torch.Tensor]:
         data = st.rowwise_data
         parts = {"data": data.view(torch.uint8) if data.dtype == E4M3 else data,
                  "scale_inv": st.rowwise_scale_inv.contiguous()}
@@ -64,45 +62,36 @@ class EngineWeightFormat:
         return parts
 
     def part_specs(self, shape: tuple[int, int]) -> PartSpecs:
-        specs = buffer_specs(self.scheme, torch.Size(shape), rowwise=True, columnwise=False)
-        (dshape, ddtype), (sshape, sdtype) = specs["rowwise_data"], specs["rowwise_scale_inv"]
-        out = {"data": (tuple(dshape), (torch.uint8 if ddtype == E4M3 else ddtype,)), "scale_inv": (tuple(sshape), (sdtype,))}
-        if self.scheme.tensor_scale:
-            out["amax"] = ((1,), (torch.float32,))
-        return out
+        specs = self.scheme.buffer_specs(torch.Size(shape), rowwise=True, columnwise=False)
+        saved = {"rowwise_data": torch.uint8} if self.scheme.data_dtype == E4M3 else {}  # FP8 data as bytes
+        return {self.PARTS[name]: (tuple(size), (saved.get(name, dtype),)) for name, (size, dtype) in specs.items()}
 
-    def storage(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> QuantizedTensorBase:
+    def from_parts(self, parts: dict[str, torch.Tensor], shape: tuple[int, int],
+                   dtype: torch.dtype) -> QuantizedTensorBase:
         data = parts["data"]
         if self.scheme.data_dtype == E4M3:
             data = data.view(E4M3)
         extra = {"amax_rowwise": parts["amax"]} if "amax" in parts else {}
-        return QuantizedTensorBase(scheme=self.scheme, shape=torch.Size(shape), nominal_dtype=dtype, rowwise_data=data,
-                                   rowwise_scale_inv=parts["scale_inv"], **extra)
+        return rowwise(self.scheme, shape, dtype, {"rowwise_data": data, "rowwise_scale_inv": parts["scale_inv"],
+                                                   **extra})
 
-    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
-        """The storage's checks of its scales (at load), as ValueErrors naming the part."""
-        try:
-            self.storage(parts, shape, torch.float32).check_values()
-        except ValueError as err:
-            field, _, rest = str(err).partition(": ")
-            raise ValueError(f"{STORAGE_PARTS.get(field, field)}: {rest}") from None
-
-    def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, ops: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """The weight's value in `dtype` for the GEMM: per-row FP8 or MX as bf16 in two vector ops (`decode_bf16`,
+        the storage's values without its fp32 detour), else the storage's dequantize."""
         if dtype == torch.bfloat16 and (self.per_row or self.scheme.scale is ScaleEncoding.E8M0):
-            # (fp32: the storage's NaN bits differ)
-            return self.decode_bf16(parts, shape)
-        return self.storage(parts, shape, dtype).dequantize(dtype)
+            return self.decode_bf16(ops, shape)
+        return self.from_parts(ops, shape, dtype).dequantize(dtype)
 
-    def decode_bf16(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
-        """Per-row FP8 or MX weights as bf16, exactly (an element times a power of two), in two vector ops: the
-        same values as the storage's `dequantize` (checked in the tests), without its fp32 detour."""
+    def decode_bf16(self, ops: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        """Per-row FP8 or MX weights as bf16, exactly (an element times a power of two): the same values as the
+        storage's `dequantize` (checked in the tests)."""
         n, k = shape
-        data = parts["data"]
+        data = ops["data"]
         if self.scheme.data_dtype == E4M3:
             values = qops.fp8_to_bf16(data.view(E4M3))  # engine's kernel: ~7x torch's cast here
         else:
             values = qops.elements_to_bf16(data, self.scheme, cols=k)
-        scale = parts["scale_inv"]
+        scale = ops["scale_inv"]
         if self.per_row:
             return values * scale.to(torch.bfloat16)
         scale = ref.e8m0_to_float(scale).to(torch.bfloat16)  # 2^(code - 127), exact in bf16; NaN for 255
@@ -117,13 +106,13 @@ class EngineWeightFormat:
     #: registers, fp32 sums times the row scale); above it the decode-then-one-GEMM path is faster
     native_max_m = 32
 
-    def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
+    def linear(self, x: torch.Tensor, ops: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
         if self.per_row and x.shape[0] <= self.native_max_m and native.available():
-            out = native.fp8_linear(x, parts["data"], parts["scale_inv"].view(-1))
+            out = native.fp8_linear(x, ops["data"], ops["scale_inv"].view(-1))
             return out if bias is None else out + bias.to(out.dtype)
         dtype = self.compute_dtype(x.dtype)
-        w = self.dequantize(parts, shape, dtype)
+        w = self.decode(ops, shape, dtype)
         out = torch.nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
         return out.to(x.dtype)
 
@@ -131,11 +120,11 @@ class EngineWeightFormat:
 class NVFP4Format(EngineWeightFormat):
     exact_bf16 = False  # E2M1 * E4M3 * amax / 2688: not exact in bf16
 
-    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
-        """The storage's checks, and a finite amax: a weight with a NaN or inf is no inference checkpoint (its
+    def check(self, st: QuantizedTensorBase, parts: dict[str, torch.Tensor]) -> None:
+        """A finite amax, then the storage's checks: a weight with a NaN or inf is no inference checkpoint (its
         whole value would dequantize to NaN / inf), so the E4M3 NaN code that only a NaN block gets is refused too."""
         check_scales(parts["amax"], "amax", "amax", positive=False)
-        super().check_values(parts, shape)
+        super().check(st, parts)
 
 
 class Float8DynamicFormat(EngineWeightFormat):
@@ -145,10 +134,10 @@ class Float8DynamicFormat(EngineWeightFormat):
         super().__init__(weight_quantizer)
         self.input_quantizer = input_quantizer
 
-    def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
+    def linear(self, x: torch.Tensor, ops: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
         xq = self.input_quantizer.quantize_storage(x.contiguous())
-        return general_gemm(xq, self.storage(parts, shape, x.dtype), out_dtype=x.dtype,
+        return general_gemm(xq, self.from_parts(ops, shape, x.dtype), out_dtype=x.dtype,
                              bias=None if bias is None else bias.to(x.dtype))
 
 

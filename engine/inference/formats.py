@@ -1,29 +1,16 @@
-"""format_of(config): the object that quantizes, dequantizes and runs a Linear for one inference config."""
+"""format_of(config): the WeightFormat that quantizes a weight into a storage of one config's scheme and runs its GEMM."""
 
 from __future__ import annotations
-
-from typing import Any, Protocol
-
-import torch
 
 from engine.inference import engine_formats, int_formats
 from engine.inference.configs import (
     Float8DynamicActivationFloat8Weight, Float8WeightOnly, InferenceConfig, Int4WeightOnly,
     Int8DynamicActivationInt8Weight, Int8WeightOnly, MXWeightOnly, NVFP4WeightOnly, check_config,
 )
-from engine.inference.int_formats import PartSpecs
+from engine.inference.weight_format import WeightFormat
 
 
-class WeightFormat(Protocol):
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]: ...
-    def part_specs(self, shape: tuple[int, int]) -> PartSpecs: ...
-    def check_values(self, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None: ...
-    def dequantize(self, parts: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor: ...
-    def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int],
-               bias: torch.Tensor | None) -> torch.Tensor: ...
-
-
-def format_of(config: InferenceConfig) -> Any:
+def format_of(config: InferenceConfig) -> WeightFormat:
     """A fresh format object for `config` (formats hold quantizer objects, never shared between weights)."""
     check_config(config)
     if isinstance(config, Int8WeightOnly):

@@ -10,11 +10,12 @@ A module whose weight `quantize_` swapped saves, instead of the weight (`weight`
                                {"config": config.to_plain(), "shape": [N, K], "dtype": "bfloat16",
                                "parts": [names]}
 
-Loading (`load_state_dict` into a model quantized the same way) checks the record, the config
-(it must equal the model's), every part's shape and dtype and that it is dense, and the values of
-the scales (the format's `check_values`: finite and > 0, NVFP4's amax finite, engine formats' scale
-codes as their storage checks them), then copies the parts in; each error names the state-dict key
-it came from. A plain (unquantized) `weight` without a record is quantized with the model's config
+The parts are the weight's storage (`QuantizedWeight.storage`, a storage of the config's scheme) as the
+format saves it (`WeightFormat.to_parts` / `from_parts`). Loading (`load_state_dict` into a model quantized
+the same way) checks the record, the config (it must equal the model's), every part's shape and dtype and
+that it is dense, and the values of the scales (the storage's `check_values`: finite scales > 0 and finite
+zero points, E8M0 and E4M3 codes as the storage checks them; NVFP4's amax finite; int4's padding as
+quantize_ makes it), then copies the storage in; each error names the state-dict key it came from. A plain (unquantized) `weight` without a record is quantized with the model's config
 as it is copied in. Never a pickle.
 
 Version 2 changed Int4WeightOnly's "data" from torch's packed CPU layout to engine's (two codes a
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from engine.inference.configs import Int4WeightOnly, config_from_plain
+from engine.inference.formats import format_of
 from engine.inference.weight import HIGH_PRECISION, QuantizedWeight
 from engine.tensors.records import decode_record, encode_record
 
@@ -45,9 +47,10 @@ def part_key(key: str, part: str) -> str:
 
 def to_plain_tensors(key: str, w: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The state-dict entries of a quantized weight saved under `key` (no two share memory)."""
-    out = {part_key(key, name): t.detach().contiguous() for name, t in w.plain_parts().items()}
+    parts = w.plain_parts()
+    out = {part_key(key, name): t.detach().contiguous() for name, t in parts.items()}
     header = {"config": w.config.to_plain(), "shape": list(w.weight_shape),
-              "dtype": str(w.dtype).removeprefix("torch."), "parts": list(w.parts)}
+              "dtype": str(w.dtype).removeprefix("torch."), "parts": list(parts)}
     out[key + RECORD_SUFFIX] = encode_record(MAGIC, VERSION, header, {})
     return out
 
@@ -101,7 +104,7 @@ def from_plain_tensors(state_dict: dict, key: str, like: QuantizedWeight) -> Qua
     if dtype not in HIGH_PRECISION:
         raise ValueError(f"{where}: 'dtype' must name float32, bfloat16 or float16, got {header['dtype']!r}")
     specs = like.fmt.part_specs(like.weight_shape)
-    if header["parts"] != list(like.parts) or set(header["parts"]) != set(specs):
+    if header["parts"] != list(specs):
         raise ValueError(f"{where}: expected the parts {sorted(specs)}, got {header['parts']!r}")
     parts = {}
     for part in header["parts"]:
@@ -117,8 +120,10 @@ def from_plain_tensors(state_dict: dict, key: str, like: QuantizedWeight) -> Qua
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             raise ValueError(f"{pkey}: expected a dense tensor (contiguous, its whole storage)")
         parts[part] = t
+    fmt = format_of(config)  # the weight's own (formats hold quantizers, never shared)
+    storage = fmt.from_parts(parts, like.weight_shape, dtype)
     try:
-        like.fmt.check_values(parts, like.weight_shape)
+        fmt.check(storage, parts)
     except ValueError as err:  # the format names the part: name its key
         part, _, rest = str(err).partition(": ")
         raise ValueError(f"{part_key(key, part)}: {rest}" if part in parts else f"{where}: {err}") from None
@@ -126,4 +131,4 @@ def from_plain_tensors(state_dict: dict, key: str, like: QuantizedWeight) -> Qua
         if part != "data":
             del state_dict[part_key(key, part)]
     del state_dict[where]
-    return QuantizedWeight(parts, config, like.weight_shape, dtype)
+    return QuantizedWeight(storage, config, dtype, fmt=fmt, operands=fmt.prepare(parts))

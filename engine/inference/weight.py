@@ -1,9 +1,12 @@
 """QuantizedWeight: a Linear's weight Parameter held quantized, whose F.linear / matmul runs the quantized GEMM.
 
 A wrapper tensor subclass (torchao's habit): to the module it is a [N, K] tensor of the weight's
-dtype; inside it holds named plain tensors (the config's parts). `F.linear(x, w, b)` (what
-torch.nn.Linear and the engine modules outside fp8_autocast call), `x @ w.t()` and `torch.matmul`
-run the format's GEMM on x's last dim, for any leading dims. `.to(dtype)` changes only the
+dtype; inside it holds a storage of its config's scheme (`storage`: an `engine.tensors.QuantizedTensorBase`
+with the [N, K] shape and rowwise buffers, the same storage type training quantizes into, and what the
+weight is: `dequantize()`, save and load go through it) and the tensors its GEMM reads (`operands`: the
+checkpoint's parts, in a kernel's own layout where it has one; `engine.inference.weight_format`).
+`F.linear(x, w, b)` (what torch.nn.Linear and the engine modules outside fp8_autocast call), `x @ w.t()` and
+`torch.matmul` run the format's GEMM on x's last dim, for any leading dims. `.to(dtype)` changes only the
 nominal dtype (the output follows x's dtype anyway). Other ops are refused with a clear error:
 call `.dequantize()` for a plain tensor. Inference only: the weight takes no gradient.
 """
@@ -19,7 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.inference.configs import InferenceConfig
 from engine.inference.formats import format_of
+from engine.inference.weight_format import WeightFormat
 from engine.inference.weight_op import compiled_weight_linear
+from engine.schemes import get_scheme
+from engine.tensors.storage import QuantizedTensorBase
 
 aten = torch.ops.aten
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,26 +34,35 @@ HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 class QuantizedWeight(torch.Tensor):
     """A quantized [N, K] Linear weight (`transposed`: its [K, N] view, from `.t()`)."""
 
-    parts: dict[str, torch.Tensor]
+    storage: QuantizedTensorBase
+    operands: dict[str, torch.Tensor]
     config: InferenceConfig
     #: engine's modules refuse it inside fp8_autocast (it runs its own GEMM, on their high-precision path only)
     inference_only: ClassVar[bool] = True
 
     @staticmethod
-    def __new__(cls, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],
-                dtype: torch.dtype, transposed: bool = False, fmt: Any = None) -> QuantizedWeight:
-        size = (shape[1], shape[0]) if transposed else tuple(shape)
-        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=parts["data"].device,
-                                                   requires_grad=False)
+    def __new__(cls, storage: QuantizedTensorBase, config: InferenceConfig, dtype: torch.dtype | None = None,
+                transposed: bool = False, fmt: WeightFormat | None = None,
+                operands: dict[str, torch.Tensor] | None = None) -> QuantizedWeight:
+        n, k = storage.shape
+        return torch.Tensor._make_wrapper_subclass(cls, (k, n) if transposed else (n, k),
+                                                   dtype=dtype or storage.nominal_dtype,
+                                                   device=storage.rowwise_data.device, requires_grad=False)
 
-    def __init__(self, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],
-                 dtype: torch.dtype, transposed: bool = False, fmt: Any = None) -> None:
+    def __init__(self, storage: QuantizedTensorBase, config: InferenceConfig, dtype: torch.dtype | None = None,
+                 transposed: bool = False, fmt: WeightFormat | None = None,
+                 operands: dict[str, torch.Tensor] | None = None) -> None:
+        """`operands`: the GEMM's tensors made already (else made from the storage's parts, and the storage's
+        buffers become views of them: `WeightFormat.from_parts`)."""
         self.config = config
-        self.weight_shape = (int(shape[0]), int(shape[1]))
-        self.transposed = transposed
         self.fmt = format_of(config) if fmt is None else fmt
-        # the parts as the GEMM reads them (a format may hold one in a kernel's own layout; `plain_parts` undoes it)
-        self.parts = self.fmt.prepare(parts) if hasattr(self.fmt, "prepare") else parts
+        self.transposed = transposed
+        dtype = dtype or storage.nominal_dtype
+        if operands is None:
+            parts = self.fmt.to_parts(storage)
+            storage, operands = self.fmt.from_parts(parts, tuple(storage.shape), dtype), self.fmt.prepare(parts)
+        self.storage = storage if storage.nominal_dtype == dtype else storage.replace(nominal_dtype=dtype)
+        self.operands = operands
 
     # ------------------------------------------------------------------ making and reading
     @classmethod
@@ -56,47 +71,80 @@ class QuantizedWeight(torch.Tensor):
         check_weight(weight, name)
         fmt = format_of(config)
         with torch.no_grad():
-            parts = fmt.quantize(weight.detach())
-        return cls(parts, config, tuple(weight.shape), weight.dtype, fmt=fmt)
+            storage = fmt.quantize(weight.detach())
+        return cls(storage, config, weight.dtype, fmt=fmt)
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, torch.Tensor], config: InferenceConfig, shape: tuple[int, int],
+                   dtype: torch.dtype, transposed: bool = False, fmt: WeightFormat | None = None) -> QuantizedWeight:
+        """A weight from its checkpoint parts (checked by `engine.inference.saving`); the storage views them."""
+        fmt = format_of(config) if fmt is None else fmt
+        return cls(fmt.from_parts(parts, shape, dtype), config, dtype, transposed, fmt, fmt.prepare(parts))
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """[N, K] (whatever `transposed` says)."""
+        n, k = self.storage.shape
+        return int(n), int(k)
 
     def _with(self, **changes: Any) -> QuantizedWeight:
-        kw = {"parts": self.parts, "config": self.config, "shape": self.weight_shape, "dtype": self.dtype,
-              "transposed": self.transposed, "fmt": self.fmt, **changes}
+        kw = {"storage": self.storage, "config": self.config, "dtype": self.dtype, "transposed": self.transposed,
+              "fmt": self.fmt, "operands": self.operands, **changes}
         return QuantizedWeight(**kw)
 
+    def _cloned(self, fmt: WeightFormat | None = None) -> QuantizedWeight:
+        """A weight with its own memory: cloned parts, the operands made from them again."""
+        parts = {k: v.clone() for k, v in self.plain_parts().items()}
+        return QuantizedWeight.from_parts(parts, self.config, self.weight_shape, self.dtype, self.transposed,
+                                          self.fmt if fmt is None else fmt)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The high-precision value the GEMMs compute with (in the nominal dtype unless `dtype`)."""
-        w = self.fmt.dequantize(self.parts, self.weight_shape, self.dtype if dtype is None else dtype)
+        """The storage's high-precision value (in the nominal dtype unless `dtype`): what the GEMMs compute with."""
+        w = self.storage.dequantize(self.dtype if dtype is None else dtype)
         return w.t() if self.transposed else w
 
     def plain_parts(self) -> dict[str, torch.Tensor]:
-        """The parts as saved: plain dense tensors (`parts` may hold one in a kernel's layout)."""
-        return self.fmt.plain(self.parts) if hasattr(self.fmt, "plain") else self.parts
+        """The storage as a checkpoint holds it: plain dense tensors (`operands` may hold a kernel's layout)."""
+        return self.fmt.to_parts(self.storage)
 
     def nbytes_quantized(self) -> int:
-        """Bytes of the parts (what the weight costs in memory)."""
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
+        """Bytes of memory the weight holds (its storage, and a kernel's own copy next to it: oneDNN's prepacked
+        int8), each allocation once."""
+        held = {}
+        for t in (*self.storage.buffers().values(), *self.operands.values()):
+            if t is not None and t.is_mkldnn:
+                held[id(t)] = t.numel() * t.element_size()
+            elif t is not None:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(held.values())
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
         t = ", transposed" if self.transposed else ""
         return (f"QuantizedWeight({self.config!r}, shape={list(self.shape)}, dtype={self.dtype}{t}, "
-                f"parts={{{', '.join(f'{k}: {v.dtype} {list(v.shape)}' for k, v in self.parts.items())}}})")
+                f"scheme={self.storage.scheme.name}, operands={{"
+                f"{', '.join(f'{k}: {v.dtype} {list(v.shape)}' for k, v in self.operands.items())}}})")
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         # the format goes along as it is: made anew, its quantizers would make tensors while torch.compile traces
-        return [f"part_{k}" for k in self.parts], (self.config, self.weight_shape, self.dtype, self.transposed,
-                                                    _Carried(self.fmt))
+        fields = tuple(name for name, t in self.storage.buffers().items() if t is not None)
+        return [f"storage_{f}" for f in fields] + [f"op_{name}" for name in self.operands], (
+            self.config, self.weight_shape, self.dtype, self.transposed, self.storage.scheme.name, fields,
+            tuple(self.operands), _Carried(self.fmt))
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple, outer_size: Any,
                              outer_stride: Any) -> QuantizedWeight:
-        config, shape, dtype, transposed, fmt = meta
-        return QuantizedWeight({k.removeprefix("part_"): v for k, v in inner.items()}, config, shape, dtype,
-                               transposed, fmt.value)
+        config, shape, dtype, transposed, scheme, fields, ops, fmt = meta
+        storage = QuantizedTensorBase.made(get_scheme(scheme), torch.Size(shape), dtype, None,
+                                           {f: inner[f"storage_{f}"] for f in fields})
+        return QuantizedWeight(storage, config, dtype, transposed, fmt.value, {n: inner[f"op_{n}"] for n in ops})
 
     def __getattr__(self, name: str) -> Any:  # __tensor_flatten__'s inner names
-        if name.startswith("part_") and "parts" in self.__dict__ and name[5:] in self.__dict__["parts"]:
-            return self.__dict__["parts"][name[5:]]
+        held = self.__dict__
+        if name.startswith("storage_") and "storage" in held and name[8:] in held["storage"].scheme.fields:
+            return getattr(held["storage"], name[8:])
+        if name.startswith("op_") and name[3:] in held.get("operands", {}):
+            return held["operands"][name[3:]]
         raise AttributeError(name)
 
     # ------------------------------------------------------------------ the GEMM
@@ -118,9 +166,9 @@ class QuantizedWeight(torch.Tensor):
             return out if bias is None else out + bias.to(x.dtype)
         x2d = x.reshape(-1, k)
         if torch.compiler.is_compiling() or isinstance(x, FakeTensor):  # the GEMM as a custom op Dynamo can trace
-            out = compiled_weight_linear(x2d, self.parts, self.config, self.weight_shape, bias)
+            out = compiled_weight_linear(x2d, self.operands, self.config, self.weight_shape, bias)
         else:
-            out = self.fmt.linear(x2d, self.parts, self.weight_shape, bias)
+            out = self.fmt.linear(x2d, self.operands, self.weight_shape, bias)
         return out.reshape(*x.shape[:-1], n)
 
     # ------------------------------------------------------------------ torch dispatch
@@ -152,8 +200,7 @@ class QuantizedWeight(torch.Tensor):
         if func in (aten.t.default,) or (func is aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]):
             return args[0]._with(transposed=not args[0].transposed)
         if func is aten.clone.default:
-            w = args[0]
-            return w._with(parts={k: v.clone() for k, v in w.parts.items()})
+            return args[0]._cloned()
         if func is aten._to_copy.default:
             return _to(args[0], dtype=kwargs.get("dtype"), device=kwargs.get("device"), copy=True)
         if func is aten.copy_.default:
@@ -199,7 +246,7 @@ def check_weight(weight: Any, name: str) -> None:
 
 
 def _to(w: QuantizedWeight, *args: Any, **kwargs: Any) -> QuantizedWeight:
-    """Only the nominal dtype changes (a float dtype); the parts stay as they are, on the CPU."""
+    """Only the nominal dtype changes (a float dtype); the storage stays as it is, on the CPU."""
     copy = kwargs.pop("copy", False)
     if args or kwargs.get("dtype") is not None or kwargs.get("device") is not None:
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
@@ -210,15 +257,15 @@ def _to(w: QuantizedWeight, *args: Any, **kwargs: Any) -> QuantizedWeight:
     if dtype is not None and dtype not in HIGH_PRECISION:
         raise TypeError(f"dtype: a QuantizedWeight's nominal dtype must be float32, bfloat16 or float16, got {dtype}")
     if dtype is None or dtype == w.dtype:
-        return w._with(parts={k: v.clone() for k, v in w.parts.items()}) if copy else w
+        return w._cloned() if copy else w
     return w._with(dtype=dtype)
 
 
 def _deepcopy(w: QuantizedWeight, memo: dict) -> QuantizedWeight:
-    """Cloned parts (torch's deepcopy of the parts dict cannot copy a kernel's opaque layout) and deep copies of
-    the rest (the format, `_is_param` when the weight is a module's Parameter)."""
-    out = QuantizedWeight({k: v.clone() for k, v in w.parts.items()}, w.config, w.weight_shape, w.dtype,
-                          w.transposed, copy.deepcopy(w.fmt, memo))
+    """Cloned parts (torch's deepcopy cannot copy a kernel's opaque layout, and would not keep the storage a view
+    of the operands) and deep copies of the rest (the format, `_is_param` when the weight is a module's
+    Parameter)."""
+    out = w._cloned(copy.deepcopy(w.fmt, memo))
     for name, value in w.__dict__.items():
         if name not in out.__dict__:
             out.__dict__[name] = copy.deepcopy(value, memo)
@@ -227,27 +274,33 @@ def _deepcopy(w: QuantizedWeight, memo: dict) -> QuantizedWeight:
 
 
 def _copy_into(dst: QuantizedWeight, src: torch.Tensor) -> QuantizedWeight:
-    """dst's parts take src's (a QuantizedWeight of the same config and shape), or src quantized (a plain tensor)."""
+    """dst's storage and operands take src's (a QuantizedWeight of the same config, shape and scheme), or src
+    quantized (a plain tensor), in place."""
     if not isinstance(dst, QuantizedWeight):
         raise TypeError(f"copy_: cannot copy a QuantizedWeight into a {type(dst).__name__}; call .dequantize()")
     if isinstance(src, QuantizedWeight):
         if src.config != dst.config or src.weight_shape != dst.weight_shape or src.transposed != dst.transposed:
             raise ValueError(f"src: expected a QuantizedWeight of {dst.config!r} and shape {list(dst.shape)}, got "
                              f"{src.config!r} and shape {list(src.shape)}")
-        parts = src.parts
     else:
         plain = src.t() if dst.transposed else src
-        parts = QuantizedWeight.from_float(plain.to(dst.dtype), dst.config, "src").parts
-    for name, t in parts.items():
-        mine = dst.parts.get(name)
+        src = QuantizedWeight.from_float(plain.to(dst.dtype), dst.config, "src")
+    if src.storage.scheme != dst.storage.scheme:
+        raise ValueError(f"src: a {src.storage.scheme.name} weight, expected {dst.storage.scheme.name} (a weight "
+                         "quantized from another dtype: quantize the model from weights of the saved dtype)")
+    for name, t in src.operands.items():
+        mine = dst.operands.get(name)
         if mine is None or mine.shape != t.shape or mine.dtype != t.dtype or mine.is_mkldnn != t.is_mkldnn:
-            raise ValueError(f"src: part {name!r} is {t.dtype} {list(t.shape)}, expected "
+            raise ValueError(f"src: operand {name!r} is {t.dtype} {list(t.shape)}, expected "
                              f"{None if mine is None else (mine.dtype, list(mine.shape))}")
-    for name, t in parts.items():
+    for field, t in src.storage.buffers().items():
+        if t is not None:
+            getattr(dst.storage, field).copy_(t)
+    for name, t in src.operands.items():
         if t.is_mkldnn:  # a kernel's opaque layout: no copy_ into it; the weight (and its views) take a copy
-            dst.parts[name] = t.clone()
-        else:
-            dst.parts[name].copy_(t)
+            dst.operands[name] = t.clone()
+        else:  # (a view of the storage, or the memory the storage views: the same values again)
+            dst.operands[name].copy_(t)
     return dst
 
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from engine.formats import FloatFormat, element_format, fp8_max
-from engine.ops import mx_elements
+from engine.ops import int_elements, mx_elements
 from engine.schemes import BLOCK_128, MX_BLOCK, ScaleEncoding, Scheme, dims_2d, fp8_scheme  # noqa: F401 (re-exported)
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -190,6 +190,11 @@ def quantize_blocked(
     dtype's max for a block, as TE does).
     """
     check_input(x)
+    if scheme.integer:  # scales from each block, as `int_elements` says
+        if scale is not None or amax_epsilon:
+            raise ValueError(f"scale / amax_epsilon: {scheme.name} takes its scales from each block (amax / max, or "
+                             f"min and max with a zero point); got scale={scale!r}, amax_epsilon={amax_epsilon!r}")
+        return int_elements.quantize(x, scheme, columnwise=columnwise)
     x2d = as_2d(x)
     transposed = columnwise and scheme.columnwise_transposed
     block = scheme.stored_block(columnwise)
@@ -204,14 +209,20 @@ def quantize_blocked(
 
 
 def dequantize_block(
-    data: torch.Tensor, scale_inv: torch.Tensor, *, tile_rows: int, tile_cols: int, dtype: torch.dtype
+    data: torch.Tensor, scale_inv: torch.Tensor, *, tile_rows: int, tile_cols: int, dtype: torch.dtype,
+    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """2D data times its fp32 scale_inv per `tile_rows x tile_cols` tile (0 = the whole dim)."""
+    """2D data times its fp32 scale_inv per `tile_rows x tile_cols` tile (0 = the whole dim), plus the tile's
+    `zero` point where given."""
     m, k = data.shape
     tr, tc = tile_rows or max(m, 1), tile_cols or max(k, 1)
-    grid = scale_inv.float().reshape(_ceil_div(m, tr) if tile_rows else 1, _ceil_div(k, tc) if tile_cols else 1)
-    expanded = grid.repeat_interleave(tr, 0)[:m].repeat_interleave(tc, 1)[:, :k]
-    return (data.float() * expanded).to(dtype)
+    shape = (_ceil_div(m, tr) if tile_rows else 1, _ceil_div(k, tc) if tile_cols else 1)
+
+    def expand(grid: torch.Tensor) -> torch.Tensor:
+        return grid.float().reshape(shape).repeat_interleave(tr, 0)[:m].repeat_interleave(tc, 1)[:, :k]
+
+    value = data.float() * expand(scale_inv)
+    return (value if zero is None else value + expand(zero)).to(dtype)
 
 
 def dequantize_blocked(
@@ -222,12 +233,16 @@ def dequantize_blocked(
     transposed = columnwise and scheme.columnwise_transposed
     block = scheme.stored_block(columnwise)
     data = data if transposed else as_2d(data)
+    m, k = dims_2d(shape)
     if scheme.coded:  # element codes -> their fp32 values, in the stored orientation
-        m, k = dims_2d(shape)
         data = mx_elements.decode(mx_elements.unpack(data, scheme.element, m if transposed else k), scheme.element)
+    elif scheme.integer:
+        data = int_elements.load(data, scheme.element, m if transposed else k)
     factors = e8m0_to_float(scale_inv) if scheme.scale is ScaleEncoding.E8M0 else scale_inv
-    value = dequantize_block(data, factors, tile_rows=block.rows,
-                             tile_cols=block.cols, dtype=dtype)
+    zero = None
+    if scheme.zero_point:  # (scale, zero) pairs
+        factors, zero = scale_inv[..., 0], scale_inv[..., 1]
+    value = dequantize_block(data, factors, tile_rows=block.rows, tile_cols=block.cols, dtype=dtype, zero=zero)
     return (value.t().contiguous() if transposed else value).reshape(shape)
 
 

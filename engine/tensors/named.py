@@ -80,6 +80,14 @@ class NVFP4TensorStorage(QuantizedTensorBase):
         return scheme.tensor_scale
 
 
+class IntTensorStorage(QuantizedTensorBase):
+    """Integer elements (int8 per channel, int4 per group with zero points): `engine.quantize_`'s weights."""
+
+    @classmethod
+    def holds(cls, scheme: Scheme) -> bool:
+        return scheme.integer
+
+
 #: the name from before MXFP4/MXFP6: the same class
 MXFP8TensorStorage = MXTensorStorage
 

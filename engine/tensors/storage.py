@@ -359,8 +359,8 @@ class QuantizedTensorBase:
     def check_values(self) -> None:
         """ValueError naming the buffer if it holds scales the scheme never makes (checked at load; syncs).
 
-        fp32 scales are finite and > 0 (and one per tensor is the same for both usages); an
-        E8M0 scale is the NaN code 255 only for a block whose data holds a NaN (for elements
+        fp32 and bf16 scales are finite and > 0 (and one per tensor is the same for both usages), zero points
+        finite; an E8M0 scale is the NaN code 255 only for a block whose data holds a NaN (for elements
         without a NaN code, E2M1/E2M3/E3M2: a block whose codes are all +0, what NaN blocks get).
         """
         for usage, columnwise in (("rowwise", False), ("columnwise", True)):
@@ -375,6 +375,12 @@ class QuantizedTensorBase:
             if self.scheme.scale is ScaleEncoding.E8M0:
                 _check_e8m0_nan(data, scale, self.scheme, columnwise, f"{usage}_scale_inv")
                 continue
+            if self.scheme.zero_point:  # (scale, zero) pairs: any finite zero
+                scale, zero = scale[..., 0], scale[..., 1]
+                bad = ~torch.isfinite(zero)
+                if bool(bad.any()):
+                    raise ValueError(f"{usage}_scale_inv: expected finite zeros ([..., 1]), got "
+                                     f"{zero[bad][:4].tolist()} ({int(bad.sum())} of {zero.numel()})")
             bad = ~((scale > 0) & torch.isfinite(scale))
             if bool(bad.any()):
                 raise ValueError(f"{usage}_scale_inv: expected finite scales > 0, got {scale[bad][:4].tolist()} "
