@@ -405,6 +405,10 @@ def test_int8_dynamic_layout_follows_the_weight_size() -> None:
     assert not small.weight.operands["data"].is_mkldnn
     assert large.weight.operands["data"].is_mkldnn == prepacks()
     assert not (avx2_emulation.emulated() and prepacks())
+    # the weight holds its int8 values once (prepacked: no plain copy beside it) and its fp32 row scales
+    assert large.weight.nbytes_quantized() == 1024 * 2048 + 1024 * 4
+    plain = large.weight.storage  # read back from the prepacked copy when asked
+    assert plain.rowwise_data.dtype == torch.int8 and plain.rowwise_data.shape == (1024, 2048)
 
 
 @pytest.mark.parametrize("width", [64, 2048])  # plain, and prepacked where oneDNN is

@@ -100,7 +100,8 @@ class Int8DynamicFormat(Int8Format):
 
     The int32 GEMM: for weights of at least `onednn_min_elements` where torch has oneDNN and its u8 x s8 GEMM
     gives exact sums (`int8_mm.prepacked_exact()`: with VNNI), that GEMM on a copy of the weight in oneDNN's
-    prepacked layout, made once (`prepare`; the storage keeps the plain int8 [N, K]) (x as q + 128 with zero
+    prepacked layout, made once (`prepare`; the weight then keeps no plain int8 [N, K] beside it: `held`, and
+    the storage's data is read back from the prepacked copy when asked, `restored`) (x as q + 128 with zero
     point 128: the same int32 sums, returned as their fp32 values); at 4096x4096 it is 1.2x (M = 256) to 3-5x
     (M = 2-16) faster than `torch._int_mm`, which repacks the weight on every call, and 0.65x at M = 1.
     Otherwise `int8_mm.int32_mm`: `torch._int_mm` where it is exact, else its exact sign-split form (AVX2
@@ -119,6 +120,13 @@ class Int8DynamicFormat(Int8Format):
                 or not onednn_available() or not int8_mm.prepacked_exact():
             return dict(parts)  # small, not a plain tensor (a FakeTensor while tracing), or not exact
         return {**parts, "data": int8_mm.prepack(data)}
+
+    def held(self, st: QuantizedTensorBase, operands: dict[str, torch.Tensor]) -> QuantizedTensorBase:
+        return st.replace(rowwise_data=None) if operands["data"].is_mkldnn else st
+
+    def restored(self, st: QuantizedTensorBase, operands: dict[str, torch.Tensor]) -> QuantizedTensorBase:
+        data = operands["data"]
+        return st.replace(rowwise_data=data.to_dense().t().contiguous()) if st.rowwise_data is None else st
 
     def linear(self, x: torch.Tensor, ops: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:

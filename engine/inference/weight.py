@@ -34,7 +34,7 @@ HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 class QuantizedWeight(torch.Tensor):
     """A quantized [N, K] Linear weight (`transposed`: its [K, N] view, from `.t()`)."""
 
-    storage: QuantizedTensorBase
+    _held: QuantizedTensorBase  # the storage, less what a kernel's own copy in `operands` holds (`storage`)
     operands: dict[str, torch.Tensor]
     config: InferenceConfig
     #: engine's modules refuse it inside fp8_autocast (it runs its own GEMM, on their high-precision path only)
@@ -47,7 +47,7 @@ class QuantizedWeight(torch.Tensor):
         n, k = storage.shape
         return torch.Tensor._make_wrapper_subclass(cls, (k, n) if transposed else (n, k),
                                                    dtype=dtype or storage.nominal_dtype,
-                                                   device=storage.rowwise_data.device, requires_grad=False)
+                                                   device=storage.device, requires_grad=False)
 
     def __init__(self, storage: QuantizedTensorBase, config: InferenceConfig, dtype: torch.dtype | None = None,
                  transposed: bool = False, fmt: WeightFormat | None = None,
@@ -61,8 +61,14 @@ class QuantizedWeight(torch.Tensor):
         if operands is None:
             parts = self.fmt.to_parts(storage)
             storage, operands = self.fmt.from_parts(parts, tuple(storage.shape), dtype), self.fmt.prepare(parts)
-        self.storage = storage if storage.nominal_dtype == dtype else storage.replace(nominal_dtype=dtype)
+        storage = storage if storage.nominal_dtype == dtype else storage.replace(nominal_dtype=dtype)
+        self._held = self.fmt.held(storage, operands)
         self.operands = operands
+
+    @property
+    def storage(self) -> QuantizedTensorBase:
+        """The weight as a storage of its config's scheme ([N, K], rowwise buffers): what it is."""
+        return self.fmt.restored(self._held, self.operands)
 
     # ------------------------------------------------------------------ making and reading
     @classmethod
@@ -84,11 +90,11 @@ class QuantizedWeight(torch.Tensor):
     @property
     def weight_shape(self) -> tuple[int, int]:
         """[N, K] (whatever `transposed` says)."""
-        n, k = self.storage.shape
+        n, k = self._held.shape
         return int(n), int(k)
 
     def _with(self, **changes: Any) -> QuantizedWeight:
-        kw = {"storage": self.storage, "config": self.config, "dtype": self.dtype, "transposed": self.transposed,
+        kw = {"storage": self._held, "config": self.config, "dtype": self.dtype, "transposed": self.transposed,
               "fmt": self.fmt, "operands": self.operands, **changes}
         return QuantizedWeight(**kw)
 
@@ -111,7 +117,7 @@ class QuantizedWeight(torch.Tensor):
         """Bytes of memory the weight holds (its storage, and a kernel's own copy next to it: oneDNN's prepacked
         int8), each allocation once."""
         held = {}
-        for t in (*self.storage.buffers().values(), *self.operands.values()):
+        for t in (*self._held.buffers().values(), *self.operands.values()):
             if t is not None and t.is_mkldnn:
                 held[id(t)] = t.numel() * t.element_size()
             elif t is not None:
@@ -121,14 +127,14 @@ class QuantizedWeight(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's signature
         t = ", transposed" if self.transposed else ""
         return (f"QuantizedWeight({self.config!r}, shape={list(self.shape)}, dtype={self.dtype}{t}, "
-                f"scheme={self.storage.scheme.name}, operands={{"
+                f"scheme={self._held.scheme.name}, operands={{"
                 f"{', '.join(f'{k}: {v.dtype} {list(v.shape)}' for k, v in self.operands.items())}}})")
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         # the format goes along as it is: made anew, its quantizers would make tensors while torch.compile traces
-        fields = tuple(name for name, t in self.storage.buffers().items() if t is not None)
+        fields = tuple(name for name, t in self._held.buffers().items() if t is not None)
         return [f"storage_{f}" for f in fields] + [f"op_{name}" for name in self.operands], (
-            self.config, self.weight_shape, self.dtype, self.transposed, self.storage.scheme.name, fields,
+            self.config, self.weight_shape, self.dtype, self.transposed, self._held.scheme.name, fields,
             tuple(self.operands), _Carried(self.fmt))
 
     @staticmethod
@@ -141,8 +147,8 @@ class QuantizedWeight(torch.Tensor):
 
     def __getattr__(self, name: str) -> Any:  # __tensor_flatten__'s inner names
         held = self.__dict__
-        if name.startswith("storage_") and "storage" in held and name[8:] in held["storage"].scheme.fields:
-            return getattr(held["storage"], name[8:])
+        if name.startswith("storage_") and "_held" in held and name[8:] in held["_held"].scheme.fields:
+            return getattr(held["_held"], name[8:])
         if name.startswith("op_") and name[3:] in held.get("operands", {}):
             return held["operands"][name[3:]]
         raise AttributeError(name)
@@ -285,17 +291,17 @@ def _copy_into(dst: QuantizedWeight, src: torch.Tensor) -> QuantizedWeight:
     else:
         plain = src.t() if dst.transposed else src
         src = QuantizedWeight.from_float(plain.to(dst.dtype), dst.config, "src")
-    if src.storage.scheme != dst.storage.scheme:
-        raise ValueError(f"src: a {src.storage.scheme.name} weight, expected {dst.storage.scheme.name} (a weight "
+    if src._held.scheme != dst._held.scheme:
+        raise ValueError(f"src: a {src._held.scheme.name} weight, expected {dst._held.scheme.name} (a weight "
                          "quantized from another dtype: quantize the model from weights of the saved dtype)")
     for name, t in src.operands.items():
         mine = dst.operands.get(name)
         if mine is None or mine.shape != t.shape or mine.dtype != t.dtype or mine.is_mkldnn != t.is_mkldnn:
             raise ValueError(f"src: operand {name!r} is {t.dtype} {list(t.shape)}, expected "
                              f"{None if mine is None else (mine.dtype, list(mine.shape))}")
-    for field, t in src.storage.buffers().items():
-        if t is not None:
-            getattr(dst.storage, field).copy_(t)
+    for field, t in src._held.buffers().items():  # (a buffer a kernel's copy holds instead: the operands below)
+        if t is not None and getattr(dst._held, field) is not None:
+            getattr(dst._held, field).copy_(t)
     for name, t in src.operands.items():
         if t.is_mkldnn:  # a kernel's opaque layout: no copy_ into it; the weight (and its views) take a copy
             dst.operands[name] = t.clone()

@@ -78,6 +78,15 @@ class WeightFormat:
         """The operands the GEMM reads: the parts themselves unless the kernel keeps its own layout."""
         return dict(parts)
 
+    def held(self, st: QuantizedTensorBase, operands: dict[str, torch.Tensor]) -> QuantizedTensorBase:
+        """What the weight keeps of its storage next to `operands`: all of it, unless a kernel's own copy holds the
+        same values (then that buffer is left out and `restored` from the copy when asked: no memory twice)."""
+        return st
+
+    def restored(self, st: QuantizedTensorBase, operands: dict[str, torch.Tensor]) -> QuantizedTensorBase:
+        """The whole storage from what `held` kept and the operands."""
+        return st
+
     def linear(self, x: torch.Tensor, ops: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
