@@ -155,7 +155,8 @@ def quantize(
     x2d = ref.as_2d(x)
     tile_rows = NVFP4_BLOCK if two_d else 1
 
-    def quantize_usage(v: torch.Tensor, a: torch.Tensor, bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_usage(v: torch.Tensor, a: torch.Tensor, bits: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         if four_over_six:
             return four_over_six_ref.quantize_2d(v, a, tile_rows=tile_rows, err_mode=four_over_six_err_mode,
                                                  e4m3_max=four_over_six_e4m3_max)

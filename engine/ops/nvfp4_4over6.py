@@ -70,7 +70,8 @@ def encode_scale(amax: torch.Tensor, e4m3_max: float) -> torch.Tensor:
 def candidate_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(s4, s6) as float8_e4m3fn (step 3)."""
     base = (block_amax.float() / _f32(E2M1_MAX, s_enc)) * s_enc
-    return ref.cast_to_fp8(base * _f32(MAP4_EXPAND, base), torch.float8_e4m3fn), ref.cast_to_fp8(base, torch.float8_e4m3fn)
+    s4 = ref.cast_to_fp8(base * _f32(MAP4_EXPAND, base), torch.float8_e4m3fn)
+    return s4, ref.cast_to_fp8(base, torch.float8_e4m3fn)
 
 
 def encode_elements(v: torch.Tensor) -> torch.Tensor:
