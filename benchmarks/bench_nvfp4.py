@@ -3,7 +3,8 @@
     python benchmarks/bench_nvfp4.py [--size 4096 4096] [--dtype bf16] [--runs 15] [--threads 1,2] [--isa auto]
 
 As bench_quantize.py (the same table): for each variant (both usages, plain or with the RHT'd columnwise
-usage, round-to-nearest or stochastic rounding; the weights' 16x16 tiles; one usage alone) the median wall
+usage, round-to-nearest or stochastic rounding; the weights' 16x16 tiles; one usage alone; 4over6, MAE and
+MSE, 1x16 blocks and 16x16 tiles, with TE's E4M3 bound 256 for it) the median wall
 time of the C++ kernel into preallocated outputs, the bandwidth counted as bytes read + written (x once per
 pass over it: twice, since the per-tensor amax comes before any scale; each usage's packed data and E4M3
 scales once), and that as a fraction of `y.copy_(x)` timed alternately with it; the module path
@@ -14,6 +15,7 @@ scales once), and that as a fraction of `y.copy_(x)` timed alternately with it; 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -23,14 +25,17 @@ from engine.ops import native
 from engine.ops import nvfp4 as ref
 from engine.quantizers import NVFP4Quantizer
 
-VARIANTS = {  # name -> (rowwise, columnwise, two_d, rht, stochastic rounding)
-    "both usages": (True, True, False, False, False),
-    "both usages rht": (True, True, False, True, False),
-    "both usages sr": (True, True, False, False, True),
-    "both usages rht sr": (True, True, False, True, True),
-    "16x16 tiles (weights)": (True, True, True, False, False),
-    "rowwise only": (True, False, False, False, False),
-    "columnwise only rht": (False, True, False, True, False),
+VARIANTS = {  # name -> (rowwise, columnwise, two_d, rht, stochastic rounding, 4over6 error mode or None)
+    "both usages": (True, True, False, False, False, None),
+    "both usages rht": (True, True, False, True, False, None),
+    "both usages sr": (True, True, False, False, True, None),
+    "both usages rht sr": (True, True, False, True, True, None),
+    "16x16 tiles (weights)": (True, True, True, False, False, None),
+    "rowwise only": (True, False, False, False, False, None),
+    "columnwise only rht": (False, True, False, True, False, None),
+    "both usages 4over6 MAE": (True, True, False, False, False, "MAE"),
+    "both usages 4over6 MSE": (True, True, False, False, False, "MSE"),
+    "16x16 tiles 4over6 MAE": (True, True, True, False, False, "MAE"),
 }
 
 
@@ -39,7 +44,7 @@ def schemes(x: torch.Tensor) -> list[Scheme]:
     read = x.numel() * x.element_size()
     counter = torch.tensor([1234, 0])
     out = []
-    for name, (rows, cols, two_d, rht, sr) in VARIANTS.items():
+    for name, (rows, cols, two_d, rht, sr, four_over_six) in VARIANTS.items():
         bufs = {}
         if rows:
             bufs |= {"out_row_data": torch.empty(m, -(-k // 2), dtype=torch.uint8),
@@ -48,8 +53,13 @@ def schemes(x: torch.Tensor) -> list[Scheme]:
             bufs |= {"out_col_data": torch.empty(k, -(-m // 2), dtype=torch.uint8),
                      "out_col_scales": torch.empty(k, -(-m // 16), dtype=torch.float8_e4m3fn)}
         opts = {"rowwise": rows, "columnwise": cols, "two_d": two_d, "rht": rht}
-        quantizer = NVFP4Quantizer(with_rht=rht, with_2d_quantization=two_d, stochastic_rounding=sr,
-                                   rowwise=rows, columnwise=cols)
+        module = NVFP4Quantizer(with_rht=rht, with_2d_quantization=two_d, stochastic_rounding=sr,
+                                rowwise=rows, columnwise=cols)
+        note = "out= all; x read twice"
+        if four_over_six:  # TE's defaults for 4over6 tensors: E4M3 bound 256
+            opts |= {"four_over_six": True, "four_over_six_err_mode": four_over_six, "four_over_six_e4m3_max": 256}
+            module = functools.partial(native.quantize_nvfp4, **opts)  # the quantizer has no 4over6 yet
+            note += "; E4M3 bound 256; module path: native without out="
         rbits = {}
         if sr:  # the reference takes the random bits as tensors: made once, outside the timing
             rbits = {"rbits": torch.randint(0, 256, (m, k), dtype=torch.uint8) if rows else None,
@@ -58,8 +68,8 @@ def schemes(x: torch.Tensor) -> list[Scheme]:
             name,
             lambda o=opts, b=bufs, s=sr: native.quantize_nvfp4(x, **o, counter=counter if s else None, **b),
             lambda o=opts, r=rbits: ref.quantize(x, **o, **r),
-            lambda q=quantizer: q(x),
-            2 * read + sum(t.numel() for t in bufs.values()), "out= all; x read twice"))
+            lambda q=module: q(x),
+            2 * read + sum(t.numel() for t in bufs.values()), note))
     return out
 
 

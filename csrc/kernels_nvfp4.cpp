@@ -105,8 +105,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
     const Tensor& x_in, bool rowwise, bool columnwise, bool two_d, bool rht, const optional<Tensor>& amax,
     const optional<Tensor>& amax_t, const optional<Tensor>& counter, const std::string& isa,
     const optional<Tensor>& out_row_data, const optional<Tensor>& out_row_scales, const optional<Tensor>& out_col_data,
-    const optional<Tensor>& out_col_scales) {
+    const optional<Tensor>& out_col_scales, bool four_over_six, const std::string& four_over_six_err_mode,
+    double four_over_six_e4m3_max) {
   NoPythonDispatch no_python;
+  TORCH_CHECK_VALUE(four_over_six_err_mode == "MAE" || four_over_six_err_mode == "MSE",
+                    "four_over_six_err_mode: expected 'MAE' or 'MSE', got '", four_over_six_err_mode, "'");
+  TORCH_CHECK_VALUE(four_over_six_e4m3_max == 448.0 || four_over_six_e4m3_max == 256.0,
+                    "four_over_six_e4m3_max: expected 448 or 256, got ", four_over_six_e4m3_max);
+  TORCH_CHECK_VALUE(!(four_over_six && rht), "four_over_six and rht: TE has no 4over6 with the random Hadamard "
+                    "transform; quantize this tensor with rht=False or four_over_six=False");
+  TORCH_CHECK_VALUE(!(four_over_six && counter.has_value()), "four_over_six and stochastic rounding: TE refuses "
+                    "4over6 with stochastic rounding; drop the counter or four_over_six");
   check_plain(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected the 2D view, got ", x_in.dim(), " dims");
   const auto dt = x_in.scalar_type();
@@ -167,7 +176,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
                rowwise ? row_data.data_ptr<uint8_t>() : nullptr, rowwise ? row_scales.data_ptr<uint8_t>() : nullptr,
                columnwise ? col_data.data_ptr<uint8_t>() : nullptr,
                columnwise ? col_scales.data_ptr<uint8_t>() : nullptr, 0.0f, 0.0f, counter.has_value(), seed,
-               offset, offset + (rowwise ? static_cast<uint64_t>(M) * static_cast<uint64_t>(K) : 0u)};
+               offset, offset + (rowwise ? static_cast<uint64_t>(M) * static_cast<uint64_t>(K) : 0u),
+               four_over_six, four_over_six_err_mode == "MSE", static_cast<float>(four_over_six_e4m3_max)};
   const int64_t units = ((M + kNvfp4Block - 1) / kNvfp4Block) * ((K + kNvfp4TileCols - 1) / kNvfp4TileCols);
   uint32_t x_key = 0, rht_key = 0;
   if ((want_x || want_rht) && M * K > 0) {
@@ -217,7 +227,10 @@ void register_nvfp4(pybind11::module_& m) {
         py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"), py::arg("isa"),
         py::arg("out_row_data") = py::none(), py::arg("out_row_scales") = py::none(),
         py::arg("out_col_data") = py::none(), py::arg("out_col_scales") = py::none(),
-        "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax)");
+        py::arg("four_over_six") = false, py::arg("four_over_six_err_mode") = "MAE",
+        py::arg("four_over_six_e4m3_max") = 448.0,
+        "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax); "
+        "four_over_six: TE's 4over6 (MAE or MSE, E4M3 bound 448 or 256; not with rht nor a counter)");
 }
 
 }  // namespace engine_native

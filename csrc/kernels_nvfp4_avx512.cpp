@@ -17,6 +17,7 @@
 //             per column (rows 0-7, 8-15),
 //             stored per strip in the band buffer and transposed 8 x 8 into 64-byte column lines at its flush.
 // Partial tiles are zero-padded (masked loads, code 0) and stored with masks or byte counts.
+// 4over6 has no intrinsics path: nvfp4_4over6_kernels.h's vector code, compiled here for AVX-512.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -922,6 +923,9 @@ void quantize_fast_2d(const Nvfp4Job& job, int64_t u0, int64_t u1) {
 }
 
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (job.four_over_six) {  // nvfp4_4over6_kernels.h, vectorised for AVX-512 by this file's target pragma
+    return job.bf16 ? quantize_tiles_46<true>(job, u0, u1) : quantize_tiles_46<false>(job, u0, u1);
+  }
   const bool one_scale = !job.row_data || !job.col_data || std::memcmp(&job.row_amax, &job.col_amax, 4) == 0;
   if (job.two_d && !job.sr && one_scale) {
     return job.bf16 ? quantize_fast_2d<true>(job, u0, u1) : quantize_fast_2d<false>(job, u0, u1);

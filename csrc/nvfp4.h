@@ -21,6 +21,11 @@ struct Nvfp4Job {
   float row_amax, col_amax;  // the per-tensor amaxes the scales derive from (quantize pass)
   bool sr;                   // stochastic rounding with the counter-based bits of nvfp4_sr.random_bits
   uint64_t seed, row_offset, col_offset;  // the counter's seed; the offsets of the row / col bits
+  // 4over6 (engine/ops/nvfp4_4over6.py; never with rht or sr): per block the map-to-4 or map-to-6 candidate
+  // with the lower error, MAE (or MSE when `mse`), with the global E4M3 bound e4m3_max (448 or 256)
+  bool four_over_six = false;
+  bool mse = false;
+  float e4m3_max = 448.0f;
 };
 
 constexpr int64_t kNvfp4Block = 16;

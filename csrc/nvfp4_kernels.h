@@ -8,6 +8,8 @@
 //   s_b   = e4m3_rne_satfinite(block_amax * (S_enc * fp32(1/6))), NaN -> 0x7F
 //   enc_b = fmin(1 / (float(s_b) * S_dec), FLT_MAX);  q = e2m1(x * enc_b), RNE or stochastic
 //   RHT   y[k] = bf16(sum_{i=0..15} x_i * H[i][k]) in fp32 in that order, H = diag(signs) H16 / 4
+// 4over6 (Nvfp4Job::four_over_six: two candidates per block, the lower-error one kept) is
+// nvfp4_4over6_kernels.h, included below, on the same tiles.
 // A tile is 16 rows x kNvfp4TileCols columns of x, converted to fp32 once: its rows hold the rowwise 1x16
 // blocks, its columns the columnwise 16x1 blocks (of x, or of the RHT of the 16 tokens), its 16x16 squares
 // the 2D tiles. The rules are branch-free fp32 / integer operations in loops over short arrays, which the
@@ -556,6 +558,8 @@ void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   for (int64_t u = u0; u < u1; ++u) quantize_tile<BF16, SR>(job, tile_box(job, u), t, y, rkey);
 }
 
+#include "nvfp4_4over6_kernels.h"  // 4over6 (quantize_tiles_46), in these namespaces
+
 }  // namespace
 
 #ifndef NVFP4_OWN_ENTRY  // else the includer defines the entry points (its own fast paths first)
@@ -565,6 +569,7 @@ void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_k
 }
 
 void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  if (job.four_over_six) return job.bf16 ? quantize_tiles_46<true>(job, u0, u1) : quantize_tiles_46<false>(job, u0, u1);
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
   return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
 }

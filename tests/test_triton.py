@@ -469,6 +469,8 @@ _PTR = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 _E4M3_C = dict(MAN_BITS=3, BIAS=7, MAX_CODE=0x7E)
 _E5M2_C = dict(MAN_BITS=2, BIAS=15, MAX_CODE=0x7B)
 GPU_ARCHS = (80, 90)
+# launch options a launcher passes besides num_warps (compiled with them here, as it runs)
+LAUNCH_OPTIONS = {"nvfp4_4over6._nvfp4_4over6_kernel": {"enable_fp_fusion": False}}
 
 
 def _compile_jobs() -> list[tuple[str, str, dict, dict]]:
@@ -514,6 +516,11 @@ def _compile_jobs() -> list[tuple[str, str, dict, dict]]:
                      dict(TWO_D=two_d, STOCHASTIC=sr, BLOCK_R=64, BLOCK_C=128)))
     jobs.append(("nvfp4", "_rht_kernel", dict(x_ptr="*bf16", h_ptr="*fp32", y_ptr="*i16", M="i32", K="i32",
                                                stride_xm="i32", stride_xk="i32"), dict(BLOCK_J=8, BLOCK_K=64)))
+    for dt, two_d, mse in (("bf16", False, True), ("fp32", True, True), ("fp16", False, False), ("bf16", True, False)):
+        jobs.append(("nvfp4_4over6", "_nvfp4_4over6_kernel",
+                     dict(x_ptr=_PTR[dt], data_ptr="*u8", scale_ptr="*u8", params_ptr="*fp32", R="i32", C="i32",
+                          stride_xr="i32", stride_xc="i32"),
+                     dict(TWO_D=two_d, MSE=mse, BLOCK_R=64, BLOCK_C=128)))
     for fmt in ((3, 4, 7, False), (2, 5, 15, True)):
         jobs.append(("convert", "_fp8_to_bf16_kernel", dict(in_ptr="*u8", out_ptr="*i16", n="i32"),
                      dict(zip(("MAN_BITS", "EXP_BITS", "BIAS", "IEEE_LIKE"), fmt), BLOCK=4096)))
@@ -536,11 +543,12 @@ def _compile_worker(out_path: str) -> None:
     for module, kernel, types, consts in _compile_jobs():
         fn = getattr(importlib.import_module(f"engine.ops.triton.{module}"), kernel)
         sig = {name: ("constexpr" if name in consts else types[name]) for name in fn.arg_names}
+        options = {"num_warps": 4, **LAUNCH_OPTIONS.get(f"{module}.{kernel}", {})}
         for arch in GPU_ARCHS:
             entry = {"kernel": f"{module}.{kernel}", "arch": arch, "consts": repr(consts)}
             try:
                 k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                                   options={"num_warps": 4})
+                                   options=options)
                 ptx = k.asm["ptx"]
                 entry.update(
                     cubin_bytes=len(k.asm["cubin"]),

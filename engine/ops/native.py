@@ -62,7 +62,7 @@ import torch
 
 from engine import memory
 from engine.formats import element_format, fp8_max
-from engine.ops import reference
+from engine.ops import nvfp4, reference
 from engine.ops.exact_gemm import native_bf16_gemm
 from engine.schemes import dims_2d
 from engine.ops.inputs import PLAIN_TENSOR_TYPES, check_tensor
@@ -677,6 +677,7 @@ def quantize_nvfp4(
     amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None, counter: torch.Tensor | None = None,
     out_row_data: torch.Tensor | None = None, out_row_scales: torch.Tensor | None = None,
     out_col_data: torch.Tensor | None = None, out_col_scales: torch.Tensor | None = None,
+    four_over_six: bool = False, four_over_six_err_mode: str = "MAE", four_over_six_e4m3_max: float = 448.0,
 ) -> dict[str, torch.Tensor | None]:
     """NVFP4 of x for the asked usages, the bits of `engine.ops.nvfp4.quantize` (same options, same dict).
 
@@ -688,6 +689,8 @@ def quantize_nvfp4(
     `[K, ceil(M/2)]` uint8, scales `[M, ceil(K/16)]` and `[K, ceil(M/16)]` float8_e4m3fn. `out_*`: buffers
     of exactly those shapes and dtypes, contiguous, for an asked usage, written and returned; without
     them the large data reuse idle buffers (`engine.memory.output_buffer`: no fresh pages to fault in).
+    `four_over_six` / `four_over_six_err_mode` / `four_over_six_e4m3_max`: TE's 4over6
+    (`engine.ops.nvfp4_4over6`); not with `rht` nor `counter`.
     """
     check_cpu_tensor(x, "x")
     reference.check_input(x)
@@ -695,6 +698,8 @@ def quantize_nvfp4(
              (("rowwise", rowwise), ("columnwise", columnwise), ("two_d", two_d), ("rht", rht))}
     if two_d and rht:
         raise ValueError("two_d and rht: TE applies the RHT to inputs and gradients only, never with 16x16 tiles")
+    nvfp4.check_four_over_six(four_over_six, four_over_six_err_mode, four_over_six_e4m3_max, rht=rht,
+                              stochastic=counter is not None)
     x2d = reference.as_2d(x)
     if rht and columnwise and x2d.shape[0] % NVFP4_BLOCK:
         raise ValueError(f"x: the random Hadamard transform mixes {NVFP4_BLOCK} tokens, so the token count "
@@ -712,7 +717,8 @@ def quantize_nvfp4(
     ext = _ext()
     row, row_scales, row_amax, col, col_scales, col_amax = ext.quantize_nvfp4(
         x2d, flags["rowwise"], flags["columnwise"], flags["two_d"], flags["rht"], amax, amax_t, counter, ext.isa(),
-        **outs)
+        **outs, four_over_six=four_over_six, four_over_six_err_mode=four_over_six_err_mode,
+        four_over_six_e4m3_max=float(four_over_six_e4m3_max))
     e4m3 = torch.float8_e4m3fn
     return {
         "rowwise_data": row if rowwise else None, "rowwise_scale_inv": row_scales.view(e4m3) if rowwise else None,

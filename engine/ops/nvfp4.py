@@ -45,6 +45,7 @@ import torch
 
 from engine.formats import E2M1
 from engine.ops import mx_elements
+from engine.ops import nvfp4_4over6 as four_over_six_ref
 from engine.ops import reference as ref
 from engine.ops.nvfp4_sr import encode_e2m1_stochastic
 from engine.schemes import RHT_SIGNS, Scheme
@@ -112,10 +113,18 @@ def quantize_2d(
 
 def dequantize_2d(
     data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, cols: int, dtype: torch.dtype = torch.float32,
+    *, e4m3_max: float = E4M3_MAX,
 ) -> torch.Tensor:
-    """Values `[M, cols]` of packed codes and per-row E4M3 scales: `q * ((s_b * amax) * (1/2688))` in fp32."""
+    """Values `[M, cols]` of packed codes and per-row E4M3 scales: `q * ((s_b * amax) * (1/2688))` in fp32.
+
+    `e4m3_max`: the global E4M3 bound E the scales were made with (4over6 may use 256): the factor is then
+    `fp32(1 / (6 * E))`, as TE's dequantize kernel.
+    """
     q = mx_elements.decode(mx_elements.unpack(data, E2M1, cols), E2M1)
-    factor = (scales.float() * amax.float().reshape(())) * _f32(1.0 / (E2M1_MAX * E4M3_MAX), q)
+    e4m3_max = float(e4m3_max)
+    if e4m3_max not in four_over_six_ref.E4M3_BOUNDS:
+        raise ValueError(f"e4m3_max: expected 448 or 256, got {e4m3_max!r}")
+    factor = (scales.float() * amax.float().reshape(())) * (_f32(1.0, q) / _f32(E2M1_MAX * e4m3_max, q))
     return (q * factor.repeat_interleave(NVFP4_BLOCK, dim=1)[:, :cols]).to(dtype)
 
 
@@ -123,6 +132,7 @@ def quantize(
     x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True, two_d: bool = False, rht: bool = False,
     rbits: torch.Tensor | None = None, rbits_t: torch.Tensor | None = None,
     amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None,
+    four_over_six: bool = False, four_over_six_err_mode: str = "MAE", four_over_six_e4m3_max: float = 448.0,
 ) -> dict[str, torch.Tensor | None]:
     """x quantized to NVFP4 for the asked usages, as TE does it.
 
@@ -130,27 +140,54 @@ def quantize(
     columnwise copy is quantized from `rht_transform(x^T)` (inputs and output gradients). `rbits`
     / `rbits_t`: random bits for stochastic rounding of the rowwise (`[M, K]`) and columnwise
     (`[K, M]`) data. `amax` / `amax_t`: given per-tensor amaxes (all-reduced over a group) instead of
-    this tensor's own. Returns rowwise_data / rowwise_scale_inv / amax_rowwise and the columnwise
-    ones (None where not asked for).
+    this tensor's own. `four_over_six`: TE's "4over6" (`engine.ops.nvfp4_4over6`): each block keeps
+    the nearer of its map-to-6 and map-to-4 candidates by `four_over_six_err_mode` ("MAE" or "MSE"),
+    with the global E4M3 bound `four_over_six_e4m3_max` (448 or 256; ignored without 4over6, as TE
+    does); not with the RHT nor stochastic rounding (TE refuses both). Returns rowwise_data /
+    rowwise_scale_inv / amax_rowwise and the columnwise ones (None where not asked for).
     """
     ref.check_input(x)
     if two_d and rht:
         raise ValueError("two_d and rht: TE applies the RHT to inputs and gradients only, never with 16x16 tiles")
+    check_four_over_six(four_over_six, four_over_six_err_mode, four_over_six_e4m3_max, rht=rht,
+                        stochastic=rbits is not None or rbits_t is not None)
     x2d = ref.as_2d(x)
     tile_rows = NVFP4_BLOCK if two_d else 1
+
+    def quantize_usage(v: torch.Tensor, a: torch.Tensor, bits: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        if four_over_six:
+            return four_over_six_ref.quantize_2d(v, a, tile_rows=tile_rows, err_mode=four_over_six_err_mode,
+                                                 e4m3_max=four_over_six_e4m3_max)
+        return quantize_2d(v, a, tile_rows=tile_rows, rbits=bits)
+
     out: dict[str, torch.Tensor | None] = dict.fromkeys(
         ("rowwise_data", "rowwise_scale_inv", "amax_rowwise", "columnwise_data", "columnwise_scale_inv",
          "amax_columnwise"))
     if rowwise:
         a = ref.amax(x2d) if amax is None else amax.float().reshape(1)
-        out["rowwise_data"], out["rowwise_scale_inv"] = quantize_2d(x2d, a, tile_rows=tile_rows, rbits=rbits)
+        out["rowwise_data"], out["rowwise_scale_inv"] = quantize_usage(x2d, a, rbits)
         out["amax_rowwise"] = a
     if columnwise:
         xt = columnwise_input(x2d, rht)
         a = ref.amax(xt) if amax_t is None else amax_t.float().reshape(1)
-        out["columnwise_data"], out["columnwise_scale_inv"] = quantize_2d(xt, a, tile_rows=tile_rows, rbits=rbits_t)
+        out["columnwise_data"], out["columnwise_scale_inv"] = quantize_usage(xt, a, rbits_t)
         out["amax_columnwise"] = a
     return out
+
+
+def check_four_over_six(four_over_six: object, err_mode: object, e4m3_max: object, *, rht: bool,
+                        stochastic: bool) -> None:
+    """The 4over6 options of `quantize` (and of the kernels' wrappers): types and values, and TE's refusals."""
+    if not isinstance(four_over_six, bool):
+        raise TypeError(f"four_over_six: expected a bool, got {type(four_over_six).__name__}")
+    four_over_six_ref.check_options(err_mode, e4m3_max)
+    if four_over_six and rht:
+        raise ValueError("four_over_six and rht: TE has no 4over6 with the random Hadamard transform (it refuses "
+                         "both on one tensor); quantize this tensor with rht=False or four_over_six=False")
+    if four_over_six and stochastic:
+        raise ValueError("four_over_six and stochastic rounding: TE refuses 4over6 with stochastic rounding "
+                         "(gradients keep plain NVFP4); drop the random bits / counter or four_over_six")
 
 
 def columnwise_input(x2d: torch.Tensor, rht: bool) -> torch.Tensor:

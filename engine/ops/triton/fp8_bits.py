@@ -132,6 +132,17 @@ def canonical_amax_bits(bits):
 
 
 @triton.jit
+def e4m3_scale_value(code):
+    """fp32 value of non-negative E4M3 codes (int32): normal by its bits, subnormal m * 2^-9, 0x7F NaN (exact)."""
+    e = code >> 3
+    m = code & 7
+    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    nan = (code * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(code == 0x7F, nan, value)
+
+
+@triton.jit
 def fp32_to_fp8_bits(x, MAN_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr):
     """Saturating RNE cast of fp32 `x` to an FP8 code (uint8), bit-identical to
     ``x.clamp(-max, max).to(fp8_dtype)`` in torch.

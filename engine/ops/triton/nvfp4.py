@@ -41,7 +41,8 @@ import triton.language as tl
 from engine.ops import nvfp4 as ref_nvfp4
 from engine.ops import reference
 from engine.ops.triton.cast_transpose import amax as amax_of
-from engine.ops.triton.fp8_bits import abs_bits, fp32_to_fp8_bits
+from engine.ops.triton.fp8_bits import abs_bits, e4m3_scale_value, fp32_to_fp8_bits
+from engine.ops.triton import nvfp4_4over6
 from engine.ops.triton.mx_small import _mx_element_code, _store_data
 from engine.ops.triton.tiles import load_tile, to_fp32
 
@@ -90,17 +91,6 @@ def _e2m1_stochastic(y, rbits):
 
 
 @triton.jit
-def _e4m3_scale_value(code):
-    """fp32 value of non-negative E4M3 codes (int32): normal by its bits, subnormal m * 2^-9, 0x7F NaN (exact)."""
-    e = code >> 3
-    m = code & 7
-    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    nan = (code * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
-    return tl.where(code == 0x7F, nan, value)
-
-
-@triton.jit
 def _nvfp4_kernel(
     x_ptr, data_ptr, scale_ptr, amax_params_ptr, counter_ptr, R, C, stride_xr, stride_xc, index_base,
     TWO_D: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -120,7 +110,7 @@ def _nvfp4_kernel(
         amax_bits = tl.max(abs_bits(xb), axis=2)  # [BLOCK_R, NB]
     block_amax = amax_bits.to(tl.float32, bitcast=True)
     s_b = fp32_to_fp8_bits(block_amax * multiplier, 3, 7, 0x7E)  # E4M3 satfinite, NaN -> 0x7F
-    s_b_f32 = _e4m3_scale_value(s_b.to(tl.int32))
+    s_b_f32 = e4m3_scale_value(s_b.to(tl.int32))
     r = tl.math.div_rn(tl.full([BLOCK_R, NB], 1.0, tl.float32), s_b_f32 * s_dec)
     enc = tl.where(r != r, FLT_MAX, tl.minimum(r, FLT_MAX))
     y = tl.reshape(tl.reshape(x, [BLOCK_R, NB, 16]) * enc[:, :, None], [BLOCK_R, BLOCK_C])
@@ -244,15 +234,20 @@ def _quantize_2d(v: torch.Tensor, amax: torch.Tensor, two_d: bool, counter: torc
 def quantize_nvfp4(
     x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True, two_d: bool = False, rht: bool = False,
     amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+    four_over_six: bool = False, four_over_six_err_mode: str = "MAE", four_over_six_e4m3_max: float = 448.0,
 ) -> dict[str, torch.Tensor | None]:
     """NVFP4 of x for the asked usages: `engine.ops.native.quantize_nvfp4`'s arguments and dict, bit for bit.
 
     `counter` (int64 `[2]` (seed, offset)) selects stochastic rounding: the rowwise bits start at the
     offset, the columnwise ones after the rowwise M*K; it is read on the device, not advanced.
+    `four_over_six` / `four_over_six_err_mode` / `four_over_six_e4m3_max`: TE's 4over6 (`nvfp4_4over6.py`
+    here, `engine.ops.nvfp4_4over6` the spec); not with `rht` nor `counter`.
     """
     reference.check_input(x)
     if two_d and rht:
         raise ValueError("two_d and rht: TE applies the RHT to inputs and gradients only, never with 16x16 tiles")
+    ref_nvfp4.check_four_over_six(four_over_six, four_over_six_err_mode, four_over_six_e4m3_max, rht=rht,
+                                  stochastic=counter is not None)
     if counter is not None and (not isinstance(counter, torch.Tensor) or counter.dtype != torch.int64
                                 or tuple(counter.shape) != (2,)):
         raise TypeError(f"counter: expected an int64 tensor of shape (2,) holding (seed, offset), got {counter!r}")
@@ -261,17 +256,23 @@ def quantize_nvfp4(
     out: dict[str, torch.Tensor | None] = dict.fromkeys(
         ("rowwise_data", "rowwise_scale_inv", "amax_rowwise", "columnwise_data", "columnwise_scale_inv",
          "amax_columnwise"))
+
+    def quantize_usage(v: torch.Tensor, a: torch.Tensor, index_base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if four_over_six:
+            return nvfp4_4over6.quantize_2d(v, a, two_d=two_d, err_mode=four_over_six_err_mode,
+                                            e4m3_max=four_over_six_e4m3_max)
+        return _quantize_2d(v, a, two_d, counter, index_base)
+
     if rowwise:
         a = _given(amax, "amax", x.device)
         a = amax_of(x2d) if a is None else a
-        out["rowwise_data"], out["rowwise_scale_inv"] = _quantize_2d(x2d, a, two_d, counter, 0)
+        out["rowwise_data"], out["rowwise_scale_inv"] = quantize_usage(x2d, a, 0)
         out["amax_rowwise"] = a
     if columnwise:
         xt = rht_transform(x2d) if rht else x2d.t()
         a = _given(amax_t, "amax_t", x.device)
         if a is None:  # x^T's amax is x's: measured once when the rowwise usage measured it
             a = out["amax_rowwise"] if rowwise and amax is None and not rht else amax_of(xt)
-        out["columnwise_data"], out["columnwise_scale_inv"] = _quantize_2d(xt, a, two_d, counter,
-                                                                           m * k if rowwise else 0)
+        out["columnwise_data"], out["columnwise_scale_inv"] = quantize_usage(xt, a, m * k if rowwise else 0)
         out["amax_columnwise"] = a
     return out

@@ -1,0 +1,204 @@
+// NVFP4 "4over6" tile kernels, bit for bit engine/ops/nvfp4_4over6.py (TE's reference order of fp32 operations):
+//   S_enc = min((E * 6) / amax, FLT_MAX), a NaN staying NaN; 1 if that is 0; S_dec = 1 / S_enc
+//   base  = (block_amax / 6) * S_enc;  s6 = e4m3(base), s4 = e4m3(base * 1.5)  (RNE, saturating at 448, NaN 0x7F)
+//   enc_k = min(1 / (float(s_k) * S_dec), FLT_MAX), a NaN staying NaN;  q = e2m1(x * enc_k), the sign code iff < 0
+//   err_k = (((0 + t_0) + t_1) + ...) + t_15 over the row of the block in order, t_i = |d_i| or d_i * d_i,
+//           d_i = ((e2m1_value(q_i) * float(s_k)) * amax) / (6 * E) - x_i; 16x16 tiles: the 16 row errors by
+//           the tree (r_i + r_{i+8}), (.. + .._{i+4}), (.. + .._{i+2}), c_0 + c_1
+//   map-to-4 kept iff err_4 < err_6.
+// Included by nvfp4_kernels.h inside its namespaces (it declares none): it uses that file's vectors, element
+// rules and tiles. Blocks are processed 16 at a time, one per lane, their elements stored element-major
+// (v[p * ld + lane]: element p of the block in lane `lane`, p in the order the errors are summed): a tile's
+// columns are that already (the columnwise usage); the rowwise usage transposes each row's blocks first.
+
+// A usage's per-tensor values.
+struct Scale46 {
+  float s_enc, s_dec, amax, denom;  // denom: 6 * E
+};
+
+inline Scale46 scale_46(float amax, float e4m3_max) {
+  const float bound = e4m3_max * 6.0f;  // 2688 or 1536, exact
+  float s = bound / amax;
+  if (s == s) s = s < kFltMax ? s : kFltMax;  // torch.minimum: a NaN quotient stays NaN
+  if (s == 0.0f) s = 1.0f;
+  return {s, 1.0f / s, amax, bound};
+}
+
+// Both candidates of 16 blocks, one per lane.
+struct Pair16 {
+  U16 s4, s6;      // E4M3 scale codes
+  F16 err4, err6;  // errors (of the row of the block)
+  U16 code4[16], code6[16];  // E2M1 codes of element p
+};
+
+// The code of element x under a candidate (factor enc, scale value sf), and its error term. The E2M1 rounding is
+// e2m1_magnitude's sum c + M, whose low bits are the code and which minus M is the rounded magnitude (exact). The
+// sign code is TE's reference rule: set iff x * enc < 0 (-0 and NaN give code 0). The error is taken on
+// magnitudes, |((mag * sf) * amax) / (6E) - |x||: the same bits as with the signed value (round-to-nearest is
+// symmetric; a product that underflows to -0 has magnitude 0, code 0, as TE's +0).
+template <bool MSE>
+NVFP4_INLINE F16 element46(F16 x, F16 ax, F16 enc, F16 sf, const Scale46& sc, U16& code) {
+  const F16 y = x * enc;
+  const U16 mag = (U16)y & 0x7FFFFFFFu;
+  const U16 c = sel(mag < 0x40C00000u, mag, U16{} + 0x40C00000u);  // min(|y|, 6); NaN: 6, code zeroed below
+  const U16 field = vmax(c >> 23, U16{} + 127u);
+  const F16 magic = (F16)(((field + 22u) << 23) + ((field - 127u) << 1));
+  const F16 rounded = (F16)c + magic;
+  code = (((U16)rounded & 7u) | ((U16)(y < 0.0f) & 8u)) & ~(U16)(mag > 0x7F800000u);
+  const F16 d = (((rounded - magic) * sf) * sc.amax) / sc.denom - ax;
+  return MSE ? d * d : (F16)((U16)d & 0x7FFFFFFFu);
+}
+
+// Both candidates of 16 blocks with amax keys `key` (|x| bits), their elements at v[p * ld] (p = 0..15): the errors
+// summed in element order.
+template <bool MSE>
+NVFP4_INLINE void candidates16(const float* __restrict v, int64_t ld, U16 key, const Scale46& sc, Pair16& out) {
+  const F16 base = ((F16)key / 6.0f) * sc.s_enc;
+  out.s4 = e4m3_code<F16, U16>(base * 1.5f);
+  out.s6 = e4m3_code<F16, U16>(base);
+  const F16 sf4 = e4m3_value<F16, U16>(out.s4), sf6 = e4m3_value<F16, U16>(out.s6);
+  const F16 flt_max = F16{} + kFltMax;
+  F16 enc4 = 1.0f / (sf4 * sc.s_dec), enc6 = 1.0f / (sf6 * sc.s_dec);
+  enc4 = fsel<F16, U16>(enc4 > kFltMax, flt_max, enc4);  // a NaN stays NaN
+  enc6 = fsel<F16, U16>(enc6 > kFltMax, flt_max, enc6);
+  F16 err4 = {}, err6 = {};
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    const F16 x = vload<F16>(v + p * ld);
+    const F16 ax = (F16)((U16)x & 0x7FFFFFFFu);
+    err4 = err4 + element46<MSE>(x, ax, enc4, sf4, sc, out.code4[p]);
+    err6 = err6 + element46<MSE>(x, ax, enc6, sf6, sc, out.code6[p]);
+  }
+  out.err4 = err4;
+  out.err6 = err6;
+}
+
+// TE's warp tree over 16 values: (r_i + r_{i+8}), then + 4, + 2, + 1 apart.
+inline float tree16(const float* r, int64_t stride) {
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = r[i * stride] + r[(i + 8) * stride];
+  for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
+  for (int i = 0; i < 2; ++i) a[i] = a[i] + a[i + 2];
+  return a[0] + a[1];
+}
+
+// The kept candidate of each lane (pick4: all-ones lanes keep map-to-4): scale codes, and the codes packed
+// 8 bytes per lane (element 2i in the low nibble of byte i).
+NVFP4_INLINE U16 keep16(const Pair16& c, U16 pick4, uint64_t* __restrict words) {
+  U16 lo = {}, hi = {};
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    lo |= sel(pick4, c.code4[p], c.code6[p]) << static_cast<uint32_t>(4 * p);
+    hi |= sel(pick4, c.code4[p + 8], c.code6[p + 8]) << static_cast<uint32_t>(4 * p);
+  }
+  for (int l = 0; l < 16; ++l) words[l] = static_cast<uint64_t>(lo[l]) | (static_cast<uint64_t>(hi[l]) << 32);
+  return sel(pick4, c.s4, c.s6);
+}
+
+// The rowwise usage of a tile: 1x16 blocks (or the 16x16 tiles' rows) of each row. Lane 8i + j: block j of row i.
+template <bool MSE>
+void rowwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__restrict t)[kT],
+                     const uint32_t* __restrict tile_keys) {
+  constexpr int64_t kBlocks = kT / kB, kLanes = kB * kBlocks;
+  const Scale46 sc = scale_46(job.row_amax, job.e4m3_max);
+  const int64_t K = job.K, nbk = (K + kB - 1) / kB, kp = (K + 1) / 2, blocks = (b.w + kB - 1) / kB;
+  alignas(64) float v[kB][kLanes];  // element-major: v[p][8i + j] = t[i][16j + p]
+  for (int64_t i = 0; i < kB; ++i) {
+    for (int64_t j = 0; j < kBlocks; ++j) {
+      for (int64_t p = 0; p < kB; ++p) v[p][i * kBlocks + j] = t[i][j * kB + p];
+    }
+  }
+  alignas(64) uint32_t keys[kLanes];
+  if (job.two_d) {
+    for (int64_t n = 0; n < kLanes; ++n) keys[n] = tile_keys[n % kBlocks];
+  } else {
+    for (int64_t n = 0; n < kLanes; n += 16) vstore(keys + n, block_maxima(&t[0][0] + n * kB));
+  }
+  Pair16 c[kLanes / 16];
+  alignas(64) float err4[kLanes], err6[kLanes];
+  for (int64_t g = 0; g < kLanes / 16; ++g) {
+    candidates16<MSE>(&v[0][16 * g], kLanes, vload<U16>(keys + 16 * g), sc, c[g]);
+    vstore(err4 + 16 * g, c[g].err4);
+    vstore(err6 + 16 * g, c[g].err6);
+  }
+  alignas(64) uint32_t pick[kLanes];
+  if (job.two_d) {  // each tile (block column j) sums its 16 rows' errors by the tree
+    for (int64_t j = 0; j < kBlocks; ++j) {
+      const uint32_t p4 = tree16(err4 + j, kBlocks) < tree16(err6 + j, kBlocks) ? ~0u : 0u;
+      for (int64_t i = 0; i < kB; ++i) pick[i * kBlocks + j] = p4;
+    }
+  } else {
+    for (int64_t n = 0; n < kLanes; n += 16) vstore(pick + n, (U16)(vload<F16>(err4 + n) < vload<F16>(err6 + n)));
+  }
+  alignas(64) uint64_t words[kLanes];
+  alignas(64) uint32_t scales[kLanes];
+  for (int64_t g = 0; g < kLanes / 16; ++g) {
+    vstore(scales + 16 * g, keep16(c[g], vload<U16>(pick + 16 * g), words + 16 * g));
+  }
+  for (int64_t i = 0; i < b.rows; ++i) {
+    const int64_t r = b.r0 + i;
+    uint8_t* sc_row = job.row_scales + r * nbk + b.c0 / kB;
+    for (int64_t j = 0; j < blocks; ++j) sc_row[j] = static_cast<uint8_t>(scales[i * kBlocks + j]);
+    const size_t bytes = static_cast<size_t>(b.w == kT ? kT / 2 : (b.w + 1) / 2);
+    std::memcpy(job.row_data + r * kp + b.c0 / 2, words + i * kBlocks, bytes);  // little endian: bytes in order
+  }
+}
+
+// The columnwise usage of a tile: the 16x1 blocks of its columns (lane: column), or the 16x16 tiles' columns.
+template <bool MSE>
+void columnwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__restrict t)[kT],
+                        const uint32_t* __restrict tile_keys) {
+  const Scale46 sc = scale_46(job.col_amax, job.e4m3_max);
+  const int64_t M = job.M, nbm = (M + kB - 1) / kB, mp = (M + 1) / 2, block_row = b.r0 / kB;
+  const size_t bytes = static_cast<size_t>((b.rows + 1) / 2);
+  Pair16 c;
+  alignas(64) uint64_t words[16];
+  for (int64_t g = 0; g < kT && g < b.w; g += 16) {
+    U16 key;
+    if (job.two_d) {
+      key = U16{} + tile_keys[g / kB];
+    } else {
+      key = U16{};
+      for (int64_t k = 0; k < kB; ++k) key = vmax(key, vload<U16>(t[k] + g) & 0x7FFFFFFFu);
+    }
+    candidates16<MSE>(&t[0][g], kT, key, sc, c);
+    U16 pick4;
+    if (job.two_d) {  // the 16 columns of the tile: its 16 column errors by the tree
+      alignas(64) float e4[16], e6[16];
+      vstore(e4, c.err4);
+      vstore(e6, c.err6);
+      pick4 = U16{} + (tree16(e4, 1) < tree16(e6, 1) ? ~0u : 0u);
+    } else {
+      pick4 = (U16)(c.err4 < c.err6);
+    }
+    const U16 s = keep16(c, pick4, words);
+    const int64_t n = b.w - g < 16 ? b.w - g : 16;
+    for (int64_t l = 0; l < n; ++l) {
+      job.col_scales[(b.c0 + g + l) * nbm + block_row] = static_cast<uint8_t>(s[l]);
+      std::memcpy(job.col_data + (b.c0 + g + l) * mp + b.r0 / 2, words + l, bytes);
+    }
+  }
+}
+
+// The asked usages of one tile (no RHT, no stochastic rounding: refused by the glue).
+template <bool BF16, bool MSE>
+void quantize_tile_46(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT]) {
+  alignas(64) uint32_t tile_keys[kT / kB];
+  load_tile<BF16>(job, b, t);
+  if (job.two_d) {
+    for (int64_t j = 0; j < kT / kB; ++j) tile_keys[j] = tile_key(t, j * kB, kB);
+  }
+  if (job.row_data) rowwise_tile_46<MSE>(job, b, t, tile_keys);
+  if (job.col_data) columnwise_tile_46<MSE>(job, b, t, tile_keys);
+}
+
+template <bool BF16, bool MSE>
+void quantize_tiles_46_mode(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  alignas(64) float t[kB][kT];
+  for (int64_t u = u0; u < u1; ++u) quantize_tile_46<BF16, MSE>(job, tile_box(job, u), t);
+}
+
+template <bool BF16>
+void quantize_tiles_46(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+  return job.mse ? quantize_tiles_46_mode<BF16, true>(job, u0, u1) : quantize_tiles_46_mode<BF16, false>(job, u0, u1);
+}
