@@ -117,6 +117,9 @@ class Scheme:
     elements_per_byte: int = 1  # packing along the stored last dim, the first element in the low bits
     #: a second scale level: one fp32 amax per usage, the block scales encoded relative to it (NVFP4)
     tensor_scale: bool = False
+    #: with a tensor-level scale: the E4M3 bound E the tensor amax maps the block scales under (values are
+    #: q * s_b * amax / (6 * E)): 448, or 256 for NVFP4 "4over6" (whose block scales reach 1.5x more)
+    tensor_scale_max: float = 448.0
     columnwise_transform: Transform | None = None  # the rowwise usage never has one
     #: asymmetric blocks: each scale has a zero point, stored next to it (scale_inv's last dim is (scale, zero)), and
     #: an element's value is code * scale + zero (integer elements, codes over their whole range: int4 -8..7)
@@ -300,6 +303,9 @@ def _registry() -> dict[str, Scheme]:
     schemes += [Scheme(layout, MX_ELEMENTS["e2m1"], ScaleEncoding.E4M3, Block(1, NVFP4_BLOCK), Block(NVFP4_BLOCK, 1),
                        True, 2, tensor_scale=True, columnwise_transform=transform)
                 for layout, transform in (("nvfp4", None), ("nvfp4_rht", RHT16))]
+    # NVFP4 "4over6" with TE's 256 bound (`nvfp4_4over6_e4m3_use_256`); 4over6 never takes the RHT
+    schemes += [Scheme("nvfp4_e256", MX_ELEMENTS["e2m1"], ScaleEncoding.E4M3, Block(1, NVFP4_BLOCK),
+                       Block(NVFP4_BLOCK, 1), True, 2, tensor_scale=True, tensor_scale_max=256.0)]
     # int8 per channel with fp32 scales, or bf16 scales (a bf16 weight's); int4 per group, asymmetric, bf16
     # scales and zeros, two codes a byte
     schemes += [Scheme("channel", INT8, enc, *INT_LAYOUTS["channel"]) for enc in (ScaleEncoding.FP32,

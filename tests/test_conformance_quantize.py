@@ -34,8 +34,9 @@ from tests.conftest import bits, special_input
 from tests.test_native import ISAS
 
 #: rule parameter variants per rule name (each registered rule runs at least its defaults)
-VARIANTS = {"e8m0": [{}, {"scale_mode": "floor"}], "nvfp4": [{}, {"with_2d_quantization": True},
-                                                            {"stochastic_rounding": True}]}
+VARIANTS = {"e8m0": [{}, {"scale_mode": "floor"}],
+            "nvfp4": [{}, {"with_2d_quantization": True}, {"stochastic_rounding": True}, {"four_over_six": True},
+                      {"four_over_six": True, "four_over_six_err_mode": "MSE", "with_2d_quantization": True}]}
 SHAPES = ((48, 70), (2, 16, 33), (0, 32))  # token counts multiples of 16 (the RHT), odd last dims, empty
 
 
@@ -49,17 +50,22 @@ def cases() -> list[tuple[str, str, dict]]:
                 for params in VARIANTS.get(entry.name, [{}]):
                     if params.get("with_2d_quantization") and scheme.columnwise_transform is not None:
                         continue  # TE: 16x16 tiles for weights, the RHT for inputs and gradients, never both
+                    try:  # settings the rule refuses for this scheme (4over6 with the RHT; E = 256 without 4over6)
+                        quantizer(scheme.name, entry.name, params)
+                    except ValueError:
+                        continue
                     found.append((scheme.name, entry.name, params))
     return found
 
-
-CASES = cases()
 
 
 def quantizer(scheme: str, rule: str, params: dict) -> Quantizer:
     if RULE_ENTRIES[rule].stateful:  # delayed: a given scale (not a power of 2) and an amax record
         return Quantizer(SCHEMES[scheme], DelayedRule(torch.tensor([3.0]), torch.tensor([0.0])))
     return QuantizerSpec(scheme=scheme, rule=rule, params=params).make()
+
+
+CASES = cases()
 
 
 def run(case: tuple, x: torch.Tensor, backend: str, monkeypatch) -> dict:
@@ -76,7 +82,8 @@ def run(case: tuple, x: torch.Tensor, backend: str, monkeypatch) -> dict:
 def test_the_cases_cover_every_family():
     names = {c[0] for c in CASES}
     assert {"tensor_e4m3", "block1d_e4m3", "block2d_e5m2_pow2", "mx_e2m1", "mx_e3m2", "axiswise_e4m3",
-            "nvfp4_e2m1", "nvfp4_rht_e2m1"} <= names
+            "nvfp4_e2m1", "nvfp4_rht_e2m1", "nvfp4_e256_e2m1"} <= names
+    assert ("nvfp4_e2m1", "nvfp4", {"four_over_six": True}) in CASES
     assert {c[1] for c in CASES} == set(RULE_ENTRIES)
 
 

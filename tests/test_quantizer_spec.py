@@ -59,7 +59,7 @@ def test_every_rule_is_registered_with_the_schemes_it_fits():
     fp8_layouts = [f"{layout}_{element}{pow2}" for element in FP8 for layout in ("tensor", "block1d", "block2d",
                                                                                   "axiswise") for pow2 in ("", "_pow2")]
     want = {"current": set(fp8_layouts), "delayed": {"tensor_e4m3", "tensor_e5m2"},
-            "e8m0": {"mx_e4m3", "mx_e5m2", "mx_e2m1", "mx_e2m3", "mx_e3m2"}, "nvfp4": {"nvfp4_e2m1", "nvfp4_rht_e2m1"}}
+            "e8m0": {"mx_e4m3", "mx_e5m2", "mx_e2m1", "mx_e2m3", "mx_e3m2"}, "nvfp4": {"nvfp4_e2m1", "nvfp4_rht_e2m1", "nvfp4_e256_e2m1"}}
     assert {name: set(entry.schemes) for name, entry in RULE_ENTRIES.items()} == want
     assert [name for name, entry in RULE_ENTRIES.items() if entry.stateful] == ["delayed"]
     # RULES (a checkpoint's plain Quantizer names its rule class) holds NVFP4Rule too

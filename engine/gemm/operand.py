@@ -33,8 +33,10 @@ class GemmOperand:
     encoding: ScaleEncoding
     tile_rows: int = 1
     tile_cols: int = 1
-    #: NVFP4: the usage's fp32 per-tensor amax (values are data * scale * amax / 2688)
+    #: NVFP4: the usage's fp32 per-tensor amax (values are data * scale * amax / amax_divisor)
     amax: torch.Tensor | None = None
+    #: NVFP4: 6 * E, E the scheme's `tensor_scale_max` (448; 256 under 4over6)
+    amax_divisor: float = 2688.0
     #: E2M1 elements (MX e2m1, NVFP4): the stored codes, 2D, two per byte, element 2i in the low nibble: packed
     #: along K (`[rows, ceil(K/2)]`), or along the rows when `stored_codes_along_rows` (MX columnwise data
     #: kept in x's layout, `[K, ceil(rows/2)]`). `codes` gives them K-major; `data` holds their bf16 values.
@@ -76,8 +78,8 @@ class GemmOperand:
         return ref.e8m0_to_float(self.scale_inv) if self.encoding is ScaleEncoding.E8M0 else self.scale_inv.float()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.amax is not None:  # NVFP4: TE's dequantize, (scale * amax) / 2688 per block
-            factor = self.tile_scales() * self.amax.float().reshape(()) * (1.0 / 2688.0)
+        if self.amax is not None:  # NVFP4: TE's dequantize, (scale * amax) * fp32(1 / (6 E)) per block
+            factor = self.tile_scales() * self.amax.float().reshape(()) * (1.0 / self.amax_divisor)
             return ref.dequantize_block(self.data, factor, tile_rows=1, tile_cols=self.tile_cols, dtype=dtype)
         if self.per_tensor:
             return (self.data.float() * self.scale_inv.float()).to(dtype)
@@ -115,7 +117,8 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         data2d, scale_inv, block = data2d.t(), scale_inv.t(), block.transposed()
     if nvfp4:
         return GemmOperand(data2d, scale_inv, False, scheme.scale, 1, block.cols,
-                           st.amax_columnwise if transposed else st.amax_rowwise, stored_codes=codes)
+                           st.amax_columnwise if transposed else st.amax_rowwise, 6.0 * scheme.tensor_scale_max,
+                           stored_codes=codes)
     if block.is_tensor:
         return GemmOperand(data2d, scale_inv, True, scheme.scale)
     return GemmOperand(data2d, scale_inv, False, scheme.scale, *block.tile(*data2d.shape), stored_codes=codes,

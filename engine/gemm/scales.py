@@ -49,7 +49,8 @@ NVFP4_FACTOR = 1.0 / (2688.0 * 2688.0)
 
 
 def times_nvfp4_factor(y: torch.Tensor, a: GemmOperand, b: GemmOperand) -> torch.Tensor:
-    """y * amax_a * amax_b / 2688^2 for the fp32 result y of an NVFP4 GEMM on block-scaled values, without underflow.
+    """y * amax_a * amax_b / (6 E_a * 6 E_b) for the fp32 result y of an NVFP4 GEMM on block-scaled values (E =
+    448: 1 / 2688^2; 256 under 4over6: TE's alpha), without underflow.
 
     The three factors are split into frexp mantissas (their fp32 product is in [1/8, 1): exact enough and
     normal) and one power of two applied by `times_pow2`, so tiny amaxes do not flush the factor to zero.
@@ -57,5 +58,6 @@ def times_nvfp4_factor(y: torch.Tensor, a: GemmOperand, b: GemmOperand) -> torch
     """
     ma, ea = torch.frexp(a.amax.float().reshape(()))
     mb, eb = torch.frexp(b.amax.float().reshape(()))
-    mc, ec = torch.frexp(torch.tensor(NVFP4_FACTOR, dtype=torch.float32, device=y.device))
+    factor = 1.0 / (a.amax_divisor * b.amax_divisor)
+    mc, ec = torch.frexp(torch.tensor(factor, dtype=torch.float32, device=y.device))
     return times_pow2(y * (ma * mb * mc), ea + eb + ec)

@@ -238,8 +238,9 @@ def dequantize_usage(data: torch.Tensor, scales: torch.Tensor, amax: torch.Tenso
     in fp32."""
     m, k = ref.dims_2d(shape)
     if not columnwise:
-        return dequantize_2d(ref.as_2d(data), scales, amax, k).to(dtype).reshape(shape)
-    vt = dequantize_2d(data, scales, amax, m)
+        return dequantize_2d(ref.as_2d(data), scales, amax, k, e4m3_max=scheme.tensor_scale_max).to(dtype).reshape(
+            shape)
+    vt = dequantize_2d(data, scales, amax, m, e4m3_max=scheme.tensor_scale_max)
     transform = scheme.transform(columnwise=True)
     if transform is not None:  # y = xt @ blockdiag(H): xt = y @ blockdiag(H)^T
         h = hadamard_matrix(device=vt.device)

@@ -81,8 +81,19 @@ def quantize_nvfp4_reference(x: torch.Tensor, scheme: Scheme, *, rowwise: bool, 
         rbits_t = nvfp4_sr.random_bits((k, m), rng_counter)
         nvfp4_sr.advance(rng_counter, k * m)
     out = nvfp4.quantize(x, rowwise=rowwise, columnwise=columnwise, rht=scheme.columnwise_transform is not None,
-                         rbits=rbits, rbits_t=rbits_t, amax=amax_rowwise, amax_t=amax_columnwise, **options)
+                         rbits=rbits, rbits_t=rbits_t, amax=amax_rowwise, amax_t=amax_columnwise,
+                         **_with_bound(scheme, options))
     return out, out["amax_rowwise"]
+
+
+def _with_bound(scheme: Scheme, options: dict) -> dict:
+    """The rule's options, plus the scheme's E4M3 bound E where 4over6 reads it (`four_over_six_e4m3_max`)."""
+    if not options.get("four_over_six"):
+        if scheme.tensor_scale_max != 448.0:
+            raise ValueError(f"scheme: {scheme.name}'s bound E = {scheme.tensor_scale_max:g} is 4over6's; quantize "
+                             "it with four_over_six=True")
+        return options
+    return {**options, "four_over_six_e4m3_max": scheme.tensor_scale_max}
 
 
 def quantize_nvfp4(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool,
@@ -90,7 +101,8 @@ def quantize_nvfp4(kernels: ModuleType, x: torch.Tensor, scheme: Scheme, *, roww
                    amax_columnwise: torch.Tensor | None = None, **options: object) -> Result:
     """NVFP4 in one kernel call (`quantize_nvfp4_reference`'s arguments and result); the counter advanced as there."""
     out = kernels.quantize_nvfp4(x, rowwise=rowwise, columnwise=columnwise, rht=scheme.columnwise_transform is not None,
-                                 amax=amax_rowwise, amax_t=amax_columnwise, counter=rng_counter, **options)
+                                 amax=amax_rowwise, amax_t=amax_columnwise, counter=rng_counter,
+                                 **_with_bound(scheme, options))
     if rng_counter is not None:
         m, k = ref.as_2d(x).shape
         for wanted in (rowwise, columnwise):

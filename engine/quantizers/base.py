@@ -50,6 +50,7 @@ class Quantizer:
             raise TypeError(f"scheme: expected an engine.schemes.Scheme, got {type(scheme).__name__}")
         if not isinstance(rule, ScaleRule) or not rule.fits(scheme):
             raise TypeError(f"rule: expected a scale rule that fits {scheme.name}, got {rule!r}")
+        rule.check_scheme(scheme)
         self.scheme = scheme
         self.rule = rule
         self.rowwise_usage = check_bool(rowwise, "rowwise")

@@ -12,7 +12,7 @@ amax is all-reduced (max) over the group before the scales are made, as current 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,13 @@ from engine.schemes import SCHEMES, ScaleEncoding, Scheme
 
 
 class NVFP4Params(RuleParams):
-    """NVFP4's settings by Transformer Engine's names (the RHT is the scheme's: `nvfp4_rht_e2m1`)."""
+    """NVFP4's settings by Transformer Engine's names (the RHT is the scheme's, `nvfp4_rht_e2m1`, and so is
+    4over6's bound E = 256, `nvfp4_e256_e2m1`)."""
 
     with_2d_quantization: bool = False
     stochastic_rounding: bool = False
+    four_over_six: bool = False
+    four_over_six_err_mode: Literal["MAE", "MSE"] = "MAE"
 
 
 @register_rule("nvfp4", NVFP4Params)
@@ -44,9 +47,18 @@ class NVFP4Rule(ScaleRule):
         return scheme.tensor_scale and scheme.scale is ScaleEncoding.E4M3
 
     def __init__(self, *, two_d: bool = False, stochastic_rounding: bool = False,
-                 rng_counter: torch.Tensor | None = None, amax_reduction_group: dist.ProcessGroup | None = None) -> None:
+                 rng_counter: torch.Tensor | None = None, amax_reduction_group: dist.ProcessGroup | None = None,
+                 four_over_six: bool = False, four_over_six_err_mode: str = "MAE") -> None:
         self.two_d = check_bool(two_d, "with_2d_quantization")
         self.stochastic_rounding = check_bool(stochastic_rounding, "stochastic_rounding")
+        self.four_over_six = check_bool(four_over_six, "four_over_six")
+        if four_over_six_err_mode not in ("MAE", "MSE"):
+            raise ValueError(f"four_over_six_err_mode: expected 'MAE' or 'MSE', got {four_over_six_err_mode!r}")
+        self.four_over_six_err_mode = four_over_six_err_mode
+        if self.four_over_six and self.stochastic_rounding:
+            raise ValueError("four_over_six and stochastic_rounding: 4over6 picks each block's candidate by its error "
+                             "against x, which stochastic rounding would not keep (Transformer Engine refuses the "
+                             "pair too, and never applies 4over6 to gradients)")
         if rng_counter is None:
             rng_counter = torch.zeros(2, dtype=torch.int64)
         if not isinstance(rng_counter, torch.Tensor) or rng_counter.dtype != torch.int64 or \
@@ -63,15 +75,29 @@ class NVFP4Rule(ScaleRule):
     def from_config(cls, *, with_2d_quantization: bool = False, **settings: Any) -> NVFP4Rule:
         return cls(two_d=with_2d_quantization, **settings)
 
+    def check_scheme(self, scheme: Scheme) -> None:
+        if self.four_over_six and scheme.columnwise_transform is not None:
+            raise ValueError(f"four_over_six: 4over6 does not take the RHT (Transformer Engine refuses it), got "
+                             f"{scheme.name}; quantize this operand without it (NVFP4BlockScaling(disable_rht=True))")
+        if not self.four_over_six and scheme.tensor_scale_max != 448.0:
+            raise ValueError(f"scheme: {scheme.name}'s bound E = {scheme.tensor_scale_max:g} is 4over6's; set "
+                             "four_over_six=True")
+
     def config(self) -> dict[str, Any]:
-        return {"with_2d_quantization": self.two_d, "stochastic_rounding": self.stochastic_rounding}
+        settings = {"with_2d_quantization": self.two_d, "stochastic_rounding": self.stochastic_rounding}
+        if self.four_over_six:  # (only then: the records of plain NVFP4 quantizers stay as they were)
+            settings.update(four_over_six=True, four_over_six_err_mode=self.four_over_six_err_mode)
+        return settings
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"rng_counter": self.rng_counter}
 
     def options(self) -> tuple[tuple[str, Any], ...]:
         """The kernel options of this rule's settings (`engine.ops.quantize.quantize`'s `options`)."""
-        return (("two_d", True),) if self.two_d else ()
+        options = (("two_d", True),) if self.two_d else ()
+        if self.four_over_six:
+            options += (("four_over_six", True), ("four_over_six_err_mode", self.four_over_six_err_mode))
+        return options
 
     def quantize(self, x: torch.Tensor, scheme: Scheme, *, rowwise: bool, columnwise: bool) -> Buffers:
         x2d = ref.as_2d(x)
@@ -104,6 +130,7 @@ class NVFP4Quantizer(Quantizer):
     def __init__(
         self, *, with_rht: bool = False, with_2d_quantization: bool = False, stochastic_rounding: bool = False,
         rng_counter: torch.Tensor | None = None, amax_reduction_group: dist.ProcessGroup | None = None,
+        four_over_six: bool = False, four_over_six_err_mode: str = "MAE", four_over_six_e4m3_max: float = 448,
         rowwise: bool = True, columnwise: bool = True, internal: bool = False,
     ) -> None:
         rht = check_bool(with_rht, "with_rht")
@@ -111,9 +138,15 @@ class NVFP4Quantizer(Quantizer):
         if rht and two_d:
             raise ValueError("with_rht and with_2d_quantization: TE applies the RHT to inputs and gradients and "
                              "16x16 tiles to weights, never both")
-        super().__init__(SCHEMES["nvfp4_rht_e2m1" if rht else "nvfp4_e2m1"],
+        if isinstance(four_over_six_e4m3_max, bool) or four_over_six_e4m3_max not in (448, 256):
+            raise ValueError(f"four_over_six_e4m3_max: expected 448 or 256 (TE's nvfp4_4over6_e4m3_use_256), got "
+                             f"{four_over_six_e4m3_max!r}")
+        bound = four_over_six_e4m3_max if check_bool(four_over_six, "four_over_six") else 448  # (TE: else ignored)
+        name = "nvfp4_rht_e2m1" if rht else ("nvfp4_e256_e2m1" if bound == 256 else "nvfp4_e2m1")
+        super().__init__(SCHEMES[name],
                          NVFP4Rule(two_d=two_d, stochastic_rounding=stochastic_rounding, rng_counter=rng_counter,
-                                   amax_reduction_group=amax_reduction_group),
+                                   amax_reduction_group=amax_reduction_group, four_over_six=four_over_six,
+                                   four_over_six_err_mode=four_over_six_err_mode),
                          rowwise=rowwise, columnwise=columnwise, internal=internal)
 
     @property
@@ -132,8 +165,15 @@ class NVFP4Quantizer(Quantizer):
     def amax_reduction_group(self) -> dist.ProcessGroup | None:
         return self.rule.amax_reduction_group
 
+    @property
+    def four_over_six(self) -> bool:
+        return self.rule.four_over_six
+
     def config(self) -> dict[str, Any]:
-        return {"with_rht": self.with_rht, **self.rule.config()}
+        settings = {"with_rht": self.with_rht, **self.rule.config()}
+        if self.four_over_six:
+            settings["four_over_six_e4m3_max"] = int(self.scheme.tensor_scale_max)
+        return settings
 
 
-name_quantizer(NVFP4Quantizer, "nvfp4", (SCHEMES["nvfp4_e2m1"], SCHEMES["nvfp4_rht_e2m1"]))
+name_quantizer(NVFP4Quantizer, "nvfp4", (SCHEMES["nvfp4_e2m1"], SCHEMES["nvfp4_rht_e2m1"], SCHEMES["nvfp4_e256_e2m1"]))

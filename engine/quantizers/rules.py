@@ -71,6 +71,9 @@ class ScaleRule(ABC):
         """A rule from its `config()` (plus, for a checkpoint, its `state()` tensors)."""
         return cls(**settings)
 
+    def check_scheme(self, scheme: Scheme) -> None:
+        """ValueError where these settings cannot scale `scheme` (its fields fit: `fits`); nothing here."""
+
     def config(self) -> dict[str, Any]:
         """Settings as plain data (what makes two rules scale alike)."""
         return {}

@@ -57,6 +57,9 @@ class Recipe(BaseModel):
                              "or Format.E4M3")
         return value
 
+    #: fields a checkpoint record holds only when they differ from their default (added later to the class)
+    written_when_set: ClassVar[frozenset[str]] = frozenset()
+
     def dtype_for(self, role: Role) -> torch.dtype:
         return self.fp8_format.forward_dtype if role.is_forward else self.fp8_format.backward_dtype
 
@@ -235,8 +238,10 @@ class RecipeState:
 def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
     """{"name": ..., "fields": {...}}; a callable field is kept as its qualified name (a string)."""
     fields: dict[str, Any] = {}
-    for key in type(recipe).model_fields:
+    for key, info in type(recipe).model_fields.items():
         value = getattr(recipe, key)
+        if key in recipe.written_when_set and value == info.default:
+            continue  # a field added after checkpoints of its class were saved: those records stay byte for byte
         if isinstance(value, Enum):
             value = value.value
         elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
