@@ -55,6 +55,9 @@ class RunConfig(BaseModel):
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
 LAST_BLOCK_BF16 = "last_block_bf16"
+#: run options that set non-bool recipe fields: NVFP4 "4over6" on the weights (TE's usual choice), or on weights
+#: and activations (which takes the inputs without the RHT, as TE requires)
+FIELD_OPTIONS = {"4over6": {"nvfp4_4over6": "weights"}, "4over6_all": {"nvfp4_4over6": "all", "disable_rht": True}}
 
 
 def split_run_name(name: str) -> tuple[str, list[str]]:
@@ -74,12 +77,17 @@ def make_recipe(name: str) -> Recipe | None:
         if options:
             raise ValueError(f"recipe: the bf16 baseline takes no recipe options, got {name!r}")
         return None
-    known = {f for f, info in RECIPES[base].model_fields.items() if info.annotation is bool}
+    model_fields = RECIPES[base].model_fields
+    known = {f for f, info in model_fields.items() if info.annotation is bool}
+    known |= {o for o, sets in FIELD_OPTIONS.items() if set(sets) <= set(model_fields)}
     unknown = [f for f in fields if f not in known]
     if unknown:
         raise ValueError(f"recipe: {unknown[0]!r} is not an option of {base}; its options are "
                          f"{sorted(known) + [LAST_BLOCK_BF16]}, got {name!r}")
-    return RECIPES[base](**dict.fromkeys(fields, True))
+    settings = {}
+    for f in fields:
+        settings.update(FIELD_OPTIONS.get(f, {f: True}))
+    return RECIPES[base](**settings)
 
 
 def learning_rate(cfg: RunConfig, step: int, total: int) -> float:
