@@ -22,11 +22,10 @@ import torch
 from engine.ops import native, nvfp4, registry
 from engine.quantizers import NVFP4Quantizer
 from engine.schemes import SCHEMES
+from tests.nvfp4_4over6_cases import FIELDS, mismatches, raw
 from tests.test_native import ISAS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax_rowwise", "columnwise_data", "columnwise_scale_inv",
-          "amax_columnwise")
 RHT_SCHEME, PLAIN_SCHEME = SCHEMES["nvfp4_rht_e2m1"], SCHEMES["nvfp4_e2m1"]
 
 
@@ -35,24 +34,6 @@ def isa(request):
     assert native.available(), native.why_unavailable()
     with native.use_isa(request.param):
         yield request.param
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def mismatches(got: dict, want: dict) -> list[str]:
-    bad = []
-    for field in FIELDS:
-        g, w = got[field], want[field]
-        if g is None or w is None:
-            if (g is None) != (w is None):
-                bad.append(f"{field}: {g is None} vs {w is None}")
-        elif g.shape != w.shape or g.dtype != w.dtype:
-            bad.append(f"{field}: {g.dtype} {tuple(g.shape)} vs {w.dtype} {tuple(w.shape)}")
-        elif not torch.equal(raw(g), raw(w)):
-            bad.append(f"{field}: {int((raw(g) != raw(w)).sum())} of {g.numel()} differ")
-    return bad
 
 
 # ------------------------------------------------------------------------------------------ inputs
