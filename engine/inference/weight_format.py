@@ -16,6 +16,7 @@ the source of truth: dequantize, checks, save and load go through it. What a for
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -41,29 +42,29 @@ def rowwise(scheme: Scheme, shape: tuple[int, int], dtype: torch.dtype,
     return QuantizedTensorBase(scheme=scheme, shape=torch.Size(shape), nominal_dtype=dtype, **buffers)
 
 
-class WeightFormat:
+class WeightFormat(ABC):
     """One config's weight: its scheme, its storage, its checkpoint parts and its GEMM (see the module docstring)."""
 
     #: the part each storage field is saved as (what error messages of the storage's checks are renamed to)
     PARTS: ClassVar[dict[str, str]] = {"rowwise_data": "data", "rowwise_scale_inv": "scale_inv",
                                        "amax_rowwise": "amax"}
 
+    @abstractmethod
     def quantize(self, w: torch.Tensor) -> QuantizedTensorBase:
         """The storage of a weight [N, K]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_parts(self, st: QuantizedTensorBase) -> dict[str, torch.Tensor]:
         """The storage as a checkpoint holds it (and as the GEMM reads it, unless `prepare` makes its own)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def part_specs(self, shape: tuple[int, int]) -> PartSpecs:
         """Each part's shape and the dtypes it may have, for a weight of `shape` (what a checkpoint is checked by)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def from_parts(self, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                    dtype: torch.dtype) -> QuantizedTensorBase:
         """The storage whose buffers are views of `parts` (`to_parts` undone)."""
-        raise NotImplementedError
 
     def check(self, st: QuantizedTensorBase, parts: dict[str, torch.Tensor]) -> None:
         """At load: the storage's checks of its scales (`QuantizedTensorBase.check_values`), as ValueErrors naming
@@ -87,6 +88,7 @@ class WeightFormat:
         """The whole storage from what `held` kept and the operands."""
         return st
 
+    @abstractmethod
     def linear(self, x: torch.Tensor, ops: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """y[M, N] = x[M, K] @ W^T (+ bias) on the operands `prepare` made."""
