@@ -205,3 +205,25 @@ def assert_buffers_equal(got: dict, want: dict) -> None:
 @pytest.fixture(params=KINDS)
 def kind(request) -> str:
     return request.param
+
+
+@pytest.fixture()
+def fresh_dynamo():
+    """torch.compile tests: Dynamo's caches and counters empty before and after (graphs and breaks counted per test)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def perturb_norms(module: torch.nn.Module) -> torch.nn.Module:
+    """Move a module's norm parameters (layer_norm_weight / _bias) off their initial 1 and 0 by 0.3 * N(0, 1), so a
+    norm that ignores gamma or beta shows (torch's default generator: seed before)."""
+    with torch.no_grad():
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            p = getattr(module, name, None)
+            if p is not None:
+                p.add_(0.3 * torch.randn(p.shape))
+    return module

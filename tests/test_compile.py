@@ -55,12 +55,7 @@ class Stack(torch.nn.Module):
         return x + self.mlp(x)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def run_steps(model, recipe, inputs):

@@ -26,12 +26,7 @@ TOKENS = (2, 15)
 STEPS = 2
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def build(recipe_class: str, weights: str) -> torch.nn.Module:

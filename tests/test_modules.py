@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import checkpoint_specs
 import engine
 import torch_reference as ref
+from conftest import perturb_norms
 from engine import autocast
 from engine.autocast import fp8_autocast, fp8_model_init
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, Role
@@ -142,12 +143,7 @@ def build(spec: dict, seed: int = 0, **kw):
     their initial 1 (or 0) and 0, so a norm that ignores gamma or beta shows."""
     torch.manual_seed(seed)
     module = CLASSES[spec["kind"]](*SIZES[spec["kind"]], **{k: v for k, v in spec.items() if k != "kind"}, **kw)
-    with torch.no_grad():
-        for name in ("layer_norm_weight", "layer_norm_bias"):
-            p = getattr(module, name, None)
-            if p is not None:
-                p.add_(0.3 * torch.randn(p.shape))
-    return module
+    return perturb_norms(module)
 
 
 def out_features(spec: dict) -> int:

@@ -19,6 +19,7 @@ import torch
 
 import engine
 import torch_reference as ref
+from conftest import perturb_norms
 from conformance import bounds
 from conformance.recipes import CASES, Case
 from engine.tensors import QuantizedTensor
@@ -34,12 +35,7 @@ def build(kind: str, recipe, primary: bool, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     with engine.fp8_model_init(enabled=primary, recipe=recipe):
         module = CLASSES[kind](*SIZES[kind])
-    with torch.no_grad():
-        for name in ("layer_norm_weight", "layer_norm_bias"):
-            p = getattr(module, name, None)
-            if p is not None:
-                p.add_(0.3 * torch.randn(p.shape))
-    return module
+    return perturb_norms(module)
 
 
 def params_of(module) -> dict[str, torch.Tensor]:
