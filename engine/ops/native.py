@@ -74,9 +74,7 @@ except ImportError:  # not POSIX: no lock (concurrent first builds may then coll
 
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("bindings.cpp", "kernels_portable.cpp", "kernels_avx512.cpp", "delayed_update.cpp", "kernels_mx_small.cpp",
-           "kernels_mx_small_avx512.cpp", "kernels_nvfp4.cpp", "kernels_nvfp4_avx512.cpp", "kernels_wo_gemm.cpp",
-           "kernels_wo_gemm_avx512.cpp", "kernels_int8_dynamic.cpp", "kernels_small_gemm_avx512.cpp")
+SOURCES = tuple(sorted(str(p.relative_to(CSRC_DIR)) for p in CSRC_DIR.rglob("*.cpp")))
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -91,7 +89,7 @@ _module: ModuleType | None = None
 _error: str | None = None
 _isa_cap: str | None = None  # ENGINE_ISA as read when the kernels loaded (None: every kernel set the CPU has)
 ISA_ENV = "ENGINE_ISA"
-ISA_ORDER = ("portable", "avx512")  # each kernel set runs on every CPU the next one runs on
+ISA_ORDER = ("baseline", "avx2", "avx512")  # each kernel set runs on every CPU the next one runs on
 build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
 
 
@@ -102,8 +100,8 @@ def build_key(csrc_dir: Path | None = None) -> str:
     """
     folder = CSRC_DIR if csrc_dir is None else csrc_dir
     h = hashlib.sha256()
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
         h.update(path.read_bytes())
     facts = (CFLAGS, LDFLAGS, os.environ.get("CXX", ""), torch.__version__, sys.implementation.cache_tag,
              getattr(sys, "abiflags", ""), platform.machine())

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "mx_small.h"
+#include "cast/mx_small.h"
 
 #ifndef MX_SMALL_NAMESPACE
 #error "define MX_SMALL_NAMESPACE before including mx_small_kernels.h"

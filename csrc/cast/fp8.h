@@ -7,7 +7,8 @@
 
 #include <cstdint>
 
-#include "fp8_scalar.h"
+#include "common/fp8_scalar.h"
+#include "common/isa.h"
 
 namespace engine_native {
 
@@ -86,5 +87,10 @@ struct Kernels {
 // The portable implementation (any CPU) and the AVX-512 one (nullptr when it was not compiled in).
 const Kernels& portable_kernels();
 const Kernels* avx512_kernels();
+
+// The table of `isa` (transitional: the portable table below AVX-512).
+inline const Kernels& fp8_kernels(Isa isa) {
+  return isa == Isa::Avx512 && avx512_kernels() ? *avx512_kernels() : portable_kernels();
+}
 
 }  // namespace engine_native

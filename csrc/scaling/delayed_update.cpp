@@ -1,11 +1,11 @@
 // Delayed scaling's update (see delayed_update.h), bit for bit the torch ops of
 // DelayedScalingState.update in engine/recipes/delayed.py for the built-in algorithms.
-#include "delayed_update.h"
+#include "scaling/delayed_update.h"
 
 #include <cstring>
 #include <vector>
 
-#include "fp8_scalar.h"
+#include "common/fp8_scalar.h"
 
 namespace engine_native {
 

@@ -21,12 +21,12 @@
 #define ENGINE_NVFP4_X86 1
 #endif
 
-#include "nvfp4.h"
+#include "cast/nvfp4.h"
 
 #define NVFP4_NAMESPACE nvfp4_portable
-#include "nvfp4_kernels.h"
+#include "cast/nvfp4_kernels.h"
 
-#include "native_glue.h"
+#include "common/native_glue.h"
 
 namespace engine_native {
 namespace nvfp4_glue {
@@ -121,7 +121,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
   const auto dt = x_in.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
                    "x: expected dtype float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK_VALUE(isa == "avx512" || isa == "portable", "isa: expected 'avx512' or 'portable', got '", isa, "'");
+  parse_isa(isa);
   TORCH_CHECK_VALUE(!(two_d && rht), "two_d and rht: the RHT is for inputs and gradients, never with 16x16 tiles");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK_VALUE(!(rht && columnwise) || M % kNvfp4Block == 0, "x: the random Hadamard transform mixes ",

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels.h"
+#include "cast/fp8.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ENGINE_HAVE_AVX512 1
@@ -31,7 +31,7 @@
 #ifdef ENGINE_HAVE_AVX512
 
 #define ENGINE_AVX512_KERNELS 1
-#include "avx512_vec.h"
+#include "cast/avx512_vec.h"
 
 namespace engine_native {
 namespace {

@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "fp8_scalar.h"
+#include "common/fp8_scalar.h"
 
 namespace engine_native {
 namespace {

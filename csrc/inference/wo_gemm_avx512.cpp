@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "wo_gemm.h"
+#include "inference/wo_gemm.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

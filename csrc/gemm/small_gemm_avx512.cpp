@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "small_gemm.h"
+#include "gemm/small_gemm.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>

@@ -2,7 +2,7 @@
 // (the build adds no -march flags) and are the fallback when AVX-512 is missing.
 #include <algorithm>
 
-#include "kernels.h"
+#include "cast/fp8.h"
 
 namespace engine_native {
 namespace {

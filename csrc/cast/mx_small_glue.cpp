@@ -18,12 +18,12 @@
 #define ENGINE_MX_X86 1
 #endif
 
-#include "mx_small.h"
+#include "cast/mx_small.h"
 
 #define MX_SMALL_NAMESPACE mx_small_portable
-#include "mx_small_kernels.h"
+#include "cast/mx_small_kernels.h"
 
-#include "native_glue.h"
+#include "common/native_glue.h"
 
 namespace engine_native {
 namespace mx_small_glue {
@@ -75,7 +75,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize(const Tensor& x_in, int64_t 
   const auto dt = x_in.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
                    "x: expected dtype float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK_VALUE(isa == "avx512" || isa == "portable", "isa: expected 'avx512' or 'portable', got '", isa, "'");
+  parse_isa(isa);
   const bool avx512 = isa == "avx512" && mx_small_avx512::compiled() && cpu_has_avx512();
   const int64_t M = x_in.size(0), K = x_in.size(1);
   Tensor row_data = output(out_row_data, {rowwise ? M : 0, rowwise ? packed(kind, K) : 0}, "out_row_data");

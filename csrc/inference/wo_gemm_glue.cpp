@@ -18,10 +18,10 @@
 #define ENGINE_WO_X86 1
 #endif
 
-#include "fp8_scalar.h"
-#include "wo_gemm.h"
+#include "common/fp8_scalar.h"
+#include "inference/wo_gemm.h"
 
-#include "native_glue.h"
+#include "common/native_glue.h"
 
 namespace engine_native {
 
@@ -113,7 +113,7 @@ void check_contiguous(const Tensor& t, const char* name) {
 }
 
 bool use_avx512(const std::string& isa) {
-  TORCH_CHECK_VALUE(isa == "avx512" || isa == "portable", "isa: expected 'avx512' or 'portable', got '", isa, "'");
+  parse_isa(isa);
   return isa == "avx512" && wo_avx512::compiled() && cpu_has_avx512();
 }
 

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "nvfp4.h"
+#include "cast/nvfp4.h"
 
 #ifndef NVFP4_NAMESPACE
 #error "define NVFP4_NAMESPACE before including nvfp4_kernels.h"
@@ -558,7 +558,7 @@ void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   for (int64_t u = u0; u < u1; ++u) quantize_tile<BF16, SR>(job, tile_box(job, u), t, y, rkey);
 }
 
-#include "nvfp4_4over6_kernels.h"  // 4over6 (quantize_tiles_46), in these namespaces
+#include "cast/nvfp4_4over6_kernels.h"  // 4over6 (quantize_tiles_46), in these namespaces
 
 }  // namespace
 

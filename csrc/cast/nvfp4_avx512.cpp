@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "nvfp4.h"
+#include "cast/nvfp4.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -37,11 +37,11 @@
 #endif
 
 #define ENGINE_AVX512_KERNELS 1
-#include "avx512_vec.h"
+#include "cast/avx512_vec.h"
 
 #define NVFP4_NAMESPACE nvfp4_avx512
 #define NVFP4_OWN_ENTRY 1
-#include "nvfp4_kernels.h"
+#include "cast/nvfp4_kernels.h"
 
 namespace engine_native {
 namespace nvfp4_avx512 {

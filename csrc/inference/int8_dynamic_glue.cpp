@@ -24,7 +24,7 @@
 #define ENGINE_I8D_CLONES
 #endif
 
-#include "native_glue.h"
+#include "common/native_glue.h"
 
 namespace engine_native {
 namespace int8_dynamic {

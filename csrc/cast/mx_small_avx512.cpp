@@ -17,7 +17,7 @@
 // scale codes, E3M2 blocks of amax below 2^-120) runs the scalar `tile` instead.
 #include <cstdint>
 
-#include "mx_small.h"
+#include "cast/mx_small.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -31,7 +31,7 @@
 
 #define MX_SMALL_NAMESPACE mx_small_avx512
 #define MX_SMALL_OWN_ENTRY 1
-#include "mx_small_kernels.h"
+#include "cast/mx_small_kernels.h"
 
 namespace engine_native {
 namespace mx_small_avx512 {

@@ -1,0 +1,156 @@
+// The portable vector layer the kernels are written against: GCC / clang vector extensions, which
+// each variant's target options lower to SSE2, AVX2, AVX-512 or NEON. A vector is 64 bytes (16 fp32
+// lanes, 32 16-bit lanes, 64 bytes): one AVX-512 register, two AVX2 ones, four SSE2 / NEON ones.
+//
+// Include only from a `*_kernels.cpp` (after isa_begin.h): everything here is in the variant's namespace.
+// Arithmetic is the operators (+ - * / & | ^ << >> == < ...), lane-wise, in IEEE fp32 with round to
+// nearest; comparisons give all-ones / all-zero lanes of the same-width signed integer type.
+#pragma once
+
+#ifndef ENGINE_ISA_NS
+#error "common/vec.h is for *_kernels.cpp sources (compiled per instruction set)"
+#endif
+
+namespace engine_native {
+namespace ENGINE_ISA_NS {
+namespace vec {
+
+// Hot helpers must be inlined: a call would pass the vectors through memory.
+#define ENGINE_VEC_INLINE inline __attribute__((always_inline))
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x32 __attribute__((vector_size(64)));
+typedef int16_t i16x32 __attribute__((vector_size(64)));
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef int8_t i8x64 __attribute__((vector_size(64)));
+// narrower ones, for conversions between lane widths
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+template <typename V>
+constexpr int lanes() {
+  return static_cast<int>(sizeof(V) / sizeof(V{}[0]));
+}
+
+template <typename V>
+using lane_t = std::remove_cv_t<std::remove_reference_t<decltype(V{}[0])>>;
+
+// Every lane = s.
+template <typename V>
+ENGINE_VEC_INLINE V splat(lane_t<V> s) {
+  return V{} + s;
+}
+
+// Lanes 0, 1, 2, ... as the lane type.
+template <typename V>
+ENGINE_VEC_INLINE V iota() {
+  V v{};
+  for (int i = 0; i < lanes<V>(); ++i) v[i] = static_cast<lane_t<V>>(i);
+  return v;
+}
+
+template <typename V>
+ENGINE_VEC_INLINE V load(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+ENGINE_VEC_INLINE void store(void* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// The first n lanes from p (n <= 0: none, n >= lanes: all), the others 0.
+template <typename V>
+ENGINE_VEC_INLINE V load_first(const void* p, int64_t n) {
+  if (n >= lanes<V>()) return load<V>(p);
+  V v{};
+  if (n > 0) std::memcpy(&v, p, static_cast<size_t>(n) * sizeof(lane_t<V>));
+  return v;
+}
+
+// Writes the first n lanes of v to p.
+template <typename V>
+ENGINE_VEC_INLINE void store_first(void* p, V v, int64_t n) {
+  if (n >= lanes<V>()) {
+    store(p, v);
+  } else if (n > 0) {
+    std::memcpy(p, &v, static_cast<size_t>(n) * sizeof(lane_t<V>));
+  }
+}
+
+// Same-size reinterpretation of the bits.
+template <typename To, typename From>
+ENGINE_VEC_INLINE To bits(From v) {
+  static_assert(sizeof(To) == sizeof(From), "bits: sizes differ");
+  return (To)v;
+}
+
+// Lane-wise value conversion (C++ conversion rules per lane: float -> int truncates; int -> narrower
+// int keeps the low bits).
+template <typename To, typename From>
+ENGINE_VEC_INLINE To convert(From v) {
+  return __builtin_convertvector(v, To);
+}
+
+// m ? a : b per lane, m a comparison result (all-ones or zero lanes of a's width).
+template <typename V, typename M>
+ENGINE_VEC_INLINE V select(M m, V a, V b) {
+  using U = decltype(m);
+  static_assert(sizeof(U) == sizeof(V), "select: mask and values differ in width");
+  return bits<V>((bits<U>(a) & m) | (bits<U>(b) & ~m));
+}
+
+// Unsigned / signed integer min and max (lane-wise).
+template <typename V>
+ENGINE_VEC_INLINE V min(V a, V b) {
+  return a < b ? a : b;
+}
+template <typename V>
+ENGINE_VEC_INLINE V max(V a, V b) {
+  return a > b ? a : b;
+}
+
+// The x86 minps / maxps rule: b unless a < b (min) / a > b (max), so a NaN in either gives b.
+ENGINE_VEC_INLINE f32x16 fmin_b(f32x16 a, f32x16 b) { return select(a < b, a, b); }
+ENGINE_VEC_INLINE f32x16 fmax_b(f32x16 a, f32x16 b) { return select(a > b, a, b); }
+
+ENGINE_VEC_INLINE i32x16 is_nan(f32x16 v) { return v != v; }
+ENGINE_VEC_INLINE f32x16 abs(f32x16 v) { return bits<f32x16>(bits<u32x16>(v) & 0x7FFFFFFFu); }
+
+// Horizontal max / min / sum of the lanes (a tree of halvings; integer or float lanes).
+template <typename V>
+ENGINE_VEC_INLINE lane_t<V> reduce_max(V v) {
+  lane_t<V> m = v[0];
+  for (int i = 1; i < lanes<V>(); ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+template <typename V>
+ENGINE_VEC_INLINE lane_t<V> reduce_min(V v) {
+  lane_t<V> m = v[0];
+  for (int i = 1; i < lanes<V>(); ++i) m = v[i] < m ? v[i] : m;
+  return m;
+}
+
+// bf16 words (low 16 bits of each u32 lane, or a u16x16) -> fp32: the word is the top half.
+ENGINE_VEC_INLINE f32x16 bf16_to_f32(u16x16 w) { return bits<f32x16>(convert<u32x16>(w) << 16); }
+
+// fp32 -> bf16 round to nearest even (NaN -> quiet NaN with the sign kept).
+ENGINE_VEC_INLINE u16x16 f32_to_bf16(f32x16 v) {
+  const u32x16 u = bits<u32x16>(v);
+  const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 nan = (u >> 16) | 0x40u;
+  return convert<u16x16>(select(is_nan(v), nan, rounded));
+}
+
+}  // namespace vec
+}  // namespace ENGINE_ISA_NS
+}  // namespace engine_native

@@ -1,0 +1,61 @@
+// The Python module of the kernels: every entry point bound by name (the one file that includes
+// torch's Python headers). The ops' glue lives by operation (csrc/README.md); engine/ops/native.py
+// documents each function.
+#include <torch/extension.h>
+
+#include <string>
+
+#include "cast/fp8_glue.h"
+#include "common/isa.h"
+#include "gemm/exact_gemm_glue.h"
+#include "scaling/delayed_update_glue.h"
+
+#ifndef ENGINE_BUILD_KEY
+#define ENGINE_BUILD_KEY "unknown"
+#endif
+
+namespace engine_native {
+void register_mx_small(pybind11::module_& m);      // cast/mx_small_glue.cpp: MXFP4 / MXFP6
+void register_nvfp4(pybind11::module_& m);         // cast/nvfp4_glue.cpp: NVFP4
+void register_wo_gemm(pybind11::module_& m);       // inference/wo_gemm_glue.cpp: weight-only int4 / int8 GEMMs
+void register_int8_dynamic(pybind11::module_& m);  // inference/int8_dynamic_glue.cpp: int8 x quantize / rescale
+}  // namespace engine_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace engine_native;
+  namespace py = pybind11;
+  m.doc() = "engine's C++ CPU quantization kernels (see engine/ops/native.py)";
+  m.def("isa", [] { return std::string(isa_name(active_isa())); }, "the instruction-set level the kernels run at");
+  m.def("set_isa", &set_active_isa, py::arg("name"), "'baseline', 'avx2', 'avx512' (at most the CPU's) or 'auto'");
+  m.def("available_isas", &available_isas, "every level this CPU and build run, lowest first");
+  m.def("build_key", [] { return std::string(ENGINE_BUILD_KEY); }, "the key of the csrc/ sources this was built from");
+  m.def("amax", &fp8_glue::amax, py::arg("x"), py::arg("out") = py::none());
+  m.def("cast_transpose", &fp8_glue::cast_transpose, py::arg("x2d"), py::arg("scale"), py::arg("kind"), py::arg("rowwise"),
+        py::arg("columnwise"), py::arg("out_data") = py::none(), py::arg("out_data_t") = py::none(),
+        py::arg("out_amax") = py::none());
+  m.def("quantize_per_tensor", &fp8_glue::quantize_per_tensor, py::arg("x"), py::arg("kind"), py::arg("rowwise"),
+        py::arg("columnwise"), py::arg("scale"), py::arg("force_pow_2_scales"), py::arg("amax_epsilon"),
+        py::arg("record_amax"), py::arg("out_data") = py::none(), py::arg("out_data_t") = py::none(),
+        py::arg("out_scale_inv") = py::none(), py::arg("out_amax") = py::none());
+  m.def("delayed_update", &delayed_update_glue::delayed_update_op, py::arg("amax_history"), py::arg("scale"), py::arg("fp8_max"),
+        py::arg("margin"), py::arg("most_recent"), py::arg("held"));
+  m.def("quantize_block", &fp8_glue::quantize_block, py::arg("x2d"), py::arg("kind"), py::arg("tile_rows"), py::arg("tile_cols"),
+        py::arg("force_pow_2_scales"), py::arg("amax_epsilon"), py::arg("value_for_inf"),
+        py::arg("out_data") = py::none(), py::arg("out_scale_inv") = py::none());
+  m.def("quantize_mxfp8", &fp8_glue::quantize_mxfp8, py::arg("x2d"), py::arg("kind"), py::arg("rceil"), py::arg("columnwise"),
+        py::arg("out_data") = py::none(), py::arg("out_scale") = py::none());
+  m.def("quantize_block_usages", &fp8_glue::quantize_block_usages, py::arg("x2d"), py::arg("kind"), py::arg("tile_rows"),
+        py::arg("tile_cols"), py::arg("pow2"), py::arg("amax_epsilon"), py::arg("value_for_inf"), py::arg("rowwise"),
+        py::arg("columnwise"), py::arg("out_row_data") = py::none(), py::arg("out_col_data") = py::none());
+  m.def("quantize_mxfp8_usages", &fp8_glue::quantize_mxfp8_usages, py::arg("x2d"), py::arg("kind"), py::arg("rceil"),
+        py::arg("rowwise"), py::arg("columnwise"), py::arg("out_row_data") = py::none(),
+        py::arg("out_col_data") = py::none());
+  m.def("fp8_to_bf16", &exact_gemm_glue::fp8_to_bf16, py::arg("data"), py::arg("out") = py::none());
+  m.def("exact_gemm", &exact_gemm_glue::exact_gemm, py::arg("a"), py::arg("a_scale_inv"), py::arg("a_tile_rows"),
+        py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
+        py::arg("bias"), py::arg("out_dtype"), py::arg("bf16_gemm"));
+  register_mx_small(m);
+  register_nvfp4(m);
+  register_wo_gemm(m);
+  register_int8_dynamic(m);
+}
