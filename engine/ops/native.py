@@ -75,9 +75,25 @@ except ImportError:  # not POSIX: no lock (concurrent first builds may then coll
 EXTENSION_NAME = "engine_native"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = tuple(sorted(str(p.relative_to(CSRC_DIR)) for p in CSRC_DIR.rglob("*.cpp")))
+# transitional (the build helper replaces this with engine/ops/native_build.py): *_kernels.cpp per ISA
+_VARIANTS = (("baseline", 0), ("avx2", 1), ("avx512", 2)) if platform.machine() in ("x86_64", "AMD64") else (("baseline", 0),)
+
+
+def _wrappers(folder: Path) -> list[str]:
+    out = []
+    for rel in (s for s in SOURCES if s.endswith("_kernels.cpp")):
+        for isa, level in _VARIANTS:
+            path = folder / "variants" / f"{isa}__{rel.replace('/', '__')}"  # unique basenames: torch names objects by them
+            text = (f'#define ENGINE_ISA_NS {isa}\n#define ENGINE_ISA_LEVEL {level}\n#include "common/isa_begin.h"\n'
+                    f'#include "{rel}"\n#include "common/isa_end.h"\n')
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.is_file() or path.read_text() != text:
+                path.write_text(text)
+            out.append(str(path))
+    return out
 # -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
 # separately rounded fp32 operations.
-CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
 DONE_MARKER = "engine_build_complete"  # written into the build directory after a build that loaded
 LOCK_FILE = "engine_build.lock"
@@ -170,7 +186,7 @@ def _compile(name: str, folder: Path) -> ModuleType:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.load(
         name=name,
-        sources=[str(CSRC_DIR / source) for source in SOURCES],
+        sources=[str(CSRC_DIR / source) for source in SOURCES if not source.endswith("_kernels.cpp")] + _wrappers(folder),
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC_DIR)],
