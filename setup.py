@@ -42,7 +42,7 @@ except ImportError as err:
 
 nb = _native_build()
 CSRC = Path("csrc")
-WRAPPER_DIR = Path("build") / "variants"  # generated: glue/<file>, <variant>/<file> (native_build)
+WRAPPER_DIR = Path("build") / "variants"  # generated: glue__<file>, <variant>__<file> (native_build)
 OBJECT_DIR = ROOT / "build" / "temp"
 
 

@@ -172,8 +172,7 @@ def jit_sources(folder: Path, key: str) -> list[Path]:
     used) and every kernel file once per ISA variant, each under a file name of its own (torch's loader names
     objects by file name alone)."""
     out = folder / "sources"
-    return (native_build.write_glue_wrappers(CSRC_DIR, out, key, flat=True)
-            + native_build.write_variant_wrappers(CSRC_DIR, out, flat=True))
+    return native_build.write_glue_wrappers(CSRC_DIR, out, key) + native_build.write_variant_wrappers(CSRC_DIR, out)
 
 
 def _compile(name: str, folder: Path, key: str) -> ModuleType:
