@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
+from common import least_disturbed_cpu_seconds, machine_line, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
 from engine.recipes import RECIPES  # noqa: E402
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[st
             print("  ".join(rows[-1]), flush=True)
     how = ("thread CPU time, 1 thread, least disturbed interleaved block" if args.cpu_time
            else f"medians ({torch.get_num_threads()} threads)")
-    print(f"\nDemo GPT training step, eager vs torch.compile(fullgraph=True), {how}")
+    print(f"\nDemo GPT training step, eager vs torch.compile(fullgraph=True), {how}\n{machine_line()}")
     print_table(["width", "run", "eager ms", "compiled ms", "compiled/eager", "eager vs bf16", "compiled vs bf16"],
                 rows)
     return rows

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, print_table  # noqa: E402
+from common import machine_line, median_seconds, print_table  # noqa: E402
 
 from engine.gemm import general_gemm  # noqa: E402
 from engine.quantizers import (  # noqa: E402
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[st
         x, w = qa(a), qb(b)
         t = median_seconds(lambda: general_gemm(x, w, out_dtype=torch.bfloat16), repeat=5)
         rows.append([f"general_gemm {name}", f"{flops / t / 1e9:.0f}", f"{base / t:.2f}"])
-    print(f"GEMM {n}x{n}x{n}, bf16 out, medians ({torch.get_num_threads()} threads)")
+    print(f"GEMM {n}x{n}x{n}, bf16 out, medians ({torch.get_num_threads()} threads)\n{machine_line()}")
     print_table(["gemm", "GFLOP/s", "speed vs bf16"], rows)
     return rows
 

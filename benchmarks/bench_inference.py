@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
+from common import least_disturbed_cpu_seconds, machine_line, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
 from engine.formats import INT4  # noqa: E402
@@ -138,7 +138,7 @@ def _measure(args: argparse.Namespace, names: list[str], ms: str) -> list[list[s
                              f"{sizes[name] / 2**20:.1f}"])
     how = "wall-time medians" if args.wall else "thread CPU time, 1 thread, least disturbed of interleaved blocks"
     cache = f"weights cycled through {args.cold_mib} MiB of copies" if args.cold_mib else "one weight, cache-warm"
-    print(f"Inference Linear forward, bf16 activations ({how}; {cache})")
+    print(f"Inference Linear forward, bf16 activations ({how}; {cache})\n{machine_line()}")
     print_table(["MxKxN", "config", "ms", "speed-up vs bf16", "weight MiB"], rows)
     return rows
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, median_seconds, print_table, torch_threads  # noqa: E402
+from common import least_disturbed_cpu_seconds, machine_line, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
 from engine.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling  # noqa: E402
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[st
             t = torchao_time(m, k, n, x, grad, min_time)
             if t is not None:
                 rows.append([shape, "torchao Float8Linear", f"{t * 1e3:.3f}", f"{t / base:.2f}"])
-    print(f"Linear fwd+bwd step, bf16 activations and weights, medians ({torch.get_num_threads()} threads)")
+    print(f"Linear fwd+bwd step, bf16 activations and weights, medians ({torch.get_num_threads()} threads)\n"
+          f"{machine_line()}")
     print_table(["MxKxN", "module", "ms/step", "time vs bf16"], rows)
     return rows
 
@@ -114,7 +115,8 @@ def _cpu_time_rows(args: argparse.Namespace) -> list[list[str]]:
         rows.append([shape, "torch.nn.Linear bf16 (baseline)", f"{best['base'] * 1e3:.3f}", "1.00"])
         rows += [[shape, f"engine.Linear {name}", f"{t * 1e3:.3f}", f"{t / best['base']:.2f}"]
                  for name, t in best.items() if name != "base"]
-    print("Linear fwd+bwd step, bf16 activations and weights, thread CPU ms (1 thread, least disturbed block)")
+    print("Linear fwd+bwd step, bf16 activations and weights, thread CPU ms (1 thread, least disturbed block)\n"
+          f"{machine_line()}")
     print_table(["MxKxN", "module", "ms/step", "time vs bf16"], rows)
     return rows
 

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from bench_quantize import DTYPES, Row, Scheme, bench_input, format_table, measure
+from common import machine_line
 from engine.ops import native
 from engine.ops import reference as ref
 from engine.quantizers import MXQuantizer
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reference-runs", type=int, default=2)
-    parser.add_argument("--isa", choices=("auto", "avx512", "portable"), default="auto")
+    parser.add_argument("--isa", choices=("auto", *native.ISA_ORDER), default="auto")
     args = parser.parse_args(argv)
     if not native.available():
         print(f"the C++ kernels are unavailable: {native.why_unavailable()}")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     with native.use_isa(args.isa):
         rows, back_to_back = run(m, k, DTYPES[args.dtype], args.runs, args.warmup, args.reference_runs)
         header = (f"MXFP4/MXFP6 quantize {m}x{k} {args.dtype}, kernels: {native.isa()}, "
-                  f"threads: {torch.get_num_threads()}, median of {args.runs} runs")
+                  f"threads: {torch.get_num_threads()}, median of {args.runs} runs\n{machine_line()}")
     print(format_table(rows, back_to_back, header))
     return 0
 

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from bench_quantize import DTYPES, Row, Scheme, bench_input, format_table, measure
-from common import torch_threads
+from common import machine_line, torch_threads
 from engine.ops import native
 from engine.ops import nvfp4 as ref
 from engine.quantizers import NVFP4Quantizer
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reference-runs", type=int, default=1)
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: torch's)")
-    parser.add_argument("--isa", choices=("auto", "avx512", "portable"), default="auto")
+    parser.add_argument("--isa", choices=("auto", *native.ISA_ORDER), default="auto")
     args = parser.parse_args(argv)
     if not native.available():
         print(f"the C++ kernels are unavailable: {native.why_unavailable()}")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             with torch_threads(threads):
                 rows, back_to_back = run(m, k, DTYPES[args.dtype], args.runs, args.warmup, args.reference_runs)
             header = (f"NVFP4 quantize {m}x{k} {args.dtype}, kernels: {native.isa()}, threads: {threads}, "
-                      f"median of {args.runs} runs")
+                      f"median of {args.runs} runs\n{machine_line()}")
             print(format_table(rows, back_to_back, header))
     return 0
 

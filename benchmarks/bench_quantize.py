@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import machine_line
 from engine import memory
 from engine.ops import native
 from engine.ops import reference as ref
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reference-runs", type=int, default=3)
-    parser.add_argument("--isa", choices=("auto", "avx512", "portable"), default="auto")
+    parser.add_argument("--isa", choices=("auto", *native.ISA_ORDER), default="auto")
     parser.add_argument("--fresh-outputs", action="store_true",
                         help="the module path without reusing idle output buffers (engine.memory.output_buffer)")
     args = parser.parse_args(argv)
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             rows, back_to_back = run(m, k, DTYPES[args.dtype], FP8[args.fp8], args.runs, args.warmup,
                                      args.reference_runs)
             header = (f"quantize {m}x{k} {args.dtype} -> {args.fp8}, kernels: {native.isa()}, "
-                      f"threads: {torch.get_num_threads()}, median of {args.runs} runs")
+                      f"threads: {torch.get_num_threads()}, median of {args.runs} runs\n{machine_line()}")
         print(format_table(rows, back_to_back, header))
     finally:
         memory.REUSED_OUTPUT_MIN_BYTES = reuse_from

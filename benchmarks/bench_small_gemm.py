@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import least_disturbed_cpu_seconds, print_table  # noqa: E402
+from common import least_disturbed_cpu_seconds, machine_line, print_table  # noqa: E402
 
 from engine.ops import native  # noqa: E402
 from engine.ops.exact_gemm import gemm_dtype as exact_gemm_dtype  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[st
             rows.append([f"{m}x{n}x{k}", out_name, f"{m * n * k / 1e6:.2f}", f"{base * 1e6:.1f}", f"{eng * 1e6:.1f}",
                          f"{eng / base:.2f}"])
     print(f"exact_gemm vs decode + addmm, thread CPU us per call after {args.work_kib} KiB of other traffic "
-          f"(subtracted), 1 thread, isa {native.isa()}")
+          f"(subtracted), 1 thread\n{machine_line()}")
     print_table(["MxNxK", "out", "MMACs", "addmm us (baseline)", "exact_gemm us", "time vs addmm"], rows)
     return rows
 

@@ -11,6 +11,17 @@ from typing import Callable
 import torch
 
 
+def machine_line() -> str:
+    """Where a table was measured, for its header: the CPU model and the instruction set engine's C++ kernels run
+    (inside `native.use_isa`: the forced one), with the levels this CPU and build have."""
+    from engine.machine import cpu_info
+    from engine.ops import native
+
+    if not native.available():
+        return f"CPU: {cpu_info().model}; engine's C++ kernels: unavailable ({native.why_unavailable()[:200]})"
+    return f"CPU: {cpu_info().model}; engine's C++ kernels: {native.isa()} (available: {', '.join(native.available_isas())})"
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     """torch's intra-op threads set to `n` inside the block (None: unchanged), given back after, so callers and

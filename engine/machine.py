@@ -4,7 +4,7 @@
 `engine.recipes` exports is listed (`recipe_classes`), so a new recipe shows up without an edit here.
 
 Without a GPU every recipe runs, emulated on the CPU: its operands are quantized by the C++ kernels
-(csrc/, AVX-512 or portable, chosen at run time) or, for a layout without one, the plain-PyTorch
+(csrc/, the best instruction set of the CPU - baseline, avx2 or avx512 - chosen at load time) or, for a layout without one, the plain-PyTorch
 reference; its GEMMs decode both operands exactly to bf16 and sum in fp32. With a GPU a recipe's
 GEMMs run on cuBLAS where engine has a kernel for its operands at this compute capability
 (per-tensor FP8 from 8.9; MXFP8, MXFP4 and NVFP4 at 10.x), are emulated on the GPU otherwise
@@ -26,10 +26,11 @@ from engine.formats import element_name
 from engine.schemes import ScaleEncoding, get_scheme
 from engine.recipes import CustomRecipe, OperandRecipe, QuantizerSpec, Recipe
 
-#: CPU features the kernels here look at (/proc/cpuinfo names): the AVX-512 kernel set needs F, BW, DQ, VL and
-#: VBMI; NVFP4's fast path VBMI2; bf16 weight-only GEMMs AVX512-BF16; oneDNN's int8 GEMM VNNI or AMX
-CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi", "avx512_vbmi2",
-                "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+#: CPU features the kernels here look at (/proc/cpuinfo names): the avx2 kernels (x86-64-v3) need AVX2, FMA, F16C
+#: and BMI2; the avx512 ones (x86-64-v4) F, BW, DQ, VL; NVFP4's fast path VBMI2; bf16 weight-only GEMMs
+#: AVX512-BF16; oneDNN's int8 GEMM VNNI or AMX
+CPU_FEATURES = ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi",
+                "avx512_vbmi2", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 #: element formats with a cuBLAS block-scaled GEMM (torch._scaled_mm) on compute capability 10.x
 CUBLAS_BLOCK_ELEMENTS = ("e4m3", "e5m2", "e2m1")
 
@@ -61,14 +62,17 @@ def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
 
 
 def native_kernels() -> tuple[str | None, str]:
-    """(the C++ kernel set in use - 'avx512' or 'portable' -, a description) or (None, why they are unavailable).
-    Builds the kernels on first use, as the first quantization would."""
+    """(the instruction set the C++ kernels run - 'baseline', 'avx2' or 'avx512' -, a description) or (None, why
+    they are unavailable). Loads the kernels (the JIT fallback builds them), as the first quantization would."""
     from engine.ops import native
 
     if not native.available():
         return None, f"unavailable, quantization runs the reference ({native.why_unavailable()})"
     isa = native.isa()
-    return isa, f"C++ (csrc/), instruction set {isa} (this build has: {', '.join(native.available_isas())})"
+    cap = os.environ.get(native.ISA_ENV, "").strip().lower()
+    capped = f"; {native.ISA_ENV}={cap} caps them" if cap not in ("", "auto") else ""
+    return isa, (f"C++ (csrc/), instruction set {isa} (available here: {', '.join(native.available_isas())}"
+                 f"{capped}; {native.loaded_from()})")
 
 
 def triton_status() -> str:

@@ -3,7 +3,7 @@ no VNNI, no bf16 instructions), whatever CPU runs the tests.
 
 Three knobs: `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN, and torch's choice of oneDNN for bf16 matmuls, then use no
 VNNI / AVX-512 / bf16 instructions), `ATEN_CPU_CAPABILITY=avx2` (torch's own vectorized kernels) and
-`ENGINE_ISA=portable` (engine's C++ kernels, engine/ops/native.py). The emulation is exact for what these
+`ENGINE_ISA=avx2` (engine's C++ kernels, engine/ops/native.py). The emulation is exact for what these
 tests look at: which GEMMs give exact integer sums, which bf16 GEMM runs, which kernel set engine picks.
 """
 
@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ENGINE_ISA": "portable"}
+ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ENGINE_ISA": "avx2"}
 
 
 def emulated() -> bool:

@@ -207,7 +207,7 @@ def output(model: torch.nn.Module, fixture: Fixture, x: torch.Tensor) -> torch.T
 
 @contextlib.contextmanager
 def pinned_numerics() -> Iterator[None]:
-    """One thread, and engine's C++ kernels at their portable ISA (or the reference ops where they did not build:
+    """One thread, and engine's C++ kernels at their baseline ISA (or the reference ops where they did not build:
     the same bits, checked when the fixtures were written). The GEMMs' fp32 summation order is unspecified
     (engine/gemm/cpu.py: oneDNN's, or the AVX-512 kernel's); with these pins it is fixed on one kind of CPU."""
     from engine.ops import native
@@ -215,7 +215,7 @@ def pinned_numerics() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with native.use_isa("portable") if native.available() else contextlib.nullcontext():
+        with native.use_isa("baseline") if native.available() else contextlib.nullcontext():
             yield
     finally:
         torch.set_num_threads(threads)

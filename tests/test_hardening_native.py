@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from engine.ops import native
+from tests.test_native import ISAS
 from engine.ops import reference as ref
 from engine.schemes import fp8_scheme
 
@@ -90,12 +91,11 @@ def isas() -> list[str]:
     return native.available_isas()
 
 
-@pytest.fixture(params=("portable", "avx512"))
+@pytest.fixture(params=ISAS)
 def isa(request):
-    """Each kernel set in turn, on one thread (small tensors: OpenMP threads on a busy
+    """Each instruction set the machine runs in turn, on one thread (small tensors: OpenMP threads on a busy
     2-core machine only add spin-waits)."""
-    if request.param not in isas():
-        pytest.skip("this CPU has no AVX-512")
+    assert request.param in isas()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -493,9 +493,19 @@ def test_case_list_covers_the_brief():
     assert {"stride0-rows", "stride0-cols", "out-stride0", "out-non-contiguous"} <= set(names)
 
 
-# =========================================================================== the build cache
-BUILD_LINE = re.compile(r"engine: building the C\+\+ kernels \(first use, ~30-60 s\) into (\S+)")
+# =========================================================================== the JIT fallback's cache
+BUILD_LINE = re.compile(r"engine: building the C\+\+ kernels \(first use, 1-4 min\) into (\S+)")
+WHY_LINE = re.compile(r"engine: engine\._native is (missing|stale \(.*\)); `make install` or "
+                      r"`pip install --no-build-isolation -e \.` builds it at install")
 BUILT_LINE = re.compile(r"engine: built the C\+\+ kernels in \d+\.\d s")
+# copies of the checkout without an installed build (make install leaves engine/_native*.so in engine/)
+NOT_BUILT = shutil.ignore_patterns("__pycache__", "_native*.so")
+
+
+@pytest.fixture
+def not_installed(monkeypatch):
+    """As if engine._native were not installed (after `make install` it is, and would load instead)."""
+    monkeypatch.setattr(native, "installed_build", lambda key: (None, f"{native.INSTALLED} is missing"))
 
 
 def test_build_key_follows_the_sources_not_the_path(tmp_path):
@@ -503,18 +513,18 @@ def test_build_key_follows_the_sources_not_the_path(tmp_path):
     shutil.copytree(native.CSRC_DIR, a)
     shutil.copytree(native.CSRC_DIR, b)
     assert native.build_key(a) == native.build_key(b) == native.build_key()
-    with open(b / "kernels.h", "a") as f:
+    with open(sorted(b.rglob("*.h"))[-1], "a") as f:
         f.write("\n// a change\n")
     assert native.build_key(b) != native.build_key(a)
 
 
-def test_build_messages_only_when_a_build_happens(monkeypatch, tmp_path, capsys):
+def test_build_messages_only_when_a_build_happens(monkeypatch, tmp_path, capsys, not_installed):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     built = types.ModuleType("built")
     compiled = []
 
-    def compile_(name, folder):  # stands for torch's build: leaves a library behind
-        compiled.append((name, folder))
+    def compile_(name, folder, key):  # stands for torch's build: leaves a library behind
+        compiled.append((name, folder, key))
         (folder / f"{name}.so").write_bytes(b"")
         return built
 
@@ -523,25 +533,26 @@ def test_build_messages_only_when_a_build_happens(monkeypatch, tmp_path, capsys)
     folder = tmp_path / f"engine_native_{native.build_key()}"
     assert native._build() is built
     err = capsys.readouterr().err.splitlines()
-    assert compiled == [(folder.name, folder)]
-    assert len(err) == 2 and BUILD_LINE.fullmatch(err[0]) and BUILT_LINE.fullmatch(err[1]), err
+    assert compiled == [(folder.name, folder, native.build_key())]
+    assert len(err) == 3 and BUILD_LINE.fullmatch(err[0]) and WHY_LINE.fullmatch(err[1]), err
+    assert BUILT_LINE.fullmatch(err[2]), err
     assert BUILD_LINE.fullmatch(err[0]).group(1) == str(folder)
     assert native._build() is built  # a cache hit: the build's marker is there
     assert capsys.readouterr().err == "" and len(compiled) == 1
 
 
-def test_a_failed_build_says_so_and_is_retried_next_time(monkeypatch, tmp_path, capsys):
+def test_a_failed_build_says_so_and_is_retried_next_time(monkeypatch, tmp_path, capsys, not_installed):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
 
-    def broken(name, folder):
+    def broken(name, folder, key):
         raise RuntimeError("c++: command not found")
 
     monkeypatch.setattr(native, "_compile", broken)
     with pytest.raises(RuntimeError, match="command not found"):
         native._build()
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and BUILD_LINE.fullmatch(err[0]), err
-    assert re.fullmatch(r"engine: building the C\+\+ kernels failed after \d+\.\d s", err[1]), err
+    assert len(err) == 3 and BUILD_LINE.fullmatch(err[0]) and WHY_LINE.fullmatch(err[1]), err
+    assert re.fullmatch(r"engine: building the C\+\+ kernels failed after \d+\.\d s", err[2]), err
     with pytest.raises(RuntimeError):  # no marker was left: the next process builds again
         native._build()
 
@@ -580,7 +591,7 @@ def two_checkouts(tmp_path_factory):
     copies = []
     for name in ("a", "b"):
         for part in ("engine", "csrc"):
-            shutil.copytree(REPO / part, root / name / part, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(REPO / part, root / name / part, ignore=NOT_BUILT)
         copies.append(root / name)
     ext_dir = root / "torch_extensions"
     stale = ext_dir / f"engine_native_{native.build_key()}"
@@ -603,7 +614,7 @@ def test_two_checkouts_started_together_share_one_build(two_checkouts):
     stderr = "\n".join(err for _, err in first)
     builds = BUILD_LINE.findall(stderr)
     assert len(builds) == 1, stderr  # ONE build for both processes
-    assert len(BUILT_LINE.findall(stderr)) == 1, stderr
+    assert len(BUILT_LINE.findall(stderr)) == 1 and len(WHY_LINE.findall(stderr)) == 1, stderr
     assert builds[0] == first[0][0]["dir"] == first[1][0]["dir"]
     assert Path(builds[0]).parent == two_checkouts["ext_dir"]
     assert len(two_checkouts["stat_before"]) == 1  # one library, in one engine_native_<key> folder

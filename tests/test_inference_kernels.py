@@ -5,7 +5,7 @@ The reference dequantizes the weight with torch ops written out here ((q - 8) * 
 q for int8) and sums in float64. The kernels dequantize to the same fp32 values and sum in fp32 in their own
 order, so each output is within one rounding to the output dtype plus fp32 accumulation in any order:
 |y - ref| <= u_out * |ref| + (2K + 16) * 2^-24 * sum_k |x_k| |w_k| (int8: times the scale; plus half the output
-dtype's subnormal spacing), on both kernel sets (portable and AVX-512). int4 with bf16 x (AVX512-BF16) sums
+dtype's subnormal spacing), on every ISA the machine runs (tests/test_native.py's ISAS). int4 with bf16 x (AVX512-BF16) sums
 scale * sum x * (q - 8) + zero * sum x per group: |w_k| becomes |q_k - 8| * scale + |zero| there. A row's result does not depend on M (the sums run in the same order). Odd shapes
 (K not a multiple of 16, N odd, M = 1, 3, 16, 17), every group size, and bad arguments (errors naming them).
 """

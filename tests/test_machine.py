@@ -61,7 +61,8 @@ def test_info_names_the_cpu_and_the_kernels_in_use(info_output):
     model = cpu_model_name()
     if model is not None:
         assert f"CPU: {model}, " in info_output
-    assert f"CPU kernels: C++ (csrc/), instruction set {native.isa()} " in info_output
+    assert f"CPU kernels: C++ (csrc/), instruction set {native.isa()} (available here: " \
+           f"{', '.join(native.available_isas())}" in info_output
     triton = (f"Triton: {importlib.metadata.version('triton')}: quantizes CUDA tensors"
               if importlib.util.find_spec("triton") else "Triton: not installed")
     assert triton in info_output

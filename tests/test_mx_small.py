@@ -253,6 +253,7 @@ def test_elements_to_bf16_op_checks_and_traces():
 
 # ============================================================================ C++ kernels
 from engine.ops import native  # noqa: E402
+from tests.test_native import ISAS  # noqa: E402
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"C++ kernels unavailable: {native.why_unavailable()}")
 
@@ -272,11 +273,9 @@ def edge_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 @needs_native
-@pytest.mark.parametrize("isa", ["portable", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_quantize_is_bitwise_the_reference(isa, dtype):
-    if isa not in native.available_isas():
-        pytest.skip(f"no {isa} on this CPU")
     bad = []
     with native.use_isa(isa):
         for case, x in edge_cases(dtype).items():
@@ -328,11 +327,9 @@ def fast_path_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 @needs_native
-@pytest.mark.parametrize("isa", ["portable", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_quantize_of_finite_inputs_is_bitwise_the_reference(isa, dtype):
-    if isa not in native.available_isas():
-        pytest.skip(f"no {isa} on this CPU")
     bad = []
     with native.use_isa(isa):
         for case, x in fast_path_cases(dtype).items():

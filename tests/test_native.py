@@ -2,12 +2,12 @@
 
 Every native function is compared with its reference counterpart on the raw bits of the
 result: FP8 data as uint8 codes, fp32 scales as int32 bits, E8M0 codes exactly, NaN bits
-included (every backend writes the canonical NaN of each format). Both kernel sets run:
-the portable one (any CPU) and, on a CPU with AVX-512, the AVX-512 one. The extension must build here: a broken build fails
-`test_extension_builds` (and everything else), it is never skipped.
+included (every backend writes the canonical NaN of each format). Every instruction set the machine
+runs is compared (`ISAS`: baseline, and avx2 / avx512 where the CPU has them). The extension must load here:
+a broken build fails `test_extension_builds` (and everything else), it is never skipped.
 
-The first build (torch.utils.cpp_extension.load, JIT) takes 30-60 s on a 2-core machine;
-later runs load the cached build.
+`make install` builds the kernels; without that build, the first use builds them with torch's JIT loader
+(1-4 min on a 2-core machine) and later runs load the cached build.
 """
 
 from __future__ import annotations
@@ -27,25 +27,32 @@ FP8 = (E4M3, E5M2)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLT_MAX = torch.finfo(torch.float32).max
 NAN, INF = float("nan"), float("inf")
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi")
+# /proc/cpuinfo flags of each x86-64 level (the old C++ module's AVX-512 set needs VBMI too)
+LEVEL_FLAGS = {"avx2": ("avx2", "fma", "f16c", "bmi2"), "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl")}
 
 
-def cpu_has_avx512() -> bool:
+def cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
-    return all(f in line.split() for f in AVX512_FLAGS)
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
 
 
 def isa_cap() -> str:
-    """ENGINE_ISA as this test run sets it ('' when unset)."""
-    return os.environ.get("ENGINE_ISA", "").strip().lower()
+    """ENGINE_ISA as this test run sets it ('' when unset or auto)."""
+    value = os.environ.get("ENGINE_ISA", "").strip().lower()
+    return "" if value == "auto" else value
 
 
-# the kernel sets this run has: the CPU's, capped by ENGINE_ISA=portable (a run that behaves like an AVX2 CPU)
-ISAS = ("portable", "avx512") if cpu_has_avx512() and isa_cap() != "portable" else ("portable",)
+def old_cxx() -> bool:
+    """The C++ module of before issue 28 ('portable' for baseline, no avx2 kernels); drop with native's adapter."""
+    return "portable" in native._ext().available_isas()
+
+
+# Every ISA this run's kernels have: the CPU's levels, capped by ENGINE_ISA (ENGINE_ISA=avx2: a run that behaves
+# like an AVX2 CPU). Loading the kernels here, at collection, is cheap with the installed build.
+ISAS = tuple(native.available_isas()) if native.available() else ("baseline",)
 
 
 @pytest.fixture(params=ISAS)
@@ -129,20 +136,26 @@ def inputs(shape, dtype, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
 def test_extension_builds():
     assert native.available(), native.why_unavailable()
     assert native.why_unavailable() == ""
-    assert native.isa() in ("avx512", "portable")
+    assert native.isa() in native.ISA_ORDER
 
 
-def test_avx512_kernels_are_used_on_an_avx512_cpu():
-    if cpu_has_avx512() and isa_cap() != "portable":
-        assert native.available_isas() == ["portable", "avx512"]
-        assert native.isa() == "avx512"
-    else:
-        assert native.isa() == "portable" and native.available_isas() == ["portable"]
+def test_the_best_isa_of_the_cpu_is_used():
+    """Every level the CPU's flags allow (up to ENGINE_ISA) is available, and the highest one runs."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to say what this CPU has")
+    want = ["baseline"] + [isa for isa in ("avx2", "avx512") if set(LEVEL_FLAGS[isa]) <= flags]
+    if old_cxx():  # its AVX-512 kernels need VBMI; it has no AVX2 kernels
+        want = [isa for isa in want if isa != "avx2" and (isa != "avx512" or "avx512vbmi" in flags)]
+    if isa_cap():
+        want = [isa for isa in want if native.ISA_ORDER.index(isa) <= native.ISA_ORDER.index(isa_cap())]
+    assert native.available_isas() == want
+    assert native.isa() == want[-1]
 
 
 def test_engine_isa_caps_the_kernels_for_the_whole_process():
-    """ENGINE_ISA=portable makes a process run (and list) only the portable kernels, as on a CPU without
-    AVX-512; asking for more is a ValueError naming the cap."""
+    """ENGINE_ISA=avx2 makes a process run (and list) only the kernels an AVX2 CPU runs; asking for more is a
+    ValueError naming the cap."""
     import avx2_emulation
 
     got = avx2_emulation.run("""
@@ -155,22 +168,25 @@ def test_engine_isa_caps_the_kernels_for_the_whole_process():
             refused = str(err)
         with native.use_isa("auto"):
             auto = native.isa()
-        print(json.dumps([native.isa(), native.available_isas(), auto, refused]))
+        print(json.dumps([native.isa(), native.available_isas(), auto, refused, "portable" in
+                          native._ext().available_isas()]))
     """)
-    isa, isas, auto, refused = got
-    assert (isa, isas, auto) == ("portable", ["portable"], "portable")
-    assert "ENGINE_ISA=portable" in refused
+    isa, isas, auto, refused, old = got
+    want = ["baseline"] if old else ["baseline", "avx2"]  # the old C++ module has no avx2 kernels
+    assert (isa, isas, auto) == (want[-1], want, want[-1])
+    assert "ENGINE_ISA=avx2" in refused
 
 
 @pytest.mark.parametrize("value, message", [
-    ("avx2", "ENGINE_ISA: expected one of portable, avx512 or auto, got 'avx2'"),
-    ("avx512", "ENGINE_ISA=avx512: this CPU (or build) has no avx512 kernels")])
+    ("avx3", "ENGINE_ISA: expected one of baseline, avx2, avx512 or auto, got 'avx3'"),
+    ("portable", "ENGINE_ISA: expected one of baseline, avx2, avx512 or auto, got 'portable'"),
+    ("avx512", "ENGINE_ISA=avx512: this machine runs baseline, avx2 (its CPU or this build has no avx512 kernels)")])
 def test_a_bad_engine_isa_is_a_value_error_at_first_use(monkeypatch, value, message):
-    """An unknown value, or a kernel set the machine lacks (here: a build without AVX-512), is a ValueError at
-    the first kernel call, every call, never a silent fallback."""
-    class PortableOnly:  # what a build on a CPU without AVX-512 reports
+    """An unknown value, or a level the machine lacks (here: an AVX2 CPU), is a ValueError at the first kernel
+    call, every call, never a silent fallback."""
+    class Avx2Only:  # what a build on a CPU without AVX-512 reports
         def available_isas(self):
-            return ["portable"]
+            return ["baseline", "avx2"]
 
         def set_isa(self, name):
             raise AssertionError(f"set_isa({name!r}) past the CPU")
@@ -178,13 +194,13 @@ def test_a_bad_engine_isa_is_a_value_error_at_first_use(monkeypatch, value, mess
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_error", None)
     monkeypatch.setattr(native, "_isa_cap", None)
-    monkeypatch.setattr(native, "_build", PortableOnly)
+    monkeypatch.setattr(native, "_build", Avx2Only)
     monkeypatch.setenv("ENGINE_ISA", value)
     for _ in range(2):
         with pytest.raises(ValueError, match=re.escape(message)):
             native.amax(torch.ones(3))
     monkeypatch.delenv("ENGINE_ISA")
-    assert native.available() and native.available_isas() == ["portable"]
+    assert native.available() and native.available_isas() == ["baseline", "avx2"]
 
 
 def test_a_failed_build_is_reported_not_raised(monkeypatch):

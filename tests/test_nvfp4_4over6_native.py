@@ -1,6 +1,6 @@
 """The C++ NVFP4 kernel with 4over6 (`engine.ops.native.quantize_nvfp4(four_over_six=True, ...)`) against the
-reference, bit for bit (codes, E4M3 scales, amaxes; NaN bits included), at each kernel set the machine has
-(portable, AVX-512): on every input of TE's fixture (the near ties there pin the order of the fp32 operations)
+reference, bit for bit (codes, E4M3 scales, amaxes; NaN bits included), at each ISA the machine has
+(baseline, avx2, avx512): on every input of TE's fixture (the near ties there pin the order of the fp32 operations)
 and on the edge cases of tests/nvfp4_4over6_cases.py in each dtype under options reaching every value of every
 option; across threads; and the refusals, by the wrapper and by the extension itself. The default (4over6 off)
 keeps today's bits: tests/test_nvfp4_native.py.

@@ -4,7 +4,7 @@ Bit for bit with `engine.ops.nvfp4.quantize` (data, E4M3 scales, amaxes; NaN inc
 combination of usages x 2D tiles x RHT x stochastic rounding x given amaxes, on random data with
 outliers and the edge cases (zeros, all-zero blocks, subnormal and zero block scales, +-max, inf, NaN,
 odd and empty shapes, 3D input, exact ties of E2M1, E4M3 and the RHT's bf16 rounding), on both kernel
-sets (portable and AVX-512). Stochastic rounding: the same bits as `nvfp4_sr.random_bits` for the same
+sets (every ISA the machine runs: tests/test_native.py's ISAS). Stochastic rounding: the same bits as `nvfp4_sr.random_bits` for the same
 counter, and the counter advanced alike. Bad arguments get errors naming them.
 """
 
@@ -396,14 +396,15 @@ def test_bad_arguments_are_refused_with_their_name(call, error, match):
 
 def test_the_extension_checks_its_arguments_too():
     ext = native._ext()
+    isa = ext.isa()  # the module's own name of its ISA
     x = torch.randn(32, 32)
     with pytest.raises(TypeError, match="counter"):
-        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.zeros(2, dtype=torch.int32), "portable")
+        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.zeros(2, dtype=torch.int32), isa)
     with pytest.raises(TypeError, match="amax: expected a float32"):
-        ext.quantize_nvfp4(x, True, True, False, False, torch.ones(1, dtype=torch.float64), None, None, "portable")
+        ext.quantize_nvfp4(x, True, True, False, False, torch.ones(1, dtype=torch.float64), None, None, isa)
     with pytest.raises(ValueError, match="x: expected the 2D view"):
-        ext.quantize_nvfp4(x[None], True, True, False, False, None, None, None, "portable")
+        ext.quantize_nvfp4(x[None], True, True, False, False, None, None, None, isa)
     with pytest.raises(ValueError, match="multiple of 16"):
-        ext.quantize_nvfp4(x[:5], True, True, False, True, None, None, None, "portable")
+        ext.quantize_nvfp4(x[:5], True, True, False, True, None, None, None, isa)
     with pytest.raises(ValueError, match="isa"):
         ext.quantize_nvfp4(x, True, True, False, False, None, None, None, "sse9")

@@ -113,7 +113,7 @@ def compare_exact_gemm(fn, addmm: bool) -> list[str]:
     Not bitwise (the fp32 accumulation order is unspecified: addmm's or the small kernel's): each result, and
     the torch-op reference's, within the fp32 bound of an independent fp64 reference (tests/exact_gemm_bound.py).
     The decode is bitwise: A @ I is A's decoded value exactly, for every finite code and E8M0 scale.
-    `addmm`: fn runs addmm (the portable ISA), whose bf16 GEMM flushes subnormals where it is native (bf16
+    `addmm`: fn runs addmm (below avx512), whose bf16 GEMM flushes subnormals where it is native (bf16
     hardware), as the reference's does; elsewhere a bf16 output comes from the fp32 GEMM, which keeps them."""
     from engine.ops.exact_gemm import native_bf16_gemm
 
@@ -266,7 +266,7 @@ def test_every_cpu_kernel_matches_the_reference_bitwise(key):
 
 
 def test_exact_gemm_meets_its_contract_on_every_isa():
-    """The decode (a table, then the scale multiply) has a portable and an AVX-512 version; so has the GEMM (addmm
+    """The decode (a table, then the scale multiply) has a version per ISA; so has the GEMM (addmm
     or, below its threshold, the small AVX-512 kernel)."""
     from engine.ops import native
 

@@ -1,26 +1,27 @@
 """C++ CPU kernels: the backend of `engine.ops.backend` for CPU tensors.
 
-The extension is built from `csrc/` (next to the `engine` package) with
-`torch.utils.cpp_extension.load` the first time it is needed, and cached in torch's
-extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions/py<ver>_cpu`)
-under `engine_native_<key>`, where the key hashes the contents of `csrc/`, the compiler
-flags, the torch and Python versions: checkouts and virtualenvs with the same sources share
-one build, and different ones never overwrite each other's. A build runs under an
-exclusive file lock in its directory (processes that start together build once; the
-others wait and load it) and announces itself on stderr with its duration; a cache hit
-loads the library directly, in well under a second, and prints nothing. It needs a C++
-compiler with OpenMP and `ninja`. If the build fails, `available()` is False and
+The kernels are built from `csrc/` (next to the `engine` package) at install time, into `engine._native`
+(`make install`, `pip install --no-build-isolation -e .`: setup.py and `engine.ops.native_build`). They load
+at the first kernel call, never at `import engine`. The installed library is used when it was built from the
+csrc/ beside it: its `build_key()` (sources, flags, compiler, torch, Python, machine) must be the current one
+(an installed copy without csrc/ beside it, as from a wheel, is used as it is). Otherwise - not installed,
+stale after a csrc/ edit or a torch upgrade - the developer fallback builds the same sources with
+`torch.utils.cpp_extension.load` (JIT) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions/py<ver>_cpu`) under `engine_native_<key>`: checkouts and virtualenvs with the
+same sources share one build, and different ones never overwrite each other's. A JIT build runs under an
+exclusive file lock in its directory (processes that start together build once; the others wait and load
+it) and announces itself on stderr with why and how long; a cache hit loads the library directly and prints
+nothing. It needs a C++ compiler with OpenMP and `ninja`. If the build fails, `available()` is False and
 `why_unavailable()` says why; importing this module never raises.
 
-One build holds two versions of the kernels: a portable one (no `-march` flag: any
-x86-64 or other CPU) and an AVX-512 one (F/BW/DQ/VL/VBMI, compiled with a target
-pragma) chosen at run time by CPUID, so a cached build never runs instructions the CPU
-lacks. `isa()` tells which one runs; `use_isa("portable")` forces the portable one
-(tests compare both with the reference). `ENGINE_ISA=portable|avx512|auto`, read once when
-the kernels load, caps the kernel sets at one the machine has (a ValueError at first use
-otherwise): with `portable`, `isa()` and `available_isas()` are those of a CPU without
-AVX-512, so a whole process (a test run) behaves like one. `ENGINE_NATIVE_VERBOSE=1` shows
-the build.
+One build holds every instruction set ("ISA") a CPU of this kind may have: on x86-64 `baseline` (SSE2),
+`avx2` (x86-64-v3: AVX2, FMA, F16C, BMI2) and `avx512` (x86-64-v4), elsewhere `baseline` alone; the best the
+CPU runs is chosen at load time (CPUID), so a build never runs instructions the CPU lacks. `isa()` tells
+which one runs, `available_isas()` lists those this CPU runs, `use_isa(name)` forces one inside a block
+(tests compare each with the reference). `ENGINE_ISA=baseline|avx2|avx512|auto`, read once when the kernels
+load, caps them at a level the machine has (a ValueError at first use otherwise, naming what it has): with
+`avx2`, `isa()` and `available_isas()` are those of an AVX2 CPU, so a whole process (a test run) behaves like
+one. `ENGINE_NATIVE_VERBOSE=1` shows a JIT build.
 
 Every function gives the same bits as its `engine.ops.reference` counterpart, with the
 same signature plus optional preallocated outputs (`out_data=`, `out_data_t=`,
@@ -45,10 +46,9 @@ round-to-nearest and without flush-to-zero whatever `torch.set_flush_denormal` s
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import importlib
 import importlib.util
 import os
-import platform
 import shutil
 import sys
 import sysconfig
@@ -62,7 +62,7 @@ import torch
 
 from engine import memory
 from engine.formats import element_format, fp8_max
-from engine.ops import nvfp4, reference
+from engine.ops import native_build, nvfp4, reference
 from engine.ops.exact_gemm import native_bf16_gemm
 from engine.schemes import dims_2d
 from engine.ops.inputs import PLAIN_TENSOR_TYPES, check_tensor
@@ -72,29 +72,11 @@ try:
 except ImportError:  # not POSIX: no lock (concurrent first builds may then collide)
     fcntl = None  # type: ignore[assignment]
 
-EXTENSION_NAME = "engine_native"
+INSTALLED = "engine._native"  # what setup.py builds
+INSTALL_HINT = "`make install` or `pip install --no-build-isolation -e .` builds it at install"
+EXTENSION_NAME = "engine_native"  # the JIT fallback's builds: engine_native_<key>
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = tuple(sorted(str(p.relative_to(CSRC_DIR)) for p in CSRC_DIR.rglob("*.cpp")))
-# transitional (the build helper replaces this with engine/ops/native_build.py): *_kernels.cpp per ISA
-_VARIANTS = (("baseline", 0), ("avx2", 1), ("avx512", 2)) if platform.machine() in ("x86_64", "AMD64") else (("baseline", 0),)
-
-
-def _wrappers(folder: Path) -> list[str]:
-    out = []
-    for rel in (s for s in SOURCES if s.endswith("_kernels.cpp")):
-        for isa, level in _VARIANTS:
-            path = folder / "variants" / f"{isa}__{rel.replace('/', '__')}"  # unique basenames: torch names objects by them
-            text = (f'#define ENGINE_ISA_NS {isa}\n#define ENGINE_ISA_LEVEL {level}\n#include "common/isa_begin.h"\n'
-                    f'#include "{rel}"\n#include "common/isa_end.h"\n')
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not path.is_file() or path.read_text() != text:
-                path.write_text(text)
-            out.append(str(path))
-    return out
-# -ffp-contract=off: no fused multiply-adds; the rounding steps of the FP8 cast rely on
-# separately rounded fp32 operations.
-CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-Wno-psabi")
-LDFLAGS = ("-fopenmp",)
+CFLAGS, LDFLAGS = native_build.CFLAGS, native_build.LDFLAGS
 DONE_MARKER = "engine_build_complete"  # written into the build directory after a build that loaded
 LOCK_FILE = "engine_build.lock"
 
@@ -103,30 +85,38 @@ _FP8_KIND = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
-_isa_cap: str | None = None  # ENGINE_ISA as read when the kernels loaded (None: every kernel set the CPU has)
+_isa_cap: str | None = None  # ENGINE_ISA as read when the kernels loaded (None: every ISA the CPU has)
 ISA_ENV = "ENGINE_ISA"
-ISA_ORDER = ("baseline", "avx2", "avx512")  # each kernel set runs on every CPU the next one runs on
+ISA_ORDER = ("baseline", "avx2", "avx512")  # each level runs on every CPU the next one runs on
 build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
 
 
 def build_key(csrc_dir: Path | None = None) -> str:
-    """16 hex digits identifying a build: csrc/ contents, flags, compiler, torch, Python, machine.
-
-    Not the checkout's path: two checkouts with the same sources share one build.
-    """
-    folder = CSRC_DIR if csrc_dir is None else csrc_dir
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
-        h.update(path.read_bytes())
-    facts = (CFLAGS, LDFLAGS, os.environ.get("CXX", ""), torch.__version__, sys.implementation.cache_tag,
-             getattr(sys, "abiflags", ""), platform.machine())
-    h.update(repr(facts).encode())
-    return h.hexdigest()[:16]
+    """16 hex digits identifying a build of `csrc_dir` (default: this checkout's csrc/) with this torch
+    (`native_build.build_key`); the installed `engine._native` reports the key it was built with."""
+    return native_build.build_key(CSRC_DIR if csrc_dir is None else csrc_dir, torch.__version__)
 
 
+# ------------------------------------------------------------------ the installed build
+def installed_build(key: str | None) -> tuple[ModuleType | None, str]:
+    """(`engine._native`, '') when it is installed and was built with `key` (None: no csrc/ to compare with,
+    any build will do), else (None, why not). A library whose file does not hold the key is not even loaded:
+    a stale one may have been built against another torch."""
+    spec = importlib.util.find_spec(INSTALLED)
+    if spec is None or spec.origin is None:
+        return None, f"{INSTALLED} is missing"
+    if key is not None and key.encode() not in Path(spec.origin).read_bytes():
+        return None, f"{INSTALLED} is stale (not built from this csrc/ with these flags, compiler and torch)"
+    module = importlib.import_module(INSTALLED)
+    reported = module.build_key() if hasattr(module, "build_key") else None
+    if key is not None and reported != key:
+        return None, f"{INSTALLED} is stale (its build key is {reported or 'unknown'}, csrc/'s is {key})"
+    return module, ""
+
+
+# ------------------------------------------------------------------ the JIT fallback
 def build_directory(key: str | None = None) -> Path:
-    """Where the build of `key` (default: this checkout's) lives: torch's extension root / engine_native_<key>."""
+    """Where the JIT build of `key` (default: this checkout's) lives: torch's extension root / engine_native_<key>."""
     from torch.utils import cpp_extension
 
     name = f"{EXTENSION_NAME}_{build_key() if key is None else key}"
@@ -177,7 +167,15 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _compile(name: str, folder: Path) -> ModuleType:
+def jit_sources(folder: Path, key: str) -> list[Path]:
+    """The JIT build's sources, generated in `folder`/sources: every glue file (the key defined where it is
+    used) and every kernel file once per ISA variant, each under a file name of its own (torch's loader names
+    objects by file name alone)."""
+    out = folder / "sources"
+    return native_build.write_glue_wrappers(CSRC_DIR, out, key) + native_build.write_variant_wrappers(CSRC_DIR, out)
+
+
+def _compile(name: str, folder: Path, key: str) -> ModuleType:
     """Compile with torch's JIT loader into `folder` and load the result."""
     from torch.utils import cpp_extension
 
@@ -186,7 +184,7 @@ def _compile(name: str, folder: Path) -> ModuleType:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.load(
         name=name,
-        sources=[str(CSRC_DIR / source) for source in SOURCES if not source.endswith("_kernels.cpp")] + _wrappers(folder),
+        sources=[str(path) for path in jit_sources(folder, key)],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC_DIR)],
@@ -195,12 +193,10 @@ def _compile(name: str, folder: Path) -> ModuleType:
     )
 
 
-def _build() -> ModuleType:
-    """Load the cached build of these sources, or build it (once across processes) and load it."""
-    missing = [name for name in SOURCES if not (CSRC_DIR / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"C++ sources not found in {CSRC_DIR}: {', '.join(missing)}")
-    key = build_key()
+def _jit_build(key: str, why: str) -> ModuleType:
+    """Load the JIT build of these sources from torch's cache, or build it (once across processes) and load it."""
+    if not native_build.glue_sources(CSRC_DIR):
+        raise FileNotFoundError(f"C++ sources not found in {CSRC_DIR}")
     name = f"{EXTENSION_NAME}_{key}"
     folder = build_directory(key)
     if _is_built(name, folder):
@@ -212,16 +208,28 @@ def _build() -> ModuleType:
         # file of torch's is left over from a killed build, and would make torch wait forever.
         with contextlib.suppress(FileNotFoundError):
             (folder / "lock").unlink()
-        _say(f"engine: building the C++ kernels (first use, ~30-60 s) into {folder}")
+        _say(f"engine: building the C++ kernels (first use, 1-4 min) into {folder}")
+        _say(f"engine: {why}; {INSTALL_HINT}")
         start = time.perf_counter()
         try:
-            module = _compile(name, folder)
+            module = _compile(name, folder, key)
         except BaseException:
             _say(f"engine: building the C++ kernels failed after {time.perf_counter() - start:.1f} s")
             raise
         (folder / DONE_MARKER).write_text(f"{name}\n")
         _say(f"engine: built the C++ kernels in {time.perf_counter() - start:.1f} s")
         return module
+
+
+def _build() -> ModuleType:
+    """The installed `engine._native` when it was built from csrc/, else the JIT build of csrc/."""
+    key = build_key() if CSRC_DIR.is_dir() else None
+    module, why = installed_build(key)
+    if module is not None:
+        return module
+    if key is None:
+        raise FileNotFoundError(f"{why}, and there is no csrc/ at {CSRC_DIR} to build it from; {INSTALL_HINT}")
+    return _jit_build(key, why)
 
 
 def _describe(err: BaseException) -> str:
@@ -232,25 +240,45 @@ def _describe(err: BaseException) -> str:
     return f"building the C++ extension {EXTENSION_NAME!r} failed: {text}"
 
 
-def _isa_from_env() -> str | None:
-    """ENGINE_ISA's kernel set ('portable' or 'avx512'), None when unset or 'auto'; a ValueError for another value."""
-    value = os.environ.get(ISA_ENV, "").strip().lower()
-    if value in ("", "auto"):
+# ------------------------------------------------------------------ instruction sets
+def _level(name: str) -> int:
+    return ISA_ORDER.index(name)
+
+
+def parse_isa(value: str, what: str = ISA_ENV) -> str | None:
+    """An ISA name as ENGINE_ISA gives it: one of ISA_ORDER, None for '' or 'auto'; a ValueError otherwise."""
+    name = value.strip().lower()
+    if name in ("", "auto"):
         return None
-    if value not in ISA_ORDER:
-        raise ValueError(f"{ISA_ENV}: expected one of {', '.join(ISA_ORDER)} or auto, got "
-                         f"{os.environ[ISA_ENV]!r}; unset it to use the best kernels this CPU runs")
-    return value
+    if name not in ISA_ORDER:
+        raise ValueError(f"{what}: expected one of {', '.join(ISA_ORDER)} or auto, got {value!r}"
+                         + ("; unset it to use the best kernels this CPU runs" if what == ISA_ENV else ""))
+    return name
+
+
+# The C++ module of before issue 28 says 'portable' for baseline and has no avx2 kernels; these two map its
+# names. Delete them when glue/module.cpp (baseline / avx2 / avx512) has landed.
+def _py_isa(name: str) -> str:
+    return "baseline" if name == "portable" else name
+
+
+def _cxx_isa(ext: ModuleType, name: str) -> str:
+    return "portable" if name == "baseline" and "portable" in ext.available_isas() else name
+
+
+def _machine_isas(ext: ModuleType) -> list[str]:
+    """The ISAs this CPU and build run, lowest first (the C++ module's CPUID answer, ENGINE_ISA not applied)."""
+    return sorted((_py_isa(name) for name in ext.available_isas()), key=_level)
 
 
 def _capped(module: ModuleType, cap: str | None) -> ModuleType:
-    """The loaded module with its kernel set capped at `cap`; a ValueError when the machine lacks it."""
+    """The loaded module running the best ISA at or below `cap`; a ValueError when the machine lacks `cap`."""
     if cap is not None:
-        have = list(module.available_isas())
-        if cap not in have:
-            raise ValueError(f"{ISA_ENV}={cap}: this CPU (or build) has no {cap} kernels (it runs: "
-                             f"{', '.join(have)}); set {ISA_ENV} to one of those or unset it")
-        module.set_isa(cap)
+        have = _machine_isas(module)
+        if _level(cap) > _level(have[-1]):
+            raise ValueError(f"{ISA_ENV}={cap}: this machine runs {', '.join(have)} (its CPU or this build has no "
+                             f"{cap} kernels); set {ISA_ENV} to one of those or unset it")
+        module.set_isa(_cxx_isa(module, max((n for n in have if _level(n) <= _level(cap)), key=_level)))
     return module
 
 
@@ -259,7 +287,7 @@ def _extension() -> ModuleType | None:
     if _module is None and _error is None:
         with _lock:
             if _module is None and _error is None:
-                cap = _isa_from_env()  # a bad ENGINE_ISA raises here, on every call, before anything loads
+                cap = parse_isa(os.environ.get(ISA_ENV, ""))  # a bad ENGINE_ISA raises here, every call, first
                 start = time.perf_counter()
                 try:
                     module = _build()
@@ -272,7 +300,7 @@ def _extension() -> ModuleType | None:
 
 
 def available() -> bool:
-    """True when the extension is built (building it on the first call)."""
+    """True when the extension is loaded (loading it, or building it with the JIT fallback, on the first call)."""
     return _extension() is not None
 
 
@@ -283,34 +311,43 @@ def why_unavailable() -> str:
 
 
 def _ext() -> ModuleType:
-    ext = _module if _module is not None else _extension()  # built: no call (this runs for every kernel call)
+    ext = _module if _module is not None else _extension()  # loaded: no call (this runs for every kernel call)
     if ext is None:
         raise RuntimeError(f"engine's C++ kernels are unavailable: {_error}")
     return ext
 
 
+def loaded_from() -> str:
+    """Which build runs: 'installed engine._native' or 'JIT build <library path>'."""
+    ext = _ext()
+    return f"installed {INSTALLED}" if ext.__name__ == INSTALLED else f"JIT build {ext.__file__}"
+
+
 def isa() -> str:
-    """The kernel set in use: 'avx512' or 'portable'."""
-    return _ext().isa()
+    """The instruction set the kernels run: 'baseline', 'avx2' or 'avx512'."""
+    return _py_isa(_ext().isa())
 
 
 def available_isas() -> list[str]:
-    """The kernel sets this CPU and build run, up to ENGINE_ISA's cap: ['portable'] or ['portable', 'avx512']."""
-    have = list(_ext().available_isas())
-    return have if _isa_cap is None else [name for name in have if ISA_ORDER.index(name) <= ISA_ORDER.index(_isa_cap)]
+    """The instruction sets this CPU and build run, up to ENGINE_ISA's cap, lowest first (on an AVX-512 x86-64
+    CPU ['baseline', 'avx2', 'avx512'])."""
+    have = _machine_isas(_ext())
+    return have if _isa_cap is None else [name for name in have if _level(name) <= _level(_isa_cap)]
 
 
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
-    """Run the kernels of `name` ('avx512', 'portable' or 'auto': the best allowed) inside the block."""
+    """Run the kernels of `name` ('baseline', 'avx2', 'avx512' or 'auto': the best allowed) inside the block."""
     ext = _ext()
-    previous = ext.isa()
-    if name == "auto" and _isa_cap is not None:
-        name = _isa_cap
-    elif name in ISA_ORDER and name not in available_isas():
-        raise ValueError(f"use_isa: {name!r} is not available here (available: {', '.join(available_isas())}"
+    wanted = parse_isa(name, "use_isa")
+    allowed = available_isas()
+    if wanted is None:
+        wanted = allowed[-1]
+    elif wanted not in allowed:
+        raise ValueError(f"use_isa: {name!r} is not available here (available: {', '.join(allowed)}"
                          + (f"; {ISA_ENV}={_isa_cap} caps them)" if _isa_cap is not None else ")"))
-    ext.set_isa(name)
+    previous = ext.isa()
+    ext.set_isa(_cxx_isa(ext, wanted))
     try:
         yield
     finally:
