@@ -1,8 +1,9 @@
-// The kernel interface shared by the portable and the AVX-512 implementations.
+// The FP8 cast kernels: a table of function pointers exported by every instruction-set variant of
+// cast/fp8_kernels.cpp (one source, compiled per level).
 //
 // Kernels work on raw pointers over a slice of the work (a range of elements, rows or
-// tiles) and never allocate or start threads: bindings.cpp checks arguments, allocates,
-// splits the work over OpenMP threads and picks the implementation for the CPU it runs on.
+// tiles) and never allocate or start threads: fp8_glue.cpp checks arguments, allocates,
+// splits the work over OpenMP threads and asks for fp8_kernels(active_isa()).
 #pragma once
 
 #include <cstdint>
@@ -52,7 +53,7 @@ struct Kernels {
   // caller quantizes is x^T, B x A): out[B x A], scale_inv[ceil(B/tile_rows) x
   // ceil(A/tile_cols)]. Handles the panel x rows [a0, a1) x cols [b0, b1); a0 is a multiple
   // of tile_cols, b0 of tile_rows, a panel holds whole tiles except at the edges, and it
-  // is at most 1024 columns wide (the AVX-512 version's limit).
+  // is at most 1024 columns wide.
   void (*block_transposed)(Src x, int64_t A, int64_t B, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0,
                            int64_t b1, uint8_t* out, float* scale_inv);
 
@@ -84,13 +85,7 @@ struct Kernels {
   void (*transpose_bytes)(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst);
 };
 
-// The portable implementation (any CPU) and the AVX-512 one (nullptr when it was not compiled in).
-const Kernels& portable_kernels();
-const Kernels* avx512_kernels();
-
-// The table of `isa` (transitional: the portable table below AVX-512).
-inline const Kernels& fp8_kernels(Isa isa) {
-  return isa == Isa::Avx512 && avx512_kernels() ? *avx512_kernels() : portable_kernels();
-}
+// fp8_kernels() in every variant namespace, and fp8_kernels(Isa) that picks one.
+ENGINE_ISA_VARIANTS(Kernels, fp8_kernels)
 
 }  // namespace engine_native

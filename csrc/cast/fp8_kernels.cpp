@@ -1,0 +1,416 @@
+// The FP8 cast kernels of cast/fp8.h, one source for every instruction-set level (compiled once per level
+// by a generated wrapper, see common/isa_begin.h). The per-element rules are fp8_vec.h's branch-free forms
+// of fp8_scalar.h's; the kernels are plain loops over rows and row segments of them, which the compiler
+// vectorises for the level, plus the blocking of the work: 64x64 regions for the transposing casts (a
+// 64x64 byte tile, transpose/byte_transpose.h), amax passes whose second (cast) pass re-reads the data
+// from L1/L2, and prefetches of the next unit while the current one is cast.
+//
+// Every scale, any value (0, negative, inf, NaN, subnormal), goes through the same rule: the code of the
+// fp32 product x * s (reference.cast_to_fp8), so no scale needs a separate path.
+#include "cast/fp8.h"
+#include "cast/fp8_vec.h"
+#include "transpose/byte_transpose.h"
+
+namespace engine_native {
+namespace ENGINE_ISA_NS {
+namespace {
+
+using namespace fp8v;
+
+constexpr int64_t kMx = 32;
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <typename T>
+T tmax(T a, T b) {
+  return a > b ? a : b;
+}
+
+// Dispatch of a kernel template over the input type and FP8 format (one instantiation each).
+#define FP8_DISPATCH(type, kind, call)                                                  \
+  switch (type) {                                                                       \
+    case InType::F32:                                                                   \
+      if (kind == Fp8Kind::E4M3) { constexpr InType T = InType::F32; constexpr Fp8Kind K = Fp8Kind::E4M3; call; } \
+      else { constexpr InType T = InType::F32; constexpr Fp8Kind K = Fp8Kind::E5M2; call; }                    \
+      break;                                                                            \
+    case InType::BF16:                                                                  \
+      if (kind == Fp8Kind::E4M3) { constexpr InType T = InType::BF16; constexpr Fp8Kind K = Fp8Kind::E4M3; call; } \
+      else { constexpr InType T = InType::BF16; constexpr Fp8Kind K = Fp8Kind::E5M2; call; }                   \
+      break;                                                                            \
+    default:                                                                            \
+      if (kind == Fp8Kind::E4M3) { constexpr InType T = InType::F16; constexpr Fp8Kind K = Fp8Kind::E4M3; call; } \
+      else { constexpr InType T = InType::F16; constexpr Fp8Kind K = Fp8Kind::E5M2; call; }                    \
+      break;                                                                            \
+  }
+
+// --------------------------------------------------------------------------------- amax
+template <InType T>
+uint32_t amax_key_t(const void* x, int64_t begin, int64_t end) {
+  return f32_key<T>(max_key<T>(at<T>(x, begin), end - begin));
+}
+
+uint32_t amax_key(const void* x, InType type, int64_t begin, int64_t end) {
+  switch (type) {
+    case InType::F32: return amax_key_t<InType::F32>(x, begin, end);
+    case InType::BF16: return amax_key_t<InType::BF16>(x, begin, end);
+    default: return amax_key_t<InType::F16>(x, begin, end);
+  }
+}
+
+// --------------------------------------------------------------------------- flat cast
+template <InType T, Fp8Kind K>
+uint32_t cast_t(const void* x, int64_t begin, int64_t end, float scale, uint8_t* out) {
+  return f32_key<T>(cast_keyed<T, K>(at<T>(x, begin), end - begin, scale, out + begin));
+}
+
+uint32_t cast(const void* x, InType type, int64_t begin, int64_t end, float scale, Fp8Kind kind, uint8_t* out) {
+  uint32_t key = 0;
+  FP8_DISPATCH(type, kind, (key = cast_t<T, K>(x, begin, end, scale, out)));
+  return key;
+}
+
+// ---------------------------------------------------------------------- cast transpose
+// One region of at most 64 x 64 at element `base` (row stride ld): rows cast with one scale into `out`
+// (row stride ld_out) and/or through a tile transposed into `out_t` (row stride ld_t); rows of the
+// region `next` elements further are prefetched meanwhile. Returns the region's max key.
+template <InType T, Fp8Kind K>
+raw_t<T> cast_region(const void* x, int64_t base, int64_t ld, int64_t rows, int64_t cols, float scale, uint8_t* out,
+                     int64_t ld_out, uint8_t* out_t, int64_t ld_t, int64_t next) {
+  alignas(64) uint8_t tile[64 * 64];
+  raw_t<T> key = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const raw_t<T>* row = at<T>(x, base + r * ld);
+    prefetch<T>(row + next, cols);
+    uint8_t* dst = out_t ? tile + 64 * r : out + r * ld_out;
+    key = tmax(key, cols == 64 ? cast_keyed<T, K>(row, 64, scale, dst) : cast_keyed<T, K>(row, cols, scale, dst));
+    if (out_t && out) std::memcpy(out + r * ld_out, dst, static_cast<size_t>(cols));
+  }
+  if (out_t) transpose::transpose64_store(tile, rows, cols, out_t, ld_t);
+  return key;
+}
+
+template <InType T, Fp8Kind K>
+uint32_t cast_transpose_t(Src x, int64_t M, int64_t Kc, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float scale,
+                          uint8_t* out, uint8_t* out_t) {
+  raw_t<T> key = 0;
+  for (int64_t r = r0; r < r1; r += 64) {
+    for (int64_t c = c0; c < c1; c += 64) {
+      const int64_t rows = imin(64, r1 - r), cols = imin(64, c1 - c);
+      // prefetch the next region to the right (or the start of the next row block)
+      const int64_t next = c + 64 < c1 ? 64 : 64 * x.ld + c0 - c;
+      key = tmax(key, cast_region<T, K>(x.data, r * x.ld + c, x.ld, rows, cols, scale, out ? out + r * Kc + c : nullptr,
+                                        Kc, out_t ? out_t + c * M + r : nullptr, M, next));
+    }
+  }
+  return f32_key<T>(key);
+}
+
+uint32_t cast_transpose_region(Src x, int64_t M, int64_t K, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                               float scale, Fp8Kind kind, uint8_t* out, uint8_t* out_t) {
+  uint32_t key = 0;
+  const int64_t Kc = K;
+  FP8_DISPATCH(x.type, kind, (key = cast_transpose_t<T, K>(x, M, Kc, r0, r1, c0, c1, scale, out, out_t)));
+  return key;
+}
+
+// -------------------------------------------------------------------- block scaling
+float tile_scale(uint32_t key, const ScaleRule& rule) { return compute_scale(key_to_amax(key), rule); }
+
+// Element offset from the current work unit to the next one the same thread takes (see fp8_glue.cpp): the
+// next unit along the row, or the first one of the next strip.
+inline int64_t next_unit_offset(int64_t c0, int64_t c1, int64_t c_end, int64_t rows, int64_t ld) {
+  return c1 < c_end ? c1 - c0 : rows * ld - c0;
+}
+
+// Up to 8 side-by-side tiles: rows [r0, r1), tile j = cols [c0 + j tile_cols, ...) cut at c_end. The amax
+// pass walks whole row segments (sequential reads), one key per tile; the cast pass re-reads the strip
+// from L1/L2 and prefetches the next group.
+template <InType T, Fp8Kind K>
+void block_tiles(Src x, int64_t r0, int64_t r1, int64_t c0, int64_t c_end, int64_t tile_cols, int n,
+                 const ScaleRule& rule, uint8_t* out, int64_t ld_out, float* scale_inv) {
+  raw_t<T> key[8] = {};
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int j = 0; j < n; ++j) {
+      const int64_t t0 = c0 + j * tile_cols, t1 = imin(c_end, t0 + tile_cols);
+      key[j] = tmax(key[j], max_key<T>(at<T>(x.data, r * x.ld + t0), t1 - t0));
+    }
+  }
+  float scale[8];
+  for (int j = 0; j < n; ++j) {
+    scale[j] = tile_scale(f32_key<T>(key[j]), rule);
+    scale_inv[j] = 1.0f / scale[j];
+  }
+  const int64_t c1 = imin(c_end, c0 + n * tile_cols);
+  const int64_t next = next_unit_offset(c0, c1, c_end, r1 - r0, x.ld);
+  for (int64_t r = r0; r < r1; ++r) {
+    prefetch<T>(at<T>(x.data, r * x.ld + c0 + next), c1 - c0);
+    for (int j = 0; j < n; ++j) {
+      const int64_t t0 = c0 + j * tile_cols, t1 = imin(c_end, t0 + tile_cols);
+      cast_run<T, K>(at<T>(x.data, r * x.ld + t0), t1 - t0, scale[j], out + r * ld_out + t0);
+    }
+  }
+}
+
+// Up to 16 whole 1x128 tiles of one row from element i: their amaxes, then their casts from L1.
+template <InType T, Fp8Kind K>
+void block_1x128_group(const void* x, int64_t i, int ntiles, const ScaleRule& rule, uint8_t* out, float* scale_inv) {
+  float scale[16];
+  for (int t = 0; t < ntiles; ++t) {
+    scale[t] = tile_scale(f32_key<T>(max_key<T>(at<T>(x, i + 128 * t), 128)), rule);
+    scale_inv[t] = 1.0f / scale[t];
+  }
+  prefetch<T>(at<T>(x, i + 128 * ntiles), 128 * ntiles);  // the next group, in a contiguous input
+  for (int t = 0; t < ntiles; ++t) cast_run<T, K>(at<T>(x, i + 128 * t), 128, scale[t], out + 128 * t);
+}
+
+template <InType T, Fp8Kind K>
+void block_rowwise_t(Src x, int64_t M, int64_t Kc, const BlockParams& p, int64_t t0, int64_t t1, uint8_t* out,
+                     float* scale_inv) {
+  const int64_t tiles_k = (Kc + p.tile_cols - 1) / p.tile_cols;
+  int64_t t = t0;
+  while (t < t1) {
+    const int64_t tr = t / tiles_k, tc = t % tiles_k;
+    const int64_t r0 = tr * p.tile_rows, c0 = tc * p.tile_cols;
+    if (p.tile_rows == 1 && p.tile_cols == 128) {
+      // whole tiles left in this row (and in this thread's range), in groups of 16
+      const int64_t whole = imin(Kc / 128 - tc, t1 - t);
+      if (whole > 0) {
+        const int n = static_cast<int>(imin(16, whole));
+        block_1x128_group<T, K>(x.data, r0 * x.ld + c0, n, p.rule, out + r0 * Kc + c0, scale_inv + t);
+        t += n;
+        continue;
+      }
+    }
+    // side-by-side tiles of this tile row: up to 8, and a strip of at most 256 KiB (the strip and the next
+    // one, prefetched during the cast pass, stay in L2)
+    const int64_t strip_cols = (256 * 1024) / (p.tile_rows * static_cast<int64_t>(sizeof(raw_t<T>)));
+    const int64_t group = imin(8, strip_cols >= p.tile_cols ? strip_cols / p.tile_cols : 1);
+    const int n = static_cast<int>(imin(group, imin(tiles_k - tc, t1 - t)));
+    block_tiles<T, K>(x, r0, imin(M, r0 + p.tile_rows), c0, Kc, p.tile_cols, n, p.rule, out, Kc, scale_inv + t);
+    t += n;
+  }
+}
+
+void block_rowwise(Src x, int64_t M, int64_t K, const BlockParams& p, int64_t t0, int64_t t1, uint8_t* out,
+                   float* scale_inv) {
+  const int64_t Kc = K;
+  FP8_DISPATCH(x.type, p.kind, (block_rowwise_t<T, K>(x, M, Kc, p, t0, t1, out, scale_inv)));
+}
+
+// Transposed input: the quantized tensor is y = x^T. A panel is x rows [a0, a1) (one tile along y's
+// columns) by x columns [b0, b1) (whole tiles along y's rows, at most kPanel; the glue runs the panels
+// down the rows first): the per-column amax of x over the panel, the scales, then 64x64 regions cast with
+// per-column scales and written transposed while the next panel is fetched into L2.
+constexpr int64_t kPanel = 1024;
+
+template <InType T, Fp8Kind K>
+void block_transposed_t(Src x, int64_t A, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+                        uint8_t* out, float* scale_inv) {
+  const int64_t tiles_a = (A + p.tile_cols - 1) / p.tile_cols;
+  const int64_t a_tile = a0 / p.tile_cols;
+  const int64_t width = b1 - b0;
+  alignas(64) raw_t<T> col_key[kPanel] = {};
+  alignas(64) float col_scale[kPanel];
+  for (int64_t a = a0; a < a1; ++a) max_keys_into<T>(at<T>(x.data, a * x.ld + b0), width, col_key);
+  for (int64_t c = 0; c < width; c += p.tile_rows) {
+    const int64_t n = imin(p.tile_rows, width - c);
+    raw_t<T> key = 0;
+    for (int64_t l = 0; l < n; ++l) key = tmax(key, col_key[c + l]);
+    const float scale = tile_scale(f32_key<T>(key), p.rule);
+    scale_inv[((b0 + c) / p.tile_rows) * tiles_a + a_tile] = 1.0f / scale;
+    for (int64_t l = 0; l < n; ++l) col_scale[c + l] = scale;
+  }
+  // the next panel (see fp8_glue.cpp): the next tile_cols rows, or the next column panel
+  const int64_t next = a1 < A ? (a1 - a0) * x.ld : width - a0 * x.ld;
+  alignas(64) uint8_t tile[64 * 64];
+  for (int64_t c = 0; c < width; c += 64) {
+    const int64_t cols = imin(64, width - c);
+    for (int64_t a = a0; a < a1; a += 64) {
+      const int64_t rows = imin(64, a1 - a);
+      for (int64_t r = 0; r < rows; ++r) {
+        const raw_t<T>* row = at<T>(x.data, (a + r) * x.ld + b0 + c);
+        prefetch<T>(row + next, cols);
+        if (cols == 64) {
+          cast_scaled<T, K>(row, 64, col_scale + c, tile + 64 * r);
+        } else {
+          cast_scaled<T, K>(row, cols, col_scale + c, tile + 64 * r);
+        }
+      }
+      transpose::transpose64_store(tile, rows, cols, out + (b0 + c) * A + a, A);
+    }
+  }
+}
+
+void block_transposed(Src x, int64_t A, int64_t B, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0,
+                      int64_t b1, uint8_t* out, float* scale_inv) {
+  (void)B;
+  FP8_DISPATCH(x.type, p.kind, (block_transposed_t<T, K>(x, A, p, a0, a1, b0, b1, out, scale_inv)));
+}
+
+// ----------------------------------------------------------------------------- MXFP8
+template <Fp8Kind K>
+uint8_t mx_code(uint32_t key, bool rceil) {
+  constexpr float kMax = K == Fp8Kind::E4M3 ? 448.0f : 57344.0f;
+  constexpr int kEmax = K == Fp8Kind::E4M3 ? 8 : 15;
+  const float amax = key_to_amax(key);
+  return rceil ? e8m0_rceil(amax, static_cast<float>(1.0 / kMax)) : e8m0_floor(amax, kEmax);
+}
+
+// 1x32 blocks along rows, rows [r0, r1): each block's amax, code and multiplier 2^(127 - code) (NaN for
+// code 255: every element then casts to the canonical NaN 0x7F), then its cast from L1.
+template <InType T, Fp8Kind K>
+void mx_rowwise_t(Src x, int64_t Kc, bool rceil, int64_t r0, int64_t r1, uint8_t* out, uint8_t* codes) {
+  const int64_t nb = (Kc + kMx - 1) / kMx;
+  for (int64_t r = r0; r < r1; ++r) {
+    const raw_t<T>* row = at<T>(x.data, r * x.ld);
+    prefetch<T>(row + x.ld, Kc);  // the next row
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t c0 = b * kMx, n = imin(kMx, Kc - c0);
+      const bool whole = n == kMx;
+      const uint8_t code = mx_code<K>(f32_key<T>(whole ? max_key<T>(row + c0, kMx) : max_key<T>(row + c0, n)), rceil);
+      codes[r * nb + b] = code;
+      const float s = e8m0_element_scale(code);
+      if (whole) {
+        cast_run<T, K>(row + c0, kMx, s, out + r * Kc + c0);
+      } else {
+        cast_run<T, K>(row + c0, n, s, out + r * Kc + c0);
+      }
+    }
+  }
+}
+
+void mx_rowwise(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t r0, int64_t r1, uint8_t* out,
+                uint8_t* codes) {
+  (void)M;
+  const int64_t Kc = K;
+  FP8_DISPATCH(x.type, kind, (mx_rowwise_t<T, K>(x, Kc, rceil, r0, r1, out, codes)));
+}
+
+// 32x1 blocks along columns, block-rows [br0, br1) x columns [c0, c1) (at most kMxColumns): the column
+// amaxes over the block's rows (row by row: sequential reads), the codes, then the rows cast with
+// per-column multipliers (data stays row-major) while the next unit is fetched into L2.
+constexpr int64_t kMxColumns = 512;
+
+template <InType T, Fp8Kind K>
+void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t br1, int64_t c0, int64_t c1,
+                  uint8_t* out, uint8_t* codes) {
+  const int64_t width = c1 - c0;
+  alignas(64) float col_scale[kMxColumns];
+  for (int64_t br = br0; br < br1; ++br) {
+    const int64_t r0 = br * kMx, r1 = imin(M, r0 + kMx);
+    alignas(64) raw_t<T> col_key[kMxColumns] = {};
+    for (int64_t r = r0; r < r1; ++r) max_keys_into<T>(at<T>(x.data, r * x.ld + c0), width, col_key);
+    for (int64_t c = 0; c < width; ++c) {
+      const uint8_t code = mx_code<K>(f32_key<T>(col_key[c]), rceil);
+      codes[br * Kc + c0 + c] = code;
+      col_scale[c] = e8m0_element_scale(code);
+    }
+    const int64_t next = next_unit_offset(c0, c1, Kc, kMx, x.ld);
+    for (int64_t r = r0; r < r1; ++r) {
+      const raw_t<T>* row = at<T>(x.data, r * x.ld + c0);
+      prefetch<T>(row + next, width);
+      cast_scaled<T, K>(row, width, col_scale, out + r * Kc + c0);
+    }
+  }
+}
+
+void mx_colwise(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t br0, int64_t br1, int64_t c0,
+                int64_t c1, uint8_t* out, uint8_t* codes) {
+  const int64_t Kc = K;
+  FP8_DISPATCH(x.type, kind, (mx_colwise_t<T, K>(x, M, Kc, rceil, br0, br1, c0, c1, out, codes)));
+}
+
+// ---------------------------------------------------------------------------- fp8 -> bf16
+template <Fp8Kind K>
+void fp8_to_bf16_t(const uint8_t* __restrict codes, int64_t n, uint16_t* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_word<K>(codes[i]);
+}
+
+void fp8_to_bf16(const uint8_t* codes, Fp8Kind kind, int64_t begin, int64_t end, uint16_t* out) {
+  if (kind == Fp8Kind::E4M3) return fp8_to_bf16_t<Fp8Kind::E4M3>(codes + begin, end - begin, out + begin);
+  fp8_to_bf16_t<Fp8Kind::E5M2>(codes + begin, end - begin, out + begin);
+}
+
+// scale_bf16_loop / scale_bf16_runs_loop of fp8_scalar.h: branch-free loops, vectorised here for the level.
+void scale_bf16(uint16_t* x, const float* s, int64_t n, int64_t run) {
+  if (run == 1) {
+    scale_bf16_loop(x, s, n);
+  } else {
+    scale_bf16_runs_loop(x, s, n, run);
+  }
+}
+
+// Decode and scale in one pass: each run of `run` codes with its scale.
+template <Fp8Kind K>
+void fp8_to_bf16_scaled_t(const uint8_t* __restrict codes, int64_t n, uint16_t* __restrict out,
+                          const float* __restrict s, int64_t run) {
+  if (run == 1) {
+    for (int64_t i = 0; i < n; ++i) out[i] = scaled_bf16(bf16_word<K>(codes[i]), s[i]);
+    return;
+  }
+  for (int64_t i = 0, t = 0; i < n; i += run, ++t) {
+    const float st = s[t];
+    const int64_t len = imin(run, n - i);
+    for (int64_t j = 0; j < len; ++j) out[i + j] = scaled_bf16(bf16_word<K>(codes[i + j]), st);
+  }
+}
+
+void fp8_to_bf16_scaled(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const float* s, int64_t run) {
+  if (kind == Fp8Kind::E4M3) return fp8_to_bf16_scaled_t<Fp8Kind::E4M3>(codes, n, out, s, run);
+  fp8_to_bf16_scaled_t<Fp8Kind::E5M2>(codes, n, out, s, run);
+}
+
+// The decoded word plus adds[i] where the code is finite and nonzero (magnitudes 1 .. first special - 1).
+template <Fp8Kind K>
+void fp8_to_bf16_shifted_t(const uint8_t* __restrict codes, int64_t n, uint16_t* __restrict out,
+                           const int16_t* __restrict adds) {
+  constexpr uint32_t kSpecial = K == Fp8Kind::E4M3 ? 0x7F : 0x7C;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t w = bf16_word<K>(codes[i]);
+    const uint32_t live_minus_1 = static_cast<uint32_t>(codes[i] & 0x7Fu) - 1u;  // wraps for 0
+    const uint32_t add = static_cast<uint16_t>(adds[i]);
+    out[i] = static_cast<uint16_t>(w + pick(live_minus_1 < kSpecial - 1u, add, 0u));
+  }
+}
+
+void fp8_to_bf16_shifted(const uint8_t* codes, Fp8Kind kind, int64_t n, uint16_t* out, const int16_t* adds) {
+  if (kind == Fp8Kind::E4M3) return fp8_to_bf16_shifted_t<Fp8Kind::E4M3>(codes, n, out, adds);
+  fp8_to_bf16_shifted_t<Fp8Kind::E5M2>(codes, n, out, adds);
+}
+
+// ------------------------------------------------------------------------ byte transpose
+// 64 x 64 tiles: each copied (zero past the edges) into an aligned buffer, then transposed.
+void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst) {
+  alignas(64) uint8_t tile[64 * 64];
+  for (int64_t r = r0; r < r1; r += 64) {
+    const int64_t nr = imin(64, r1 - r);
+    for (int64_t c = 0; c < cols; c += 64) {
+      const int64_t nc = imin(64, cols - c);
+      for (int64_t i = 0; i < 64; ++i) {
+        if (i < nr && nc == 64) {
+          std::memcpy(tile + 64 * i, src + (r + i) * cols + c, 64);
+        } else {
+          std::memset(tile + 64 * i, 0, 64);
+          if (i < nr) std::memcpy(tile + 64 * i, src + (r + i) * cols + c, static_cast<size_t>(nc));
+        }
+      }
+      transpose::transpose64_store(tile, nr, nc, dst + c * rows + r, rows);
+    }
+  }
+}
+
+#define FP8_STR2(x) #x
+#define FP8_STR(x) FP8_STR2(x)
+
+}  // namespace
+
+const Kernels& fp8_kernels() {
+  static const Kernels k = {FP8_STR(ENGINE_ISA_NS), amax_key,   cast,       cast_transpose_region,
+                            block_rowwise,          block_transposed, mx_rowwise, mx_colwise,
+                            fp8_to_bf16,            scale_bf16, fp8_to_bf16_scaled, fp8_to_bf16_shifted,
+                            transpose_bytes};
+  return k;
+}
+
+}  // namespace ENGINE_ISA_NS
+}  // namespace engine_native

@@ -1,0 +1,194 @@
+// The per-element rules of the FP8 cast kernels (fp8_kernels.cpp), branch-free so that the loops over
+// them vectorise at every instruction-set level: the compiler widens bf16 / fp16 to fp32 lanes and narrows
+// the 32-bit codes to bytes with each level's own instructions (GCC 12 lowers such width changes well in
+// loops, poorly on generic vectors wider than the registers). They give the bits of fp8_scalar.h's
+// reference rules: fp32_to_fp8, the exact input conversions, fp8_to_bf16_bits.
+//
+// Include only from a `*_kernels.cpp` (after isa_begin.h): everything is in the variant's namespace.
+#pragma once
+
+#ifndef ENGINE_ISA_NS
+#error "cast/fp8_vec.h is for *_kernels.cpp sources (compiled per instruction set)"
+#endif
+
+#include "common/fp8_scalar.h"
+
+namespace engine_native {
+namespace ENGINE_ISA_NS {
+namespace fp8v {
+
+// Hot helpers must be inlined into the loops that use them (the loops are what vectorises).
+#define FP8_LANE inline __attribute__((always_inline))
+
+// m ? a : b with masks (a `?:` on values of this width is sometimes kept as a branch, which stops the
+// vectoriser: "control flow in loop").
+FP8_LANE uint32_t pick(bool m, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(m);
+  return (a & mask) | (b & ~mask);
+}
+
+FP8_LANE uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+FP8_LANE float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ------------------------------------------------------------------------- fp32 -> FP8
+// The FP8 code of p, saturating, ties to even, as fp32_to_fp8: NaN (any sign) -> 0x7F, +-inf -> +-max.
+// With c = min(|p|, max) and E' = max(exponent field of c, kMinExpField) (the smallest normal's):
+//   M = 2^(E' - 127 + 23 - kMant) + j ulp(M),  j = (E' - kMinExpField) << kMant   (M's bits below)
+//   s = c + M      the fp32 add rounds c to a multiple of ulp(M) = the FP8 ulp at c, ties to even (j is
+//                  even, so the tie parity is c's own)
+//   code = the low 23 bits of s = j + round(c / ulp(M))
+// The low bits count FP8 ulps from the binade's start and j adds the binade's exponent field, so FP8
+// subnormals (E' = kMinExpField, j = 0) come out right and no fp32 subnormal is ever produced. M's bits are
+// two shifts and adds of E' (no table). Needs round to nearest (the glue's DefaultFpEnv).
+template <Fp8Kind K>
+struct Fp8Lane {
+  static constexpr uint32_t kMant = K == Fp8Kind::E4M3 ? 3 : 2;
+  static constexpr uint32_t kMaxBits = K == Fp8Kind::E4M3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
+  static constexpr uint32_t kMinExpField = K == Fp8Kind::E4M3 ? 121 : 113;              // 2^(1 - bias)
+};
+
+template <Fp8Kind K>
+FP8_LANE uint32_t fp8_code(float p) {
+  using C = Fp8Lane<K>;
+  const uint32_t u = bits_of(p);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  const uint32_t c = mag < C::kMaxBits ? mag : C::kMaxBits;  // integer order is |value| order; NaN: below
+  uint32_t field = c >> 23;
+  field = field < C::kMinExpField ? C::kMinExpField : field;
+  const uint32_t m = ((field + 23u - C::kMant) << 23) + ((field - C::kMinExpField) << C::kMant);
+  const uint32_t code = (bits_of(float_of(c) + float_of(m)) & 0x7FFFFFu) | ((u >> 24) & 0x80u);
+  return pick(mag > 0x7F800000u, 0x7Fu, code);
+}
+
+// ---------------------------------------------------------------------------- inputs
+// The raw element of an input type: fp32 bits, or the 16-bit word of bf16 / fp16.
+template <InType T>
+using raw_t = std::conditional_t<T == InType::F32, uint32_t, uint16_t>;
+
+// |x| bits: ordered like the magnitudes, NaN above everything (the amax "key", in the input's width).
+template <InType T>
+FP8_LANE raw_t<T> key_of(raw_t<T> r) {
+  return static_cast<raw_t<T>>(r & (T == InType::F32 ? 0x7FFFFFFFu : 0x7FFFu));
+}
+
+// IEEE half -> fp32, exact (f16_to_f32): normal and special values rebias the exponent field (+112, and
+// +112 again for inf / NaN, keeping the payload), subnormals are their integer mantissa times 2^-24.
+FP8_LANE float f16_value(uint16_t h) {
+  const uint32_t w = h;
+  const uint32_t em = w & 0x7FFFu;
+  const uint32_t normal = (em << 13) + (112u << 23);
+  const uint32_t special = normal + (112u << 23);
+  const uint32_t sub = bits_of(static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-08f);  // 2^-24
+  const uint32_t r = pick(em >= 0x7C00u, special, pick(em < 0x400u, sub, normal));
+  return float_of(r | ((w & 0x8000u) << 16));
+}
+
+template <InType T>
+FP8_LANE float value_of(raw_t<T> r) {
+  if constexpr (T == InType::F32) {
+    return float_of(r);
+  } else if constexpr (T == InType::BF16) {
+    return float_of(static_cast<uint32_t>(r) << 16);
+  } else {
+    return f16_value(r);
+  }
+}
+
+// The fp32 amax key (abs_key's) of a key in the input's width.
+template <InType T>
+FP8_LANE uint32_t f32_key(raw_t<T> k) {
+  return bits_of(value_of<T>(k)) & 0x7FFFFFFFu;
+}
+
+template <InType T>
+FP8_LANE const raw_t<T>* at(const void* base, int64_t i) {
+  return static_cast<const raw_t<T>*>(base) + i;
+}
+
+// ------------------------------------------------------------------------------ loops
+// max key of x[0, n).
+template <InType T>
+FP8_LANE raw_t<T> max_key(const raw_t<T>* __restrict x, int64_t n) {
+  raw_t<T> key = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const raw_t<T> k = key_of<T>(x[i]);
+    key = key > k ? key : k;
+  }
+  return key;
+}
+
+// acc[i] = max(acc[i], key of x[i]) for i < n: column maxima, one row at a time.
+template <InType T>
+FP8_LANE void max_keys_into(const raw_t<T>* __restrict x, int64_t n, raw_t<T>* __restrict acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const raw_t<T> k = key_of<T>(x[i]);
+    acc[i] = acc[i] > k ? acc[i] : k;
+  }
+}
+
+// out[i] = fp8(x[i] * s) for i < n; returns the max key of x[0, n).
+template <InType T, Fp8Kind K>
+FP8_LANE raw_t<T> cast_keyed(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out) {
+  raw_t<T> key = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const raw_t<T> r = x[i];
+    const raw_t<T> k = key_of<T>(r);
+    key = key > k ? key : k;
+    out[i] = static_cast<uint8_t>(fp8_code<K>(value_of<T>(r) * s));
+  }
+  return key;
+}
+
+// out[i] = fp8(x[i] * s) for i < n.
+template <InType T, Fp8Kind K>
+FP8_LANE void cast_run(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(fp8_code<K>(value_of<T>(x[i]) * s));
+}
+
+// out[i] = fp8(x[i] * s[i]) for i < n (per-column scales).
+template <InType T, Fp8Kind K>
+FP8_LANE void cast_scaled(const raw_t<T>* __restrict x, int64_t n, const float* __restrict s,
+                          uint8_t* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(fp8_code<K>(value_of<T>(x[i]) * s[i]));
+}
+
+// Asks for the cache lines of x[0, n) (into L2): the kernels fetch their next work unit while they cast
+// the current one (strided walks over 64-row regions have too many streams for the hardware prefetchers).
+template <InType T>
+FP8_LANE void prefetch(const raw_t<T>* x, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(x);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(raw_t<T>)); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+// ------------------------------------------------------------------------- FP8 -> bf16
+// fp8_to_bf16_bits, branch-free: normal codes rebias the exponent field; subnormals are their integer
+// mantissa times the smallest subnormal (an exact fp32 product, whose top half is the bf16 word).
+template <Fp8Kind K>
+FP8_LANE uint16_t bf16_word(uint8_t code) {
+  constexpr uint32_t kMant = K == Fp8Kind::E4M3 ? 3 : 2;
+  constexpr uint32_t kBias = K == Fp8Kind::E4M3 ? 7 : 15;
+  constexpr float kUnit = K == Fp8Kind::E4M3 ? 0.001953125f : 1.52587890625e-05f;  // 2^-9, 2^-16
+  const uint32_t mag = code & 0x7Fu;
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 8;
+  const uint32_t normal = (mag << (7 - kMant)) + ((127u - kBias) << 7);
+  const uint32_t sub = bits_of(static_cast<float>(static_cast<int32_t>(mag)) * kUnit) >> 16;
+  uint32_t w = sign | pick(mag < (1u << kMant), sub, normal);
+  if constexpr (K == Fp8Kind::E4M3) {
+    w = pick(mag == 0x7Fu, 0x7FC0u, w);
+  } else {
+    w = pick(mag >= 0x7Cu, pick(mag == 0x7Cu, sign | 0x7F80u, 0x7FC0u), w);
+  }
+  return static_cast<uint16_t>(w);
+}
+
+}  // namespace fp8v
+}  // namespace ENGINE_ISA_NS
+}  // namespace engine_native
