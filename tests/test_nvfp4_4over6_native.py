@@ -1,5 +1,5 @@
 """The C++ NVFP4 kernel with 4over6 (`engine.ops.native.quantize_nvfp4(four_over_six=True, ...)`) against the
-reference, bit for bit (codes, E4M3 scales, amaxes; NaN bits included), at each ISA the machine has
+reference, bit for bit (codes, E4M3 scales, amaxes; NaN bits included), at each kernel set the machine has
 (baseline, avx2, avx512): on every input of TE's fixture (the near ties there pin the order of the fp32 operations)
 and on the edge cases of tests/nvfp4_4over6_cases.py in each dtype under options reaching every value of every
 option; across threads; and the refusals, by the wrapper and by the extension itself. The default (4over6 off)
@@ -13,7 +13,7 @@ import torch
 
 from engine.ops import native, nvfp4
 from tests.nvfp4_4over6_cases import DTYPES, OPTIONS, edge_inputs, fixture_cases, mismatches, quantize_kwargs
-from tests.test_native import ISAS
+from tests.test_nvfp4_native import ISAS
 
 
 @pytest.fixture(params=ISAS)
@@ -100,11 +100,11 @@ def test_the_extension_checks_its_arguments_too(kw, match):
     """The binding itself (what a caller past the wrapper reaches) refuses bad 4over6 values, RHT and a counter."""
     ext = native._ext()
     x = torch.randn(16, 32)
-    args = (x, True, True, False, False, None, None, None, ext.isa())
+    args = (x, True, True, False, False, None, None, None)
     with pytest.raises(ValueError, match=match):
         ext.quantize_nvfp4(*args, **kw)
     with pytest.raises(ValueError, match="four_over_six and rht"):
-        ext.quantize_nvfp4(x, False, True, False, True, None, None, None, ext.isa(), four_over_six=True)
+        ext.quantize_nvfp4(x, False, True, False, True, None, None, None, four_over_six=True)
     with pytest.raises(ValueError, match="four_over_six and stochastic rounding"):
-        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.tensor([1, 0]), ext.isa(),
+        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.tensor([1, 0]),
                            four_over_six=True)

@@ -4,7 +4,7 @@ Bit for bit with `engine.ops.nvfp4.quantize` (data, E4M3 scales, amaxes; NaN inc
 combination of usages x 2D tiles x RHT x stochastic rounding x given amaxes, on random data with
 outliers and the edge cases (zeros, all-zero blocks, subnormal and zero block scales, +-max, inf, NaN,
 odd and empty shapes, 3D input, exact ties of E2M1, E4M3 and the RHT's bf16 rounding), on both kernel
-sets (every ISA the machine runs: tests/test_native.py's ISAS). Stochastic rounding: the same bits as `nvfp4_sr.random_bits` for the same
+levels of the machine (baseline, avx2, avx512). Stochastic rounding: the same bits as `nvfp4_sr.random_bits` for the same
 counter, and the counter advanced alike. Bad arguments get errors naming them.
 """
 
@@ -23,10 +23,13 @@ from engine.ops import native, nvfp4, registry
 from engine.quantizers import NVFP4Quantizer
 from engine.schemes import SCHEMES
 from tests.nvfp4_4over6_cases import FIELDS, mismatches, raw
-from tests.test_native import ISAS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RHT_SCHEME, PLAIN_SCHEME = SCHEMES["nvfp4_rht_e2m1"], SCHEMES["nvfp4_e2m1"]
+
+
+# every instruction-set level this machine runs (each has its own compiled copy of the kernels)
+ISAS = tuple(native.available_isas()) if native.available() else ("baseline",)
 
 
 @pytest.fixture(params=ISAS)
@@ -396,15 +399,12 @@ def test_bad_arguments_are_refused_with_their_name(call, error, match):
 
 def test_the_extension_checks_its_arguments_too():
     ext = native._ext()
-    isa = ext.isa()  # the module's own name of its ISA
     x = torch.randn(32, 32)
     with pytest.raises(TypeError, match="counter"):
-        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.zeros(2, dtype=torch.int32), isa)
+        ext.quantize_nvfp4(x, True, True, False, False, None, None, torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError, match="amax: expected a float32"):
-        ext.quantize_nvfp4(x, True, True, False, False, torch.ones(1, dtype=torch.float64), None, None, isa)
+        ext.quantize_nvfp4(x, True, True, False, False, torch.ones(1, dtype=torch.float64), None, None)
     with pytest.raises(ValueError, match="x: expected the 2D view"):
-        ext.quantize_nvfp4(x[None], True, True, False, False, None, None, None, isa)
+        ext.quantize_nvfp4(x[None], True, True, False, False, None, None, None)
     with pytest.raises(ValueError, match="multiple of 16"):
-        ext.quantize_nvfp4(x[:5], True, True, False, True, None, None, None, isa)
-    with pytest.raises(ValueError, match="isa"):
-        ext.quantize_nvfp4(x, True, True, False, False, None, None, None, "sse9")
+        ext.quantize_nvfp4(x[:5], True, True, False, True, None, None, None)

@@ -78,7 +78,7 @@ def test_wrong_buffers_are_refused_with_their_name(name):
 def test_the_extension_checks_the_buffers_too():
     ext = native._ext()
     x = _input(32, 64)
-    args = (x, True, True, False, False, None, None, None, ext.isa())
+    args = (x, True, True, False, False, None, None, None)
     with pytest.raises(ValueError, match=r"out_row_data: expected shape \[32, 32\]"):
         ext.quantize_nvfp4(*args, out_row_data=torch.empty(32, 33, dtype=torch.uint8))
     with pytest.raises(TypeError, match="out_col_scales: expected a uint8"):
@@ -86,7 +86,7 @@ def test_the_extension_checks_the_buffers_too():
     with pytest.raises(ValueError, match="out_col_data: expected a contiguous"):
         ext.quantize_nvfp4(*args, out_col_data=torch.empty(16, 64, dtype=torch.uint8).t())
     with pytest.raises(ValueError, match=r"out_row_scales: expected shape \[0, 0\]"):  # a usage not asked for
-        ext.quantize_nvfp4(x, False, True, False, False, None, None, None, ext.isa(),
+        ext.quantize_nvfp4(x, False, True, False, False, None, None, None,
                            out_row_scales=torch.empty(32, 4, dtype=torch.uint8))
     # memory shared with x, or with another output
     on_x = x.view(torch.uint8).view(-1)[: 32 * 32].view(32, 32)

@@ -1,9 +1,11 @@
-// NVFP4 quantize kernels (nvfp4_kernels.h): the job the torch glue (kernels_nvfp4.cpp) hands them, and
-// their two builds, portable and AVX-512 (kernels_nvfp4_avx512.cpp, chosen at run time). The numerics are
-// those of engine/ops/nvfp4.py and engine/ops/nvfp4_sr.py. No torch here: the kernel files include only this.
+// NVFP4 quantize kernels (nvfp4_kernels.cpp, compiled once per instruction-set level): the job the torch glue
+// (nvfp4_glue.cpp) hands them and the table of entry points each level exports. The numerics are those of
+// engine/ops/nvfp4.py and engine/ops/nvfp4_sr.py. No torch here: the kernel source includes only this.
 #pragma once
 
 #include <cstdint>
+
+#include "common/isa.h"
 
 namespace engine_native {
 
@@ -30,20 +32,17 @@ struct Nvfp4Job {
 
 constexpr int64_t kNvfp4Block = 16;
 constexpr int64_t kNvfp4TileCols = 128;  // a multiple of 16; a tile is 16 rows x kNvfp4TileCols columns of x
-constexpr int64_t kNvfp4BandStrips = 8;  // the AVX-512 quantize pass writes the columnwise usage by bands of 8
-                                         // strips of 16 rows (a 64-byte line of each column's packed data)
+constexpr int64_t kNvfp4BandStrips = 8;  // the quantize pass writes the columnwise usage by bands of 8 strips of
+                                         // 16 rows (a 64-byte line of each column's packed data)
 
-// Maxima over tiles [u0, u1) of the row-major grid ceil(M/16) x ceil(K/kNvfp4TileCols), as |value| bits (a
-// NaN above every number): of x (`x_key`, when set) and of the RHT output of x^T (`rht_key`, when set).
-// Quantizes the same tiles with the amaxes in the job.
-namespace nvfp4_portable {
-void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key);
-void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1);
-}  // namespace nvfp4_portable
-namespace nvfp4_avx512 {
-bool compiled();  // false where the compiler or architecture has no AVX-512 build
-void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key);
-void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1);
-}  // namespace nvfp4_avx512
+// The entry points of one level, over tiles [u0, u1) of the row-major grid ceil(M/16) x ceil(K/kNvfp4TileCols):
+// `amax_tiles` the maxima, as |value| bits (a NaN above every number), of x (into `x_key`, when set) and of the
+// RHT output of x^T (`rht_key`, when set); `quantize_tiles` the asked usages with the amaxes in the job.
+struct Nvfp4Kernels {
+  void (*amax_tiles)(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key);
+  void (*quantize_tiles)(const Nvfp4Job& job, int64_t u0, int64_t u1);
+};
+
+ENGINE_ISA_VARIANTS(Nvfp4Kernels, nvfp4_kernels)
 
 }  // namespace engine_native

@@ -6,7 +6,7 @@
 //           d_i = ((e2m1_value(q_i) * float(s_k)) * amax) / (6 * E) - x_i; 16x16 tiles: the 16 row errors by
 //           the tree (r_i + r_{i+8}), (.. + .._{i+4}), (.. + .._{i+2}), c_0 + c_1
 //   map-to-4 kept iff err_4 < err_6.
-// Included by nvfp4_kernels.h inside its namespaces (it declares none): it uses that file's vectors, element
+// Included by nvfp4_kernels.cpp inside its namespaces (it declares none): it uses that file's vectors, element
 // rules and tiles. Blocks are processed 16 at a time, one per lane, their elements stored element-major
 // (v[p * ld + lane]: element p of the block in lane `lane`, p in the order the errors are summed): a tile's
 // columns are that already (the columnwise usage); the rowwise usage transposes each row's blocks first.
@@ -26,9 +26,9 @@ inline Scale46 scale_46(float amax, float e4m3_max) {
 
 // Both candidates of 16 blocks, one per lane.
 struct Pair16 {
-  U16 s4, s6;      // E4M3 scale codes
-  F16 err4, err6;  // errors (of the row of the block)
-  U16 code4[16], code6[16];  // E2M1 codes of element p
+  u32x16 s4, s6;      // E4M3 scale codes
+  f32x16 err4, err6;  // errors (of the row of the block)
+  u32x16 code4[16], code6[16];  // E2M1 codes of element p
 };
 
 // The code of element x under a candidate (factor enc, scale value sf), and its error term. The E2M1 rounding is
@@ -37,35 +37,35 @@ struct Pair16 {
 // magnitudes, |((mag * sf) * amax) / (6E) - |x||: the same bits as with the signed value (round-to-nearest is
 // symmetric; a product that underflows to -0 has magnitude 0, code 0, as TE's +0).
 template <bool MSE>
-NVFP4_INLINE F16 element46(F16 x, F16 ax, F16 enc, F16 sf, const Scale46& sc, U16& code) {
-  const F16 y = x * enc;
-  const U16 mag = (U16)y & 0x7FFFFFFFu;
-  const U16 c = sel(mag < 0x40C00000u, mag, U16{} + 0x40C00000u);  // min(|y|, 6); NaN: 6, code zeroed below
-  const U16 field = vmax(c >> 23, U16{} + 127u);
-  const F16 magic = (F16)(((field + 22u) << 23) + ((field - 127u) << 1));
-  const F16 rounded = (F16)c + magic;
-  code = (((U16)rounded & 7u) | ((U16)(y < 0.0f) & 8u)) & ~(U16)(mag > 0x7F800000u);
-  const F16 d = (((rounded - magic) * sf) * sc.amax) / sc.denom - ax;
-  return MSE ? d * d : (F16)((U16)d & 0x7FFFFFFFu);
+ENGINE_VEC_INLINE f32x16 element46(f32x16 x, f32x16 ax, f32x16 enc, f32x16 sf, const Scale46& sc, u32x16& code) {
+  const f32x16 y = x * enc;
+  const u32x16 mag = (u32x16)y & 0x7FFFFFFFu;
+  const u32x16 c = vec::select(mag < 0x40C00000u, mag, u32x16{} + 0x40C00000u);  // min(|y|, 6); NaN: 6, code zeroed below
+  const u32x16 field = vec::max(c >> 23, u32x16{} + 127u);
+  const f32x16 magic = (f32x16)(((field + 22u) << 23) + ((field - 127u) << 1));
+  const f32x16 rounded = (f32x16)c + magic;
+  code = (((u32x16)rounded & 7u) | ((u32x16)(y < 0.0f) & 8u)) & ~(u32x16)(mag > 0x7F800000u);
+  const f32x16 d = (((rounded - magic) * sf) * sc.amax) / sc.denom - ax;
+  return MSE ? d * d : (f32x16)((u32x16)d & 0x7FFFFFFFu);
 }
 
 // Both candidates of 16 blocks with amax keys `key` (|x| bits), their elements at v[p * ld] (p = 0..15): the errors
 // summed in element order.
 template <bool MSE>
-NVFP4_INLINE void candidates16(const float* __restrict v, int64_t ld, U16 key, const Scale46& sc, Pair16& out) {
-  const F16 base = ((F16)key / 6.0f) * sc.s_enc;
-  out.s4 = e4m3_code<F16, U16>(base * 1.5f);
-  out.s6 = e4m3_code<F16, U16>(base);
-  const F16 sf4 = e4m3_value<F16, U16>(out.s4), sf6 = e4m3_value<F16, U16>(out.s6);
-  const F16 flt_max = F16{} + kFltMax;
-  F16 enc4 = 1.0f / (sf4 * sc.s_dec), enc6 = 1.0f / (sf6 * sc.s_dec);
-  enc4 = fsel<F16, U16>(enc4 > kFltMax, flt_max, enc4);  // a NaN stays NaN
-  enc6 = fsel<F16, U16>(enc6 > kFltMax, flt_max, enc6);
-  F16 err4 = {}, err6 = {};
+ENGINE_VEC_INLINE void candidates16(const float* __restrict v, int64_t ld, u32x16 key, const Scale46& sc, Pair16& out) {
+  const f32x16 base = ((f32x16)key / 6.0f) * sc.s_enc;
+  out.s4 = e4m3_code<f32x16, u32x16>(base * 1.5f);
+  out.s6 = e4m3_code<f32x16, u32x16>(base);
+  const f32x16 sf4 = e4m3_value<f32x16, u32x16>(out.s4), sf6 = e4m3_value<f32x16, u32x16>(out.s6);
+  const f32x16 flt_max = f32x16{} + kFltMax;
+  f32x16 enc4 = 1.0f / (sf4 * sc.s_dec), enc6 = 1.0f / (sf6 * sc.s_dec);
+  enc4 = vec::select(enc4 > kFltMax, flt_max, enc4);  // a NaN stays NaN
+  enc6 = vec::select(enc6 > kFltMax, flt_max, enc6);
+  f32x16 err4 = {}, err6 = {};
 #pragma GCC unroll 16
   for (int p = 0; p < 16; ++p) {
-    const F16 x = vload<F16>(v + p * ld);
-    const F16 ax = (F16)((U16)x & 0x7FFFFFFFu);
+    const f32x16 x = vec::load<f32x16>(v + p * ld);
+    const f32x16 ax = (f32x16)((u32x16)x & 0x7FFFFFFFu);
     err4 = err4 + element46<MSE>(x, ax, enc4, sf4, sc, out.code4[p]);
     err6 = err6 + element46<MSE>(x, ax, enc6, sf6, sc, out.code6[p]);
   }
@@ -84,15 +84,15 @@ inline float tree16(const float* r, int64_t stride) {
 
 // The kept candidate of each lane (pick4: all-ones lanes keep map-to-4): scale codes, and the codes packed
 // 8 bytes per lane (element 2i in the low nibble of byte i).
-NVFP4_INLINE U16 keep16(const Pair16& c, U16 pick4, uint64_t* __restrict words) {
-  U16 lo = {}, hi = {};
+ENGINE_VEC_INLINE u32x16 keep16(const Pair16& c, u32x16 pick4, uint64_t* __restrict words) {
+  u32x16 lo = {}, hi = {};
 #pragma GCC unroll 8
   for (int p = 0; p < 8; ++p) {
-    lo |= sel(pick4, c.code4[p], c.code6[p]) << static_cast<uint32_t>(4 * p);
-    hi |= sel(pick4, c.code4[p + 8], c.code6[p + 8]) << static_cast<uint32_t>(4 * p);
+    lo |= vec::select(pick4, c.code4[p], c.code6[p]) << static_cast<uint32_t>(4 * p);
+    hi |= vec::select(pick4, c.code4[p + 8], c.code6[p + 8]) << static_cast<uint32_t>(4 * p);
   }
   for (int l = 0; l < 16; ++l) words[l] = static_cast<uint64_t>(lo[l]) | (static_cast<uint64_t>(hi[l]) << 32);
-  return sel(pick4, c.s4, c.s6);
+  return vec::select(pick4, c.s4, c.s6);
 }
 
 // The rowwise usage of a tile: 1x16 blocks (or the 16x16 tiles' rows) of each row. Lane 8i + j: block j of row i.
@@ -112,14 +112,14 @@ void rowwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__rest
   if (job.two_d) {
     for (int64_t n = 0; n < kLanes; ++n) keys[n] = tile_keys[n % kBlocks];
   } else {
-    for (int64_t n = 0; n < kLanes; n += 16) vstore(keys + n, block_maxima(&t[0][0] + n * kB));
+    for (int64_t n = 0; n < kLanes; n += 16) vec::store(keys + n, block_maxima(&t[0][0] + n * kB));
   }
   Pair16 c[kLanes / 16];
   alignas(64) float err4[kLanes], err6[kLanes];
   for (int64_t g = 0; g < kLanes / 16; ++g) {
-    candidates16<MSE>(&v[0][16 * g], kLanes, vload<U16>(keys + 16 * g), sc, c[g]);
-    vstore(err4 + 16 * g, c[g].err4);
-    vstore(err6 + 16 * g, c[g].err6);
+    candidates16<MSE>(&v[0][16 * g], kLanes, vec::load<u32x16>(keys + 16 * g), sc, c[g]);
+    vec::store(err4 + 16 * g, c[g].err4);
+    vec::store(err6 + 16 * g, c[g].err6);
   }
   alignas(64) uint32_t pick[kLanes];
   if (job.two_d) {  // each tile (block column j) sums its 16 rows' errors by the tree
@@ -128,12 +128,12 @@ void rowwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       for (int64_t i = 0; i < kB; ++i) pick[i * kBlocks + j] = p4;
     }
   } else {
-    for (int64_t n = 0; n < kLanes; n += 16) vstore(pick + n, (U16)(vload<F16>(err4 + n) < vload<F16>(err6 + n)));
+    for (int64_t n = 0; n < kLanes; n += 16) vec::store(pick + n, (u32x16)(vec::load<f32x16>(err4 + n) < vec::load<f32x16>(err6 + n)));
   }
   alignas(64) uint64_t words[kLanes];
   alignas(64) uint32_t scales[kLanes];
   for (int64_t g = 0; g < kLanes / 16; ++g) {
-    vstore(scales + 16 * g, keep16(c[g], vload<U16>(pick + 16 * g), words + 16 * g));
+    vec::store(scales + 16 * g, keep16(c[g], vec::load<u32x16>(pick + 16 * g), words + 16 * g));
   }
   for (int64_t i = 0; i < b.rows; ++i) {
     const int64_t r = b.r0 + i;
@@ -154,24 +154,24 @@ void columnwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__r
   Pair16 c;
   alignas(64) uint64_t words[16];
   for (int64_t g = 0; g < kT && g < b.w; g += 16) {
-    U16 key;
+    u32x16 key;
     if (job.two_d) {
-      key = U16{} + tile_keys[g / kB];
+      key = u32x16{} + tile_keys[g / kB];
     } else {
-      key = U16{};
-      for (int64_t k = 0; k < kB; ++k) key = vmax(key, vload<U16>(t[k] + g) & 0x7FFFFFFFu);
+      key = u32x16{};
+      for (int64_t k = 0; k < kB; ++k) key = vec::max(key, vec::load<u32x16>(t[k] + g) & 0x7FFFFFFFu);
     }
     candidates16<MSE>(&t[0][g], kT, key, sc, c);
-    U16 pick4;
+    u32x16 pick4;
     if (job.two_d) {  // the 16 columns of the tile: its 16 column errors by the tree
       alignas(64) float e4[16], e6[16];
-      vstore(e4, c.err4);
-      vstore(e6, c.err6);
-      pick4 = U16{} + (tree16(e4, 1) < tree16(e6, 1) ? ~0u : 0u);
+      vec::store(e4, c.err4);
+      vec::store(e6, c.err6);
+      pick4 = u32x16{} + (tree16(e4, 1) < tree16(e6, 1) ? ~0u : 0u);
     } else {
-      pick4 = (U16)(c.err4 < c.err6);
+      pick4 = (u32x16)(c.err4 < c.err6);
     }
-    const U16 s = keep16(c, pick4, words);
+    const u32x16 s = keep16(c, pick4, words);
     const int64_t n = b.w - g < 16 ? b.w - g : 16;
     for (int64_t l = 0; l < n; ++l) {
       job.col_scales[(b.c0 + g + l) * nbm + block_row] = static_cast<uint8_t>(s[l]);

@@ -1,12 +1,9 @@
-// NVFP4 on the CPU, torch glue: argument checks, outputs, the per-tensor amaxes, the split over OpenMP threads
-// and the choice of the portable or AVX-512 build of the kernels (nvfp4_kernels.h, where the rules are; the
-// AVX-512 build adds an intrinsics fast path, kernels_nvfp4_avx512.cpp). Two passes over x: the amaxes (skipped
-// for given ones), then both usages, 16 x 128 tiles at a time. Threads run with round-to-nearest and without
-// flush-to-zero / denormals-are-zero (MXCSR set per thread): the E4M3 scale decode and the element products
-// meet fp32 subnormals.
-#include <torch/extension.h>
-
-#include <omp.h>
+// NVFP4 on the CPU, torch glue: argument checks, outputs, the per-tensor amaxes and the split over OpenMP threads;
+// the kernels (nvfp4_kernels.cpp, where the rules are) of the active instruction-set level. Two passes over x:
+// the amaxes (skipped for given ones), then both usages, 16 x 128 tiles at a time. Threads run with
+// round-to-nearest and without flush-to-zero / denormals-are-zero (MXCSR set per thread): the E4M3 scale decode
+// and the element products meet fp32 subnormals.
+#include "common/glue.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -16,33 +13,12 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <xmmintrin.h>
-#define ENGINE_NVFP4_X86 1
-#endif
-
 #include "cast/nvfp4.h"
-
-#define NVFP4_NAMESPACE nvfp4_portable
-#include "cast/nvfp4_kernels.h"
-
-#include "common/native_glue.h"
+#include "cast/nvfp4_glue.h"
 
 namespace engine_native {
 namespace nvfp4_glue {
 namespace {
-
-using at::Tensor;
-using c10::optional;
-
-// The AVX-512 kernels also use VBMI2's funnel shifts (kernels_nvfp4_avx512.cpp push_nibble).
-bool cpu_has_avx512() {
-#if defined(ENGINE_NVFP4_X86) && (defined(__GNUC__) || defined(__clang__))
-  return glue::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi2");
-#else
-  return false;
-#endif
-}
 
 using glue::check_plain;
 using glue::DefaultFpEnv;
@@ -76,23 +52,10 @@ Tensor output(const optional<Tensor>& given, int64_t rows, int64_t cols, const c
   return t;
 }
 
-// Calls f(u0, u1) on one contiguous chunk of the tiles per thread (small jobs stay on the calling thread).
+// Calls f(u0, u1, thread) on one contiguous chunk of the tiles per thread (small jobs stay on the calling thread).
 template <typename F>
-void parallel_tiles(int64_t elements, int64_t units, const F& f) {
-  const int64_t want = std::max<int64_t>(1, elements / (1 << 15));
-  const int threads = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), want, units}));
-  if (threads <= 1 || omp_in_parallel()) {
-    DefaultFpEnv env;
-    f(int64_t{0}, units, 0);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    DefaultFpEnv env;
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-    if (u0 < u1) f(u0, u1, static_cast<int>(t));
-  }
+void parallel_tiles(int64_t units, const F& f) {
+  glue::parallel_chunks(units, glue::kElemGrain / (kNvfp4Block * kNvfp4TileCols), f);
 }
 
 // (row data, row E4M3 scales, row amax, col data, col scales, col amax); an unrequested usage gives empty
@@ -100,10 +63,12 @@ void parallel_tiles(int64_t elements, int64_t units, const F& f) {
 // for the outputs (see `output`), none sharing memory with x or with another. `amax` / `amax_t`: given fp32
 // amaxes (returned as given), else x's own (of the RHT output for an RHT'd columnwise usage). `counter`: the
 // int64 (seed, offset) of stochastic rounding, read here (the caller advances it), or none for
-// round-to-nearest-even. `isa`: "avx512" or "portable" (engine.ops.native.isa()).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
+// round-to-nearest-even. The kernels: those of the active level (common/isa.h).
+}  // namespace
+
+Nvfp4Result quantize(
     const Tensor& x_in, bool rowwise, bool columnwise, bool two_d, bool rht, const optional<Tensor>& amax,
-    const optional<Tensor>& amax_t, const optional<Tensor>& counter, const std::string& isa,
+    const optional<Tensor>& amax_t, const optional<Tensor>& counter,
     const optional<Tensor>& out_row_data, const optional<Tensor>& out_row_scales, const optional<Tensor>& out_col_data,
     const optional<Tensor>& out_col_scales, bool four_over_six, const std::string& four_over_six_err_mode,
     double four_over_six_e4m3_max) {
@@ -121,7 +86,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
   const auto dt = x_in.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
                    "x: expected dtype float32, bfloat16 or float16, got ", dt);
-  parse_isa(isa);
   TORCH_CHECK_VALUE(!(two_d && rht), "two_d and rht: the RHT is for inputs and gradients, never with 16x16 tiles");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK_VALUE(!(rht && columnwise) || M % kNvfp4Block == 0, "x: the random Hadamard transform mixes ",
@@ -137,7 +101,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
     seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
     offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
   }
-  const bool avx512 = isa == "avx512" && nvfp4_avx512::compiled() && cpu_has_avx512();
+  const Nvfp4Kernels& kernels = nvfp4_kernels(active_isa());
   Tensor row_data = output(out_row_data, rowwise ? M : 0, rowwise ? (K + 1) / 2 : 0, "out_row_data");
   Tensor row_scales = output(out_row_scales, rowwise ? M : 0, rowwise ? (K + kNvfp4Block - 1) / kNvfp4Block : 0,
                              "out_row_scales");
@@ -182,14 +146,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
   uint32_t x_key = 0, rht_key = 0;
   if ((want_x || want_rht) && M * K > 0) {
     std::vector<uint32_t> keys(2 * (static_cast<size_t>(omp_get_max_threads()) + 1), 0u);
-    parallel_tiles(M * K, units, [&](int64_t u0, int64_t u1, int t) {
-      uint32_t* xk = want_x ? &keys[2 * t] : nullptr;
-      uint32_t* yk = want_rht ? &keys[2 * t + 1] : nullptr;
-      if (avx512) {
-        nvfp4_avx512::nvfp4_amax_tiles(job, u0, u1, xk, yk);
-      } else {
-        nvfp4_portable::nvfp4_amax_tiles(job, u0, u1, xk, yk);
-      }
+    parallel_tiles(units, [&](int64_t u0, int64_t u1, int t) {
+      kernels.amax_tiles(job, u0, u1, want_x ? &keys[2 * t] : nullptr, want_rht ? &keys[2 * t + 1] : nullptr);
     });
     for (size_t i = 0; i < keys.size(); i += 2) {
       x_key = std::max(x_key, keys[i]);
@@ -207,30 +165,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> quantize(
   job.row_amax = row_a;
   job.col_amax = col_a;
   if (M * K > 0 && (rowwise || columnwise)) {
-    parallel_tiles(M * K, units, [&](int64_t u0, int64_t u1, int) {
-      if (avx512) {
-        nvfp4_avx512::nvfp4_quantize_tiles(job, u0, u1);
-      } else {
-        nvfp4_portable::nvfp4_quantize_tiles(job, u0, u1);
-      }
-    });
+    parallel_tiles(units, [&](int64_t u0, int64_t u1, int) { kernels.quantize_tiles(job, u0, u1); });
   }
   return {row_data, row_scales, row_amax, col_data, col_scales, col_amax};
 }
 
-}  // namespace
 }  // namespace nvfp4_glue
-
-void register_nvfp4(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("quantize_nvfp4", &nvfp4_glue::quantize, py::arg("x2d"), py::arg("rowwise"), py::arg("columnwise"),
-        py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"), py::arg("isa"),
-        py::arg("out_row_data") = py::none(), py::arg("out_row_scales") = py::none(),
-        py::arg("out_col_data") = py::none(), py::arg("out_col_scales") = py::none(),
-        py::arg("four_over_six") = false, py::arg("four_over_six_err_mode") = "MAE",
-        py::arg("four_over_six_e4m3_max") = 448.0,
-        "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax); "
-        "four_over_six: TE's 4over6 (MAE or MSE, E4M3 bound 448 or 256; not with rht nor a counter)");
-}
-
 }  // namespace engine_native

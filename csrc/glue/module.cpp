@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cast/fp8_glue.h"
+#include "cast/nvfp4_glue.h"
 #include "common/isa.h"
 #include "gemm/exact_gemm_glue.h"
 #include "scaling/delayed_update_glue.h"
@@ -16,7 +17,6 @@
 
 namespace engine_native {
 void register_mx_small(pybind11::module_& m);      // cast/mx_small_glue.cpp: MXFP4 / MXFP6
-void register_nvfp4(pybind11::module_& m);         // cast/nvfp4_glue.cpp: NVFP4
 void register_wo_gemm(pybind11::module_& m);       // inference/wo_gemm_glue.cpp: weight-only int4 / int8 GEMMs
 void register_int8_dynamic(pybind11::module_& m);  // inference/int8_dynamic_glue.cpp: int8 x quantize / rescale
 }  // namespace engine_native
@@ -55,7 +55,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
         py::arg("bias"), py::arg("out_dtype"), py::arg("bf16_gemm"));
   register_mx_small(m);
-  register_nvfp4(m);
+  m.def("quantize_nvfp4", &nvfp4_glue::quantize, py::arg("x2d"), py::arg("rowwise"), py::arg("columnwise"),
+        py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"),
+        py::arg("out_row_data") = py::none(), py::arg("out_row_scales") = py::none(),
+        py::arg("out_col_data") = py::none(), py::arg("out_col_scales") = py::none(),
+        py::arg("four_over_six") = false, py::arg("four_over_six_err_mode") = "MAE",
+        py::arg("four_over_six_e4m3_max") = 448.0,
+        "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax); "
+        "four_over_six: TE's 4over6 (MAE or MSE, E4M3 bound 448 or 256; not with rht nor a counter)");
   register_wo_gemm(m);
   register_int8_dynamic(m);
 }

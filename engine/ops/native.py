@@ -767,9 +767,8 @@ def quantize_nvfp4(
                           out_row_scales=out_row_scales, out_col_data=out_col_data, out_col_scales=out_col_scales)
     ext = _ext()
     row, row_scales, row_amax, col, col_scales, col_amax = ext.quantize_nvfp4(
-        x2d, flags["rowwise"], flags["columnwise"], flags["two_d"], flags["rht"], amax, amax_t, counter, ext.isa(),
-        **outs, four_over_six=four_over_six, four_over_six_err_mode=four_over_six_err_mode,
-        four_over_six_e4m3_max=float(four_over_six_e4m3_max))
+        x2d, flags["rowwise"], flags["columnwise"], flags["two_d"], flags["rht"], amax, amax_t, counter, **outs,
+        four_over_six=four_over_six, four_over_six_err_mode=four_over_six_err_mode, four_over_six_e4m3_max=float(four_over_six_e4m3_max))
     e4m3 = torch.float8_e4m3fn
     return {
         "rowwise_data": row if rowwise else None, "rowwise_scale_inv": row_scales.view(e4m3) if rowwise else None,

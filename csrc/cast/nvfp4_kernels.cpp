@@ -1,88 +1,45 @@
-// NVFP4 kernels without torch: the per-element rules and the tile loops, included by kernels_nvfp4.cpp
-// (portable build) and kernels_nvfp4_avx512.cpp (after its AVX-512 target pragma). Everything is in an
-// anonymous namespace, so each file gets its own copy compiled for its own instruction set. Each includer
-// defines NVFP4_NAMESPACE, the namespace of its entry points.
+// NVFP4 quantize kernels, one source compiled once per instruction-set level (common/isa_begin.h): the
+// per-element rules and the tile loops, written against the portable vector layer (common/vec.h), which each
+// level lowers to SSE2, AVX2 or AVX-512 (NEON elsewhere). The glue (nvfp4_glue.cpp) calls the table of the
+// active level. No torch here.
 //
 // Bit for bit engine/ops/nvfp4.py (TE's order of fp32 operations) and engine/ops/nvfp4_sr.py:
 //   S_enc = fmin(2688 / amax, FLT_MAX), 1 if amax is 0 or that is 0; S_dec = 1 / S_enc
 //   s_b   = e4m3_rne_satfinite(block_amax * (S_enc * fp32(1/6))), NaN -> 0x7F
 //   enc_b = fmin(1 / (float(s_b) * S_dec), FLT_MAX);  q = e2m1(x * enc_b), RNE or stochastic
-//   RHT   y[k] = bf16(sum_{i=0..15} x_i * H[i][k]) in fp32 in that order, H = diag(signs) H16 / 4
+//   RHT   hadamard/rht16.h, on the 16 tokens of each column
 // 4over6 (Nvfp4Job::four_over_six: two candidates per block, the lower-error one kept) is
 // nvfp4_4over6_kernels.h, included below, on the same tiles.
 // A tile is 16 rows x kNvfp4TileCols columns of x, converted to fp32 once: its rows hold the rowwise 1x16
 // blocks, its columns the columnwise 16x1 blocks (of x, or of the RHT of the 16 tokens), its 16x16 squares
-// the 2D tiles. The rules are branch-free fp32 / integer operations in loops over short arrays, which the
-// compiler vectorises (SSE2 in the portable build, AVX-512 in the other). The threads run with
+// the 2D tiles. The rules are branch-free fp32 / integer operations on 16-lane vectors. The threads run with
 // round-to-nearest and without flush-to-zero or denormals-are-zero (the glue sets MXCSR).
-#pragma once
-
-#include <cstdint>
-#include <cstring>
-
-#include "cast/nvfp4.h"
-
-#ifndef NVFP4_NAMESPACE
-#error "define NVFP4_NAMESPACE before including nvfp4_kernels.h"
-#endif
 
 // No FP-exception semantics to keep (nothing reads the flags): lets the compiler if-convert (and vectorise)
 // the fp32 compares and selects. Values are unchanged: rounding, signed zeros, NaN and inf are as written.
+// Before the includes, so that the vector layer's inline helpers get the same options.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-namespace engine_native {
-namespace NVFP4_NAMESPACE {
+#include "cast/nvfp4.h"
+#include "common/vec.h"
+#include "hadamard/rht16.h"
 
+namespace engine_native {
+namespace ENGINE_ISA_NS {
 namespace {
 
 constexpr int64_t kB = kNvfp4Block;
 constexpr int64_t kT = kNvfp4TileCols;
 constexpr float kFltMax = 3.4028234663852886e38f;
 
-// ------------------------------------------------------------------------------ vectors
-// GCC / clang vector extensions: 16 or 8 fp32 / uint32 lanes; each build lowers them to its instruction set.
-#define NVFP4_INLINE inline __attribute__((always_inline))
-typedef float F16 __attribute__((vector_size(64)));
-typedef uint32_t U16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-typedef float F8 __attribute__((vector_size(32)));
-typedef uint32_t U8 __attribute__((vector_size(32)));
-typedef int32_t I8 __attribute__((vector_size(32)));
-typedef uint64_t Q8 __attribute__((vector_size(64)));
-typedef uint8_t B8 __attribute__((vector_size(8)));
-
-template <typename V>
-NVFP4_INLINE V vload(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename V>
-NVFP4_INLINE void vstore(void* p, V v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
-// Lane-wise m ? a : b for a mask m of all-ones / all-zeros lanes (the result of a comparison).
-template <typename U, typename M>
-NVFP4_INLINE U sel(M m, U a, U b) {
-  return (a & (U)m) | (b & ~(U)m);
-}
-
-template <typename F, typename U, typename M>
-NVFP4_INLINE F fsel(M m, F a, F b) {
-  return (F)sel((U)m, (U)a, (U)b);
-}
-
-template <typename U>
-NVFP4_INLINE U vmax(U a, U b) {
-  return sel(a > b, a, b);
-}
+using vec::f32x16;
+using vec::i32x16;
+using vec::u32x16;
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
 
 // ------------------------------------------------------------------------------ element rules
 // The E2M1 code of |a| (a >= 0, bits mag) rounded to nearest even, saturating at 6. With c = min(mag, 6) and
@@ -90,17 +47,17 @@ NVFP4_INLINE U vmax(U a, U b) {
 // M = 2^(e - 105) + ((e - 127) << 1) ulps has E2M1's step at c as its ulp: it rounds c to that step, ties to
 // even (the added ulps are even), and its low mantissa bits are the code (the subnormal 0.5 included).
 template <typename F, typename U>
-NVFP4_INLINE U e2m1_magnitude(U mag) {
+ENGINE_VEC_INLINE U e2m1_magnitude(U mag) {
   const U zero = {};
-  const U c = sel(mag < 0x40C00000u, mag, zero + 0x40C00000u);
-  const U field = vmax(c >> 23, zero + 127u);
+  const U c = vec::select(mag < 0x40C00000u, mag, zero + 0x40C00000u);
+  const U field = vec::max(c >> 23, zero + 127u);
   const U magic = ((field + 22u) << 23) + ((field - 127u) << 1);
   return (U)((F)c + (F)magic) & 0x7FFFFFu;
 }
 
 // mx_elements.encode(y, E2M1): RNE, +-inf -> +-6, NaN -> 0, the sign kept (-0 -> 8).
 template <typename F, typename U, typename I>
-NVFP4_INLINE U e2m1_rne(F y) {
+ENGINE_VEC_INLINE U e2m1_rne(F y) {
   const U b = (U)y, mag = b & 0x7FFFFFFFu;
   const U code = e2m1_magnitude<F, U>(mag) | ((b >> 28) & 8u);
   return code & ~(U)(mag > 0x7F800000u);
@@ -112,13 +69,13 @@ NVFP4_INLINE U e2m1_rne(F y) {
 // n + r out of them and m = (n + r) >> 8 the grid value in steps (a = 6: n = 768, no carry). E2M1's code of m steps
 // is m + 0, 2 or 4 (steps 0.5, 1, 2: values 0..2, 2..4, 4..6 are codes 0..4, 4..6, 6..7).
 template <typename F, typename U, typename I>
-NVFP4_INLINE U e2m1_stochastic(F y, U r) {
+ENGINE_VEC_INLINE U e2m1_stochastic(F y, U r) {
   const U b = (U)y, magu = b & 0x7FFFFFFFu, zero = {};
   const F mag = (F)magu;  // (NaN lanes are zeroed at the end)
-  const F a = fsel<F, U>(mag < 6.0f, mag, F{} + 6.0f);
+  const F a = vec::select(mag < 6.0f, mag, F{} + 6.0f);
   const I lt2 = a < 2.0f, lt4 = a < 4.0f;
-  const F scale = fsel<F, U>(lt2, F{} + 512.0f, fsel<F, U>(lt4, F{} + 256.0f, F{} + 128.0f));  // 256 / step
-  const U offset = sel((U)lt2, zero, sel((U)lt4, zero + 2u, zero + 4u));
+  const F scale = vec::select(lt2, F{} + 512.0f, vec::select(lt4, F{} + 256.0f, F{} + 128.0f));  // 256 / step
+  const U offset = vec::select((U)lt2, zero, vec::select((U)lt4, zero + 2u, zero + 4u));
   const U n = (U)__builtin_convertvector(a * scale, I);  // a * scale in [0, 1024): exact, truncated
   const U code = (((n + r) >> 8) + offset) | ((b >> 28) & 8u);
   return code & ~(U)(magu > 0x7F800000u);
@@ -126,7 +83,7 @@ NVFP4_INLINE U e2m1_stochastic(F y, U r) {
 
 // ------------------------------------------------------------------------------ the random bits
 template <typename U>
-NVFP4_INLINE U hash32(U v) {  // "lowbias32"
+ENGINE_VEC_INLINE U hash32(U v) {  // "lowbias32"
   v ^= v >> 16;
   v *= 0x7FEB352Du;
   v ^= v >> 15;
@@ -142,17 +99,17 @@ inline uint32_t seed_key(uint64_t seed) {
 // (hi << 32) + lo, from lo and the part of the mix that depends on hi alone (hi_key, of hi_key()): shared by
 // the lanes of a run that carries into no new hi. One mix serves 4 consecutive indices.
 template <typename U>
-NVFP4_INLINE U hi_key(U hi, uint32_t key) {
+ENGINE_VEC_INLINE U hi_key(U hi, uint32_t key) {
   return key ^ (hi * 0x9E3779B9u);
 }
 
 template <typename U>
-NVFP4_INLINE U word_mix(U lo, U hi_key) {
+ENGINE_VEC_INLINE U word_mix(U lo, U hi_key) {
   return hash32(hash32(lo) ^ hi_key);
 }
 
 template <typename U>
-NVFP4_INLINE U random_byte(U mix, U j_mod4) {
+ENGINE_VEC_INLINE U random_byte(U mix, U j_mod4) {
   return (mix >> (j_mod4 * 8u)) & 0xFFu;
 }
 
@@ -162,22 +119,22 @@ NVFP4_INLINE U random_byte(U mix, U j_mod4) {
 // M = 2^(e - 107) + ((e - 121) << 3) ulps has E4M3's step at c as its ulp: it rounds c to that step, ties to
 // even, and its low mantissa bits are the code (subnormals included).
 template <typename F, typename U>
-NVFP4_INLINE U e4m3_code(F v) {
+ENGINE_VEC_INLINE U e4m3_code(F v) {
   const U b = (U)v, mag = b & 0x7FFFFFFFu, zero = {};
-  const U c = sel(mag < 0x43E00000u, mag, zero + 0x43E00000u);
-  const U field = vmax(c >> 23, zero + 121u);
+  const U c = vec::select(mag < 0x43E00000u, mag, zero + 0x43E00000u);
+  const U field = vec::max(c >> 23, zero + 121u);
   const U magic = ((field + 20u) << 23) + ((field - 121u) << 3);
   const U code = ((U)((F)c + (F)magic) & 0x7FFFFFu) | ((b >> 24) & 0x80u);
-  return sel(mag > 0x7F800000u, zero + 0x7Fu, code);
+  return vec::select(mag > 0x7F800000u, zero + 0x7Fu, code);
 }
 
 // The fp32 value of E4M3 codes: the bits placed as an fp32 with the exponent 120 too small, times 2^120
 // (exact, subnormal codes included: needs no denormals-are-zero); 0x7F / 0xFF are NaN.
 template <typename F, typename U>
-NVFP4_INLINE F e4m3_value(U code) {
+ENGINE_VEC_INLINE F e4m3_value(U code) {
   const F m = (F)((code & 0x7Fu) << 20) * 0x1p120f;
   const U v = (U)m | ((code & 0x80u) << 24);
-  return (F)sel((code & 0x7Fu) == 0x7Fu, U{} + 0x7FC00000u, v);
+  return (F)vec::select((code & 0x7Fu) == 0x7Fu, U{} + 0x7FC00000u, v);
 }
 
 // A usage's per-tensor factors (nvfp4.encode_scale and its reciprocal, and the block multiplier).
@@ -195,66 +152,29 @@ inline TensorScale tensor_scale(float amax) {
 // E4M3 scale codes of blocks from their amax keys (|x| bits), and the factors of their elements
 // (fmin(1 / (float(s_b) * S_dec), FLT_MAX): NaN and inf give FLT_MAX).
 template <typename F, typename U>
-NVFP4_INLINE U block_code(U key, const TensorScale& ts) {
+ENGINE_VEC_INLINE U block_code(U key, const TensorScale& ts) {
   return e4m3_code<F, U>((F)key * ts.mult);
 }
 
 template <typename F, typename U>
-NVFP4_INLINE F block_encode(U code, const TensorScale& ts) {
+ENGINE_VEC_INLINE F block_encode(U code, const TensorScale& ts) {
   const F e = 1.0f / (e4m3_value<F, U>(code) * ts.s_dec);
   const F flt_max = F{} + kFltMax;
-  return fsel<F, U>(e < kFltMax, e, flt_max);
+  return vec::select(e < kFltMax, e, flt_max);
 }
 
 // Codes and factors of n block keys (n a multiple of 16), in place of the keys.
 inline void block_scales(uint32_t* __restrict keys, float* __restrict enc, int64_t n, const TensorScale& ts) {
   for (int64_t i = 0; i < n; i += 16) {
-    const U16 code = block_code<F16, U16>(vload<U16>(keys + i), ts);
-    vstore(keys + i, code);
-    vstore(enc + i, block_encode<F16, U16>(code, ts));
+    const u32x16 code = block_code<f32x16, u32x16>(vec::load<u32x16>(keys + i), ts);
+    vec::store(keys + i, code);
+    vec::store(enc + i, block_encode<f32x16, u32x16>(code, ts));
   }
 }
 
 // ------------------------------------------------------------------------------ the RHT
-// TE's sign vector s: H = diag(s) * H16 / 4 (engine.ops.nvfp4.rht_transform).
-constexpr int kRhtSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
-
-// The fast Walsh-Hadamard transform of v[0..15] in place, in rht_transform's order: stages h = 1, 2, 4, 8, each
-// pair (v[i], v[i + h]) with i & h == 0 becoming (v[i] + v[i + h], v[i] - v[i + h]). add / sub: the lane-wise
-// operations of the vector type V.
-template <typename V, typename Add, typename Sub>
-NVFP4_INLINE void fwht16(V* v, const Add& add, const Sub& sub) {
-#pragma GCC unroll 4
-  for (int h = 1; h < 16; h *= 2) {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      if (i & h) continue;
-      const V a = v[i], b = v[i + h];
-      v[i] = add(a, b);
-      v[i + h] = sub(a, b);
-    }
-  }
-}
-
-template <typename F, typename U>
-NVFP4_INLINE F bf16_round(F v) {
-  const U u = (U)v;
-  const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return (F)sel((u & 0x7FFFFFFFu) > 0x7F800000u, U{} + 0x7FC00000u, r);
-}
-
-// y[k][c] = bf16(sum_i t[i][c] * H[i][k]) for the 16 tokens t[0..15][c] of each column c: t[i][c] * s_i / 4
-// (exact; -(x * 0.25) is x * -0.25, signed zeros included), then fwht16.
-inline void rht_tile(const float (*__restrict t)[kT], float (*__restrict y)[kT]) {
-  for (int64_t c = 0; c < kT; c += 16) {
-    F16 v[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) v[i] = vload<F16>(t[i] + c) * (0.25f * static_cast<float>(kRhtSigns[i]));
-    fwht16(v, [](F16 a, F16 b) { return a + b; }, [](F16 a, F16 b) { return a - b; });
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; ++k) vstore(y[k] + c, bf16_round<F16, U16>(v[k]));
-  }
-}
+// y = the RHT output (hadamard/rht16.h) of the 16 tokens of each column of the tile t.
+inline void rht_tile(const float (*__restrict t)[kT], float (*__restrict y)[kT]) { hadamard::rht_rows(&t[0][0], &y[0][0], kT, kT); }
 
 // ------------------------------------------------------------------------------ tiles
 template <bool BF16>
@@ -299,9 +219,9 @@ inline void load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict 
 
 // Max |value| bits over 16 rows x `cols` of t (16 at a time).
 inline uint32_t tile_key(const float (*__restrict t)[kT], int64_t c0 = 0, int64_t cols = kT) {
-  U16 m = {};
+  u32x16 m = {};
   for (int64_t i = 0; i < kB; ++i) {
-    for (int64_t c = c0; c < c0 + cols; c += 16) m = vmax(m, vload<U16>(t[i] + c) & 0x7FFFFFFFu);
+    for (int64_t c = c0; c < c0 + cols; c += 16) m = vec::max(m, vec::load<u32x16>(t[i] + c) & 0x7FFFFFFFu);
   }
   uint32_t key = 0;
   for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
@@ -321,8 +241,8 @@ inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t 
       const uint16_t* row = x + r * job.ld + c0;
       int64_t c = 0;
       for (; c + 32 <= w; c += 32) {
-        const H32 v = vload<H32>(row + c) & static_cast<uint16_t>(0x7FFFu);
-        m = sel(v > m, v, m);
+        const H32 v = vec::load<H32>(row + c) & static_cast<uint16_t>(0x7FFFu);
+        m = vec::select(v > m, v, m);
       }
       for (; c < w; ++c) {
         const uint32_t k = static_cast<uint32_t>(row[c] & 0x7FFFu) << 16;
@@ -332,11 +252,11 @@ inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t 
     for (int l = 0; l < 32; ++l) key = key > (static_cast<uint32_t>(m[l]) << 16) ? key : static_cast<uint32_t>(m[l]) << 16;
   } else {
     const float* x = static_cast<const float*>(job.x);
-    U16 m = {};
+    u32x16 m = {};
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * job.ld + c0;
       int64_t c = 0;
-      for (; c + 16 <= w; c += 16) m = vmax(m, vload<U16>(row + c) & 0x7FFFFFFFu);
+      for (; c + 16 <= w; c += 16) m = vec::max(m, vec::load<u32x16>(row + c) & 0x7FFFFFFFu);
       for (; c < w; ++c) {
         uint32_t k;
         std::memcpy(&k, row + c, 4);
@@ -373,32 +293,32 @@ void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, ui
 
 // 16 codes (one per lane) -> 8 bytes, element 2i in the low nibble of byte i: as 64-bit lanes, code 2i is in the
 // low half and code 2i + 1 in the high half.
-NVFP4_INLINE B8 pack16(U16 codes) {
-  const Q8 pairs = (Q8)codes;
-  return __builtin_convertvector((pairs & 0x0Fu) | ((pairs >> 28) & 0xF0u), B8);
+ENGINE_VEC_INLINE u8x8 pack16(u32x16 codes) {
+  const u64x8 pairs = (u64x8)codes;
+  return __builtin_convertvector((pairs & 0x0Fu) | ((pairs >> 28) & 0xF0u), u8x8);
 }
 
 // Max |value| bits of each of the 16 consecutive blocks of 16 values at v (lane j: block j), by a tree of
 // lane shuffles: each level halves the lanes per block and doubles the blocks per vector.
-NVFP4_INLINE U16 block_maxima(const float* __restrict v) {
-  U16 a[16];
-  for (int j = 0; j < 16; ++j) a[j] = vload<U16>(v + 16 * j) & 0x7FFFFFFFu;
+ENGINE_VEC_INLINE u32x16 block_maxima(const float* __restrict v) {
+  u32x16 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = vec::load<u32x16>(v + 16 * j) & 0x7FFFFFFFu;
   for (int j = 0; j < 8; ++j) {  // 8 lanes per block, 2 blocks per vector
-    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+    a[j] = vec::max(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
                 __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
                                         30, 31));
   }
   for (int j = 0; j < 4; ++j) {  // 4 lanes per block
-    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+    a[j] = vec::max(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
                 __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
                                         31));
   }
   for (int j = 0; j < 2; ++j) {  // 2 lanes per block
-    a[j] = vmax(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+    a[j] = vec::max(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
                 __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
                                         31));
   }
-  return vmax(__builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+  return vec::max(__builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
               __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
 
@@ -421,10 +341,10 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
     for (int64_t j = kBlocks; j < 16; ++j) codes[j] = 0;
     block_scales(codes, enc, 16, ts);
   } else {
-    for (int64_t n = 0; n < kB * kBlocks; n += 16) vstore(codes + n, block_maxima(&t[0][0] + n * kB));
+    for (int64_t n = 0; n < kB * kBlocks; n += 16) vec::store(codes + n, block_maxima(&t[0][0] + n * kB));
     block_scales(codes, enc, kB * kBlocks, ts);
   }
-  const U16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const u32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t i = 0; i < b.rows; ++i) {
     const int64_t r = b.r0 + i, at = two_d ? 0 : i * kBlocks;
     uint8_t* scales = row_scales + r * nbk + b.c0 / kB;
@@ -432,21 +352,21 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
     const uint64_t base = row_offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(K) +
                           static_cast<uint64_t>(b.c0);
     for (int64_t j = 0; j < kBlocks; ++j) {
-      const F16 v = vload<F16>(t[i] + j * kB) * enc[at + j];
-      U16 q;
+      const f32x16 v = vec::load<f32x16>(t[i] + j * kB) * enc[at + j];
+      u32x16 q;
       if (SR) {
         const uint64_t first = base + static_cast<uint64_t>(j * kB), w0 = first >> 2;
-        const U16 rel = (U16{} + static_cast<uint32_t>(first & 3u)) + iota;  // lane l: j - 4 * w0
+        const u32x16 rel = (u32x16{} + static_cast<uint32_t>(first & 3u)) + iota;  // lane l: j - 4 * w0
         const uint32_t lo_first = static_cast<uint32_t>(w0), hi_first = static_cast<uint32_t>(w0 >> 32);
-        const U16 lo0 = U16{} + lo_first;
-        const U16 lo = lo0 + (rel >> 2u);
-        const U16 hk = lo_first <= 0xFFFFFFFFu - 4u ? U16{} + hi_key(hi_first, rkey)  // no carry into hi in the run
-                                                    : hi_key(hi_first + ((U16)(lo < lo0) & 1u), rkey);
-        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(word_mix(lo, hk), rel & 3u));
+        const u32x16 lo0 = u32x16{} + lo_first;
+        const u32x16 lo = lo0 + (rel >> 2u);
+        const u32x16 hk = lo_first <= 0xFFFFFFFFu - 4u ? u32x16{} + hi_key(hi_first, rkey)  // no carry into hi in the run
+                                                    : hi_key(hi_first + ((u32x16)(lo < lo0) & 1u), rkey);
+        q = e2m1_stochastic<f32x16, u32x16, i32x16>(v, random_byte(word_mix(lo, hk), rel & 3u));
       } else {
-        q = e2m1_rne<F16, U16, I16>(v);
+        q = e2m1_rne<f32x16, u32x16, i32x16>(v);
       }
-      vstore(packed + j * 8, pack16(q));
+      vec::store(packed + j * 8, pack16(q));
     }
     if (b.w == kT) {
       std::memcpy(row_data + r * kp + b.c0 / 2, packed, kT / 2);
@@ -480,20 +400,20 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
     }
   } else {
     for (int64_t c = 0; c < kT; c += 16) {
-      U16 m = {};
-      for (int64_t k = 0; k < kB; ++k) m = vmax(m, vload<U16>(src[k] + c) & 0x7FFFFFFFu);
-      vstore(codes + c, m);
+      u32x16 m = {};
+      for (int64_t k = 0; k < kB; ++k) m = vec::max(m, vec::load<u32x16>(src[k] + c) & 0x7FFFFFFFu);
+      vec::store(codes + c, m);
     }
     block_scales(codes, enc, kT, ts);
   }
   for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
   for (int64_t c = 0; c < b.w; c += 16) {
-    const F16 e = vload<F16>(enc + c);
-    U16 lo0, hk0, hk1, at;  // the column's first index j0: its word's low half, the hi keys of its high half and
+    const f32x16 e = vec::load<f32x16>(enc + c);
+    u32x16 lo0, hk0, hk1, at;  // the column's first index j0: its word's low half, the hi keys of its high half and
                             // of one more, and j0 & 3
     if (SR) {
-      U16 hi0;
+      u32x16 hi0;
       for (int l = 0; l < 16; ++l) {
         const uint64_t first = col_offset + static_cast<uint64_t>(b.c0 + c + l) * static_cast<uint64_t>(M) +
                                static_cast<uint64_t>(b.r0);
@@ -504,26 +424,26 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       hk0 = hi_key(hi0, rkey);
       hk1 = hi_key(hi0 + 1u, rkey);
     }
-    U16 words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
+    u32x16 words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
 #pragma GCC unroll 16
     for (int k = 0; k < kB; ++k) {
-      const F16 v = vload<F16>(src[k] + c) * e;
-      U16 q;
+      const f32x16 v = vec::load<f32x16>(src[k] + c) * e;
+      u32x16 q;
       if (SR) {
-        const U16 rel = at + static_cast<uint32_t>(k), lo = lo0 + (rel >> 2u);
-        q = e2m1_stochastic<F16, U16, I16>(v, random_byte(word_mix(lo, sel(lo < lo0, hk1, hk0)), rel & 3u));
+        const u32x16 rel = at + static_cast<uint32_t>(k), lo = lo0 + (rel >> 2u);
+        q = e2m1_stochastic<f32x16, u32x16, i32x16>(v, random_byte(word_mix(lo, vec::select(lo < lo0, hk1, hk0)), rel & 3u));
       } else {
-        q = e2m1_rne<F16, U16, I16>(v);
+        q = e2m1_rne<f32x16, u32x16, i32x16>(v);
       }
       words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
     }
     alignas(64) uint64_t column_words[16];
-    vstore(column_words, __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 0, 1, 2, 3, 4, 5, 6, 7), Q8) |
-                             (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 0, 1, 2, 3, 4, 5, 6, 7), Q8)
+    vec::store(column_words, __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 0, 1, 2, 3, 4, 5, 6, 7), u64x8) |
+                             (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 0, 1, 2, 3, 4, 5, 6, 7), u64x8)
                               << 32u));
-    vstore(column_words + 8,
-           __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 8, 9, 10, 11, 12, 13, 14, 15), Q8) |
-               (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 8, 9, 10, 11, 12, 13, 14, 15), Q8)
+    vec::store(column_words + 8,
+           __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 8, 9, 10, 11, 12, 13, 14, 15), u64x8) |
+               (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 8, 9, 10, 11, 12, 13, 14, 15), u64x8)
                 << 32u));
     const int64_t n = b.w - c < 16 ? b.w - c : 16;
     if (bytes == 8) {  // little endian: byte i holds elements 2i, 2i + 1
@@ -560,25 +480,26 @@ void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
 
 #include "cast/nvfp4_4over6_kernels.h"  // 4over6 (quantize_tiles_46), in these namespaces
 
-}  // namespace
-
-#ifndef NVFP4_OWN_ENTRY  // else the includer defines the entry points (its own fast paths first)
-void nvfp4_amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
+void amax_entry(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
   if (job.bf16) return amax_tiles<true>(job, u0, u1, x_key, rht_key);
   return amax_tiles<false>(job, u0, u1, x_key, rht_key);
 }
 
-void nvfp4_quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
+void quantize_entry(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   if (job.four_over_six) return job.bf16 ? quantize_tiles_46<true>(job, u0, u1) : quantize_tiles_46<false>(job, u0, u1);
   if (job.bf16) return job.sr ? quantize_tiles<true, true>(job, u0, u1) : quantize_tiles<true, false>(job, u0, u1);
   return job.sr ? quantize_tiles<false, true>(job, u0, u1) : quantize_tiles<false, false>(job, u0, u1);
 }
-#endif
 
-}  // namespace NVFP4_NAMESPACE
+constexpr Nvfp4Kernels kKernels{&amax_entry, &quantize_entry};
+
+}  // namespace
+
+const Nvfp4Kernels& nvfp4_kernels() { return kKernels; }
+
+}  // namespace ENGINE_ISA_NS
 }  // namespace engine_native
 
 #if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif

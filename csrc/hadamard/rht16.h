@@ -1,0 +1,65 @@
+// The 16-point random Hadamard transform (RHT) of NVFP4's columnwise usage, bit for bit
+// engine.ops.nvfp4.rht_transform (TE's order of fp32 operations):
+//   y[k] = bf16(sum_{i=0..15} x_i * H[i][k]),  H = diag(s) * H16 / 4,
+// computed as q_i = x_i * (s_i / 4) (exact: a power of 2 and a sign; -(x * 0.25) is x * -0.25, signed zeros
+// included), then the fast Walsh-Hadamard butterflies in stages h = 1, 2, 4, 8, then the bf16 rounding (RNE,
+// NaN -> the canonical quiet NaN). Each lane of a vector is one column (16 tokens of it).
+// Include only from a `*_kernels.cpp` (after isa_begin.h): everything is in the variant's namespace.
+#pragma once
+
+#include "common/vec.h"
+
+namespace engine_native {
+namespace ENGINE_ISA_NS {
+namespace hadamard {
+
+// TE's sign vector s.
+constexpr int kRhtSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
+
+// The fast Walsh-Hadamard transform of v[0..15] in place: each pair (v[i], v[i + h]) with i & h == 0 becomes
+// (v[i] + v[i + h], v[i] - v[i + h]), stages h = 1, 2, 4, 8 (rht_transform's order).
+template <typename V>
+ENGINE_VEC_INLINE void fwht16(V* v) {
+#pragma GCC unroll 4
+  for (int h = 1; h < 16; h *= 2) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      const V a = v[i], b = v[i + h];
+      v[i] = a + b;
+      v[i + h] = a - b;
+    }
+  }
+}
+
+// v[i] = x_i (16 tokens, lane-wise columns) -> sum_i x_i H[i][k] in v[k], before the bf16 rounding.
+template <typename V>
+ENGINE_VEC_INLINE void rht16(V* v) {
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) v[i] = v[i] * (0.25f * static_cast<float>(kRhtSigns[i]));
+  fwht16(v);
+}
+
+// fp32 -> the nearest bf16 (ties to even) as fp32; NaN -> 0x7FC00000.
+ENGINE_VEC_INLINE vec::f32x16 bf16_round(vec::f32x16 v) {
+  const vec::u32x16 u = vec::bits<vec::u32x16>(v);
+  const vec::u32x16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return vec::bits<vec::f32x16>(vec::select(vec::is_nan(v), vec::splat<vec::u32x16>(0x7FC00000u), r));
+}
+
+// y[k][c] = the RHT output of the 16 tokens t[0..15][c] of each column c < cols (cols a multiple of 16), rows
+// ld floats apart.
+inline void rht_rows(const float* __restrict t, float* __restrict y, int64_t ld, int64_t cols) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    vec::f32x16 v[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) v[i] = vec::load<vec::f32x16>(t + i * ld + c);
+    rht16(v);
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) vec::store(y + k * ld + c, bf16_round(v[k]));
+  }
+}
+
+}  // namespace hadamard
+}  // namespace ENGINE_ISA_NS
+}  // namespace engine_native
