@@ -5,7 +5,7 @@ The reference dequantizes the weight with torch ops written out here ((q - 8) * 
 q for int8) and sums in float64. The kernels dequantize to the same fp32 values and sum in fp32 in their own
 order, so each output is within one rounding to the output dtype plus fp32 accumulation in any order:
 |y - ref| <= u_out * |ref| + (2K + 16) * 2^-24 * sum_k |x_k| |w_k| (int8: times the scale; plus half the output
-dtype's subnormal spacing), on every ISA the machine runs (tests/test_native.py's ISAS). int4 with bf16 x (AVX512-BF16) sums
+dtype's subnormal spacing), at every instruction-set level the machine runs (baseline, avx2, avx512). int4 with bf16 x (AVX512-BF16) sums
 scale * sum x * (q - 8) + zero * sum x per group: |w_k| becomes |q_k - 8| * scale + |zero| there. A row's result does not depend on M (the sums run in the same order). Odd shapes
 (K not a multiple of 16, N odd, M = 1, 3, 16, 17), every group size, and bad arguments (errors naming them).
 """
@@ -20,12 +20,13 @@ import engine
 from engine.formats import INT4
 from engine.inference import int8_mm, int_formats, saving
 from engine.ops import int_elements, native
-from tests.test_native import ISAS
 
 FP32_U = 2.0 ** -24
 UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 HALF_SUBNORMAL = {torch.float32: 2.0 ** -150, torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}  # absolute
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# every instruction-set level this machine runs (each kernel variant, tested where it runs)
+ISAS = tuple(native.available_isas()) if native.available() else ("baseline",)
 
 
 @pytest.fixture(params=ISAS)
@@ -133,7 +134,7 @@ def test_a_row_does_not_depend_on_m(isa: str) -> None:
 
 
 def test_isas_agree_within_the_bound() -> None:
-    """A bigger shape, split over threads (the row ranges a multiple of 4), on both kernel sets."""
+    """A bigger shape, split over threads (the row ranges a multiple of 4), at every level."""
     data, sz, w, mags = int4_weight(528, 1024, 128, seed=4)
     x = torch.randn(5, 1024, dtype=torch.bfloat16)
     for name in ISAS:

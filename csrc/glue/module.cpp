@@ -9,6 +9,8 @@
 #include "cast/nvfp4_glue.h"
 #include "common/isa.h"
 #include "gemm/exact_gemm_glue.h"
+#include "inference/int8_dynamic_glue.h"
+#include "inference/wo_gemm_glue.h"
 #include "scaling/delayed_update_glue.h"
 
 #ifndef ENGINE_BUILD_KEY
@@ -17,8 +19,6 @@
 
 namespace engine_native {
 void register_mx_small(pybind11::module_& m);      // cast/mx_small_glue.cpp: MXFP4 / MXFP6
-void register_wo_gemm(pybind11::module_& m);       // inference/wo_gemm_glue.cpp: weight-only int4 / int8 GEMMs
-void register_int8_dynamic(pybind11::module_& m);  // inference/int8_dynamic_glue.cpp: int8 x quantize / rescale
 }  // namespace engine_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -63,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("four_over_six_e4m3_max") = 448.0,
         "NVFP4 quantize of a 2D tensor: (row data, row E4M3 scales, row amax, col data, col scales, col amax); "
         "four_over_six: TE's 4over6 (MAE or MSE, E4M3 bound 448 or 256; not with rht nor a counter)");
-  register_wo_gemm(m);
-  register_int8_dynamic(m);
+  // inference: weight-only int4 / int8 / E4M3 GEMMs, int8 dynamic activations' quantize and rescale
+  m.def("int4_linear", &wo_gemm_glue::int4_linear, py::arg("x"), py::arg("data"), py::arg("scale_and_zero"),
+        py::arg("group_size"), py::arg("n"));
+  m.def("int8_linear", &wo_gemm_glue::byte_linear, py::arg("x"), py::arg("data"), py::arg("scale"),
+        py::arg("e4m3") = false);
+  m.def("int8_quantize_rows", &int8_dynamic_glue::quantize_rows, py::arg("x"), py::arg("biased"));
+  m.def("int8_rescale", &int8_dynamic_glue::rescale, py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("dtype"));
 }

@@ -1,39 +1,16 @@
-// Int8DynamicActivationInt8Weight's glue around torch._int_mm, in one pass each (plain loops, the compiler
-// vectorises them, for AVX-512 too by GCC's target clones; rows split over OpenMP threads): per-token int8 quantization of x, and the rescale of the
-// int32 sums to x's dtype. Bit for bit the torch ops of engine/inference/int_formats.py (`rowwise_int8` and
-// `(acc.float() * sx[:, None] * sw[None, :]).to(dtype)`): the same fp32 operations in the same order.
-// Threads run with round-to-nearest and without flush-to-zero / denormals-are-zero (MXCSR set per thread).
-#include <torch/extension.h>
+// Int8DynamicActivationInt8Weight's glue around the int8 GEMM: argument checks, the rows split over OpenMP
+// threads, and the row loops of the variant in use (int8_dynamic_kernels.cpp, chosen by active_isa()): per-token
+// int8 quantization of x, and the rescale of the int sums to x's dtype, bit for bit the torch ops of
+// engine/inference/int_formats.py (int8_dynamic.h). Threads run with round-to-nearest and without flush-to-zero /
+// denormals-are-zero (MXCSR set per thread).
+#include "inference/int8_dynamic_glue.h"
 
-#include <omp.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <tuple>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <xmmintrin.h>
-#define ENGINE_I8D_X86 1
-#endif
-
-#if defined(ENGINE_I8D_X86) && defined(__GNUC__) && !defined(__clang__)
-#define ENGINE_I8D_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
-#else
-#define ENGINE_I8D_CLONES
-#endif
-
-#include "common/native_glue.h"
+#include "common/glue.h"
+#include "inference/int8_dynamic.h"
 
 namespace engine_native {
-namespace int8_dynamic {
+namespace int8_dynamic_glue {
 namespace {
-
-using at::Tensor;
-
-constexpr float kInt8Max = 127.0f;
-constexpr float kFp32Tiny = 1.17549435e-38f;  // fp32's smallest normal: the least scale
 
 using glue::check_plain;
 using glue::DefaultFpEnv;
@@ -57,63 +34,13 @@ void parallel_rows(int64_t rows, int64_t work, const F& f) {
   }
 }
 
-// One row: its scale and codes. Cloned for x86-64-v4 (AVX-512) and the baseline, chosen by the loader (the same
-// fp32 operations either way).
-ENGINE_I8D_CLONES void quantize_row(const float* __restrict row, int64_t K, uint8_t flip, uint8_t* __restrict out,
-                                    float* __restrict scale) {
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
-  uint32_t key = 0;  // max |x| bits: orders as |x| does, a NaN above every number
-  for (int64_t k = 0; k < K; ++k) {
-    const uint32_t a = bits[k] & 0x7FFFFFFFu;
-    key = a > key ? a : key;
-  }
-  float amax;
-  std::memcpy(&amax, &key, 4);
-  float s = amax / kInt8Max;
-  s = s < kFp32Tiny ? kFp32Tiny : s;  // a NaN stays
-  *scale = s;
-  for (int64_t k = 0; k < K; ++k) {
-    // round-half-even(v) clamped to +-127 = the same of v clamped to +-128 first; below 2^22 in magnitude,
-    // (v + 1.5 * 2^23) - 1.5 * 2^23 rounds v to an integer, half to even (no contraction: -ffp-contract=off)
-    float v = row[k] / s;
-    v = v < -128.0f ? -128.0f : (v > 128.0f ? 128.0f : v);
-    v = (v + 12582912.0f) - 12582912.0f;
-    v = v < -kInt8Max ? -kInt8Max : (v > kInt8Max ? kInt8Max : v);
-    // the code's two's-complement byte; `flip` 0x80 adds 128 (the uint8 code of oneDNN's u8 x with zero point 128)
-    out[k] = static_cast<uint8_t>(static_cast<int32_t>(v == v ? v : 0.0f)) ^ flip;
-  }
-}
-
-template <typename Acc>
-inline __attribute__((always_inline)) void rescale_row(const Acc* __restrict acc, float sx, const float* __restrict sw, int64_t N,
-                                   float* __restrict yf, uint16_t* __restrict yb) {
-  for (int64_t n = 0; n < N; ++n) {
-    const float v = static_cast<float>(acc[n]) * sx * sw[n];
-    if (yb) {
-      uint32_t u;
-      std::memcpy(&u, &v, 4);
-      yb[n] = (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
-                                              : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    } else {
-      yf[n] = v;
-    }
-  }
-}
-
-// The int32 sums (torch._int_mm) or their fp32 values (oneDNN's u8 x s8 GEMM, exact int32 sums converted once).
-ENGINE_I8D_CLONES void rescale_row_i32(const int32_t* __restrict acc, float sx, const float* __restrict sw, int64_t N,
-                                       float* __restrict yf, uint16_t* __restrict yb) {
-  rescale_row(acc, sx, sw, N, yf, yb);
-}
-ENGINE_I8D_CLONES void rescale_row_f32(const float* __restrict acc, float sx, const float* __restrict sw, int64_t N,
-                                       float* __restrict yf, uint16_t* __restrict yb) {
-  rescale_row(acc, sx, sw, N, yf, yb);
-}
+}  // namespace
 
 // (q int8 [M, K], scale fp32 [M]): scale = max(amax / 127, fp32 tiny) per row (NaN if the row has one), q =
 // round-half-even(x / scale) clamped to [-127, 127] (NaN quotients give 0).
 std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x_in, bool biased) {
   NoPythonDispatch no_python;
+  const Int8DynamicKernels& kernels = int8_dynamic_kernels(active_isa());
   check_plain(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "x: expected a 2D tensor [M, K], got ", x_in.dim(), " dims");
   const auto dt = x_in.scalar_type();
@@ -129,7 +56,7 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x_in, bool biased) {
   float* sc = scale.data_ptr<float>();
   parallel_rows(M, M * K, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row(src + r * K, K, flip, dst + r * K, sc + r);
+      kernels.quantize_row(src + r * K, K, flip, dst + r * K, sc + r);
     }
   });
   return {q, scale};
@@ -139,6 +66,7 @@ std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x_in, bool biased) {
 // float16 by torch).
 Tensor rescale(const Tensor& acc, const Tensor& sx, const Tensor& sw, at::ScalarType dtype) {
   NoPythonDispatch no_python;
+  const Int8DynamicKernels& kernels = int8_dynamic_kernels(active_isa());
   check_plain(acc, "acc");
   check_plain(sx, "sx");
   check_plain(sw, "sw");
@@ -165,25 +93,14 @@ Tensor rescale(const Tensor& acc, const Tensor& sx, const Tensor& sw, at::Scalar
       float* yf_r = yf ? yf + r * N : nullptr;
       uint16_t* yb_r = yb ? yb + r * N : nullptr;
       if (a.scalar_type() == at::kInt) {
-        rescale_row_i32(a.data_ptr<int32_t>() + r * N, xs[r], ws, N, yf_r, yb_r);
+        kernels.rescale_row_i32(a.data_ptr<int32_t>() + r * N, xs[r], ws, N, yf_r, yb_r);
       } else {
-        rescale_row_f32(a.data_ptr<float>() + r * N, xs[r], ws, N, yf_r, yb_r);
+        kernels.rescale_row_f32(a.data_ptr<float>() + r * N, xs[r], ws, N, yf_r, yb_r);
       }
     }
   });
   return dtype == at::kHalf ? y.to(at::kHalf) : out;
 }
 
-}  // namespace
-}  // namespace int8_dynamic
-
-void register_int8_dynamic(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("int8_quantize_rows", &int8_dynamic::quantize_rows, py::arg("x"), py::arg("biased"),
-        "per-row symmetric int8 of x [M, K]: (q [M, K], scale fp32 [M]), as int_formats.rowwise_int8; q is int8, "
-        "or uint8 q + 128 when biased");
-  m.def("int8_rescale", &int8_dynamic::rescale, py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("dtype"),
-        "(acc.float() * sx[:, None] * sw[None, :]).to(dtype) in one pass (acc int32, or float32)");
-}
-
+}  // namespace int8_dynamic_glue
 }  // namespace engine_native

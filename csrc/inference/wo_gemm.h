@@ -1,14 +1,17 @@
-// Weight-only GEMMs at small M (int4 groupwise, int8 and FP8 E4M3 per channel): the jobs the torch glue
-// (kernels_wo_gemm.cpp) hands the kernels, and their two builds, portable (kernels_wo_gemm.cpp) and AVX-512
-// (kernels_wo_gemm_avx512.cpp, chosen at run time). No torch here.
+// Weight-only GEMMs at small M (int4 groupwise, int8 and FP8 E4M3 per channel): the jobs the glue
+// (wo_gemm_glue.cpp) hands the kernels (wo_gemm_kernels.cpp, one source compiled per instruction set) and the
+// table each variant exports. No torch here.
 //
-// Both compute y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w dequantized in registers exactly as the reference
-// does (int4: (q - 8) * scale + zero, the product exact, one rounding; int8: q, the scale applied to the
-// sum), so the results differ from the plain-PyTorch fp32 reference only by the order of the fp32 additions.
-// int4 with bf16 x has a faster form (int4_rows_bf16): per group, scale * sum x * (q - 8) + zero * sum x.
+// Every variant computes y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w dequantized in registers exactly as the
+// reference does (int4: (q - 8) * scale + zero, the product exact, one rounding; int8: q, the scale applied to
+// the sum), so the results differ from the plain-PyTorch fp32 reference only by the order of the fp32 additions.
+// int4 with bf16 x has a faster form on CPUs with AVX512-BF16 (int4_rows_bf16): per group,
+// scale * sum x * (q - 8) + zero * sum x.
 #pragma once
 
 #include <cstdint>
+
+#include "common/isa.h"
 
 namespace engine_native {
 
@@ -17,10 +20,9 @@ namespace engine_native {
 constexpr int64_t kWoChunk = 32;  // the k values one step of the int4 kernels reads from one row: 16 bytes
 
 struct WoInt4Job {
-  const float* x;      // [M, K] fp32, each run of 32 k's stored even k's first, then odd k's
+  const float* x;      // [M, K] fp32 in the variant's order (WoKernels::int4_pack_x)
   int64_t M, K;
-  // The bf16 path (x in bf16 without subnormals, group a multiple of 64 or 32 with K a multiple of 64,
-  // AVX512-BF16), else null:
+  // The bf16 path (WoKernels::int4_rows_bf16), else null:
   const uint16_t* xb;  // [M, K] bf16 bits, each run of 64 k's stored even k's first, then odd k's
   const float* xsum;   // [M, K / group]: the fp32 sum of x over each group
   const uint8_t* w;    // the layout above, row n at w + n * K / 2
@@ -32,8 +34,8 @@ struct WoInt4Job {
 
 // A byte per weight, one scale per row: int8 (Int8WeightOnly) or E4M3 codes (Float8WeightOnly, power-of-2 scales).
 struct WoInt8Job {
-  const float* x;      // [M, K] fp32, row-major
-  int64_t M, K;
+  const float* x;      // [M, ldx] fp32 in the variant's order (WoKernels::int8_pack_x), zeros past K
+  int64_t M, K, ldx;
   const int8_t* w;     // [N, K] int8 (or E4M3 bytes), row-major
   const float* scale;  // [N]: y = sum * scale
   float* y;            // [M, ldy] fp32
@@ -41,19 +43,32 @@ struct WoInt8Job {
   bool e4m3;           // w holds E4M3 codes: each decodes to its exact value (NaN codes to a quiet NaN)
 };
 
-// Rows [n0, n1) of y, every m.
-namespace wo_portable {
-void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1);
-void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1);
-}  // namespace wo_portable
-namespace wo_avx512 {
-bool compiled();  // false where the compiler or architecture has no AVX-512 build
-bool compiled_bf16();  // int4_rows_bf16 is built (AVX512-BF16)
-void int4_rows(const WoInt4Job& job, int64_t n0, int64_t n1);
-// The bf16 path: sum_k x * (q - 8) per group from exact bf16 products (vdpbf16ps), then * scale, plus zero * the
-// group's x sum: the same value up to the order (and grouping) of fp32 additions.
-void int4_rows_bf16(const WoInt4Job& job, int64_t n0, int64_t n1);
-void int8_rows(const WoInt8Job& job, int64_t n0, int64_t n1);
-}  // namespace wo_avx512
+// What each instruction-set variant exports. The x orders differ between variants (each reads a run of
+// weight bytes as whole 32-bit words and wants x in the order of the codes they hold), so x goes through the
+// same variant's pack function as the kernel that reads it.
+struct WoKernels {
+  // x [M, K] fp32 (K a multiple of 32) -> out [M, K] in int4_rows's order.
+  void (*int4_pack_x)(const float* x, int64_t M, int64_t K, float* out);
+  // Rows [n0, n1) of y, every m.
+  void (*int4_rows)(const WoInt4Job& job, int64_t n0, int64_t n1);
+  // K padded to a multiple of this for int8_rows (ldx).
+  int64_t int8_block;
+  // x [M, K] fp32 -> out [M, ldx] in int8_rows's order, zeros past K.
+  void (*int8_pack_x)(const float* x, int64_t M, int64_t K, float* out, int64_t ldx);
+  void (*int8_rows)(const WoInt8Job& job, int64_t n0, int64_t n1);
+  // The bf16 path, null where this variant or the CPU has none (AVX512-BF16): x bf16 bits [M, K] and its fp32
+  // values -> xb and xsum of WoInt4Job (group a multiple of 64, or 32 with K a multiple of 64).
+  void (*int4_pack_x_bf16)(const uint16_t* xbits, const float* x, int64_t M, int64_t K, int64_t group, uint16_t* xb,
+                           float* xsum);
+  // sum_k x * (q - 8) per group from exact bf16 products, then * scale, plus zero * the group's x sum: the
+  // same value up to the order (and grouping) of fp32 additions. x must hold no subnormal (read as 0).
+  void (*int4_rows_bf16)(const WoInt4Job& job, int64_t n0, int64_t n1);
+  // Whether x [n] fp32 holds a subnormal.
+  bool (*has_subnormal)(const float* x, int64_t n);
+  // fp32 [n] -> bf16 bits, round to nearest even, NaN -> quiet NaN with the sign kept.
+  void (*to_bf16)(const float* y, int64_t n, uint16_t* out);
+};
+
+ENGINE_ISA_VARIANTS(WoKernels, wo_kernels)
 
 }  // namespace engine_native

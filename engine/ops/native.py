@@ -823,7 +823,7 @@ def _wo_input(x: object) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, data: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
                 n: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, n] in x's dtype, W groupwise int4 (`Int4WeightOnly`'s parts, csrc/wo_gemm.h):
+    """x [M, K] @ W^T -> [M, n] in x's dtype, W groupwise int4 (`Int4WeightOnly`'s parts, csrc/inference/wo_gemm.h):
     data uint8 [rows >= n, K/2] (q[n, 2i] in the low nibble of byte i), scale_and_zero bfloat16
     [K/group_size, rows, 2]; w = (q - 8) * scale + zero in fp32, dequantized in registers, fp32 sums.
     The same as the fp32 reference up to the order of the fp32 additions."""
@@ -833,8 +833,7 @@ def int4_linear(x: torch.Tensor, data: torch.Tensor, scale_and_zero: torch.Tenso
     for value, name in ((group_size, "group_size"), (n, "n")):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    ext = _ext()
-    return ext.int4_linear(x, data, scale_and_zero, group_size, n, ext.isa())
+    return _ext().int4_linear(x, data, scale_and_zero, group_size, n)
 
 
 def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -844,8 +843,7 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> tor
     _wo_input(x)
     check_cpu_tensor(data, "data")
     check_cpu_tensor(scale, "scale")
-    ext = _ext()
-    return ext.int8_linear(x, data, scale, ext.isa(), False)
+    return _ext().int8_linear(x, data, scale, False)
 
 
 def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -855,8 +853,7 @@ def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torc
     _wo_input(x)
     check_cpu_tensor(data, "data")
     check_cpu_tensor(scale, "scale")
-    ext = _ext()
-    return ext.int8_linear(x, data, scale, ext.isa(), True)
+    return _ext().int8_linear(x, data, scale, True)
 
 
 def int8_quantize_rows(x: torch.Tensor, biased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
