@@ -13,7 +13,9 @@ import engine
 from engine.cli import main
 from engine.train.data import batch_at, load_corpus
 from engine.train.report import COLUMNS
-from engine.train.run import DEFAULT_RUNS
+from engine.train.run import default_runs
+
+DEFAULT_RUNS = default_runs()  # the machine's baseline (bf16 or fp32), then the FP8 recipes
 
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--eval-every", "10", "--in-process", "--no-progress"]
@@ -38,7 +40,7 @@ def test_every_recipe_trains_and_the_outputs_are_written(tiny_run):
     with (tiny_run / "results.csv").open() as f:
         rows = list(csv.reader(f))
     assert rows[0] == COLUMNS and [row[0] for row in rows[1:]] == list(DEFAULT_RUNS)
-    assert rows[1][3] == "+0.00" and rows[1][5] == "1.00"  # bf16 against itself
+    assert rows[1][3] == "+0.00" and rows[1][5] == "1.00"  # the baseline against itself
     png = (tiny_run / "losses.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -63,10 +65,38 @@ def test_without_speed_rounds_the_speed_column_compares_tokens_per_second(tmp_pa
     assert speed == f"{results[1]['tokens_per_second'] / results[0]['tokens_per_second']:.2f}"
 
 
-def test_fp8_runs_save_fewer_activation_bytes_than_bf16(tiny_run):
+def test_fp8_runs_save_fewer_activation_bytes_than_the_baseline(tiny_run):
     results = {r["recipe"]: r for r in json.loads((tiny_run / "results.json").read_text())}
     for name in DEFAULT_RUNS[1:]:
-        assert results[name]["saved_activation_bytes"] < results["bf16"]["saved_activation_bytes"]
+        assert results[name]["saved_activation_bytes"] < results[DEFAULT_RUNS[0]]["saved_activation_bytes"]
+
+
+def test_the_baseline_is_the_dtype_the_machine_is_fast_at(tiny_run):
+    """bf16 where torch's bf16 GEMM is native, fp32 elsewhere; the recipe runs keep its activations."""
+    from engine.ops.exact_gemm import native_bf16_gemm
+
+    results = json.loads((tiny_run / "results.json").read_text())
+    baseline = "bf16" if native_bf16_gemm() else "fp32"
+    assert results[0]["recipe"] == baseline and {r["dtype"] for r in results} == {baseline}
+
+
+def test_recipe_runs_keep_the_baseline_dtype():
+    from engine.train.model import GPTConfig
+    from engine.train.run import RunConfig, build_model, make_recipe
+
+    model = GPTConfig(d_model=32, n_layers=1, n_heads=2, seq_len=8)
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for name in (dtype, "delayed"):
+            cfg = RunConfig(recipe=name, dtype=dtype, model=model)
+            gpt = build_model(cfg, make_recipe(name))
+            seen = []
+            gpt.blocks[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+            with engine.fp8_autocast(enabled=name != dtype, recipe=make_recipe(name)):
+                gpt(torch.zeros(2, 8, dtype=torch.long))
+            assert seen == [torch_dtype], (dtype, name)
+    with pytest.raises(TypeError, match="activation_dtype"):
+        from engine.train.model import GPT
+        GPT(model, activation_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("source, target", [("delayed", "mxfp8"), ("bf16", "current"), ("block", "bf16")])

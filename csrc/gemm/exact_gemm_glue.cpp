@@ -45,7 +45,7 @@ Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
 // scale product as alpha: the Python path's ATen calls, without its per-call cost. The addmm is
 // bf16 for a bf16 output where the caller says torch's bf16 GEMM is native (`bf16_gemm`:
 // engine/ops/exact_gemm.py's native_bf16_gemm), else fp32 on the same values. Small
-// problems on AVX-512 run the kernel of small_gemm.h instead of addmm (see small_gemm below):
+// problems on AVX2 and AVX-512 run the kernel of small_gemm.h instead of addmm (see small_gemm below):
 // same decode, fp32 accumulation in its own order (numerics: engine/ops/exact_gemm.py).
 
 // One K-major operand: FP8 data [rows, K] (any strides) and its scale_inv: [1] (tile 0 x 0,
@@ -228,9 +228,10 @@ struct Decoder {
 };
 
 // ------------------------------------------------------------------ the small exact GEMM
-// When the AVX-512 kernel of small_gemm.h replaces addmm. Measured with benchmarks/bench_small_gemm.py (Zen 4 EPYC,
-// 1 thread, 2 MiB of other memory traffic between calls as in a training step; time of decode + kernel vs decode +
-// addmm):
+// When the kernel of small_gemm.h replaces addmm, per instruction-set level (the kernel's bits are the same at every
+// level; only its speed against addmm differs). Measured with benchmarks/bench_small_gemm.py (Zen 4 EPYC, 1 thread,
+// 2 MiB of other memory traffic between calls as in a training step; time of decode + kernel vs decode + addmm).
+// avx512:
 // * bf16 output: addmm runs oneDNN's bf16 GEMM (vdpbf16ps, twice the fp32 FMA rate, but it flushes subnormals, so
 //   the kernel may not use it); below ~2M multiply-adds its per-call cost (primitive setup, allocations, cold caches)
 //   dominates: 1.0M MACs 0.54-0.66 (the 16x256x256 Linear GEMMs: 35 vs 58-65 us), 2.1M 0.85, 4.2M 1.06-1.15, 8.4M
@@ -242,8 +243,20 @@ struct Decoder {
 //   16.8M-134M with K <= 512 0.86-0.94, 134M with K = 2048 1.65. So for every M and N up to K = 512: the choice then
 //   depends on K alone, and a GEMM on a slice of A's or B's rows (a tensor-parallel shard) takes the same path, and
 //   gives the same bits, as the whole one.
-constexpr int64_t kSmallGemmMaxMacsBf16 = int64_t{1} << 21;
-constexpr int64_t kSmallGemmMaxKF32 = 512;
+// avx2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2: torch's GEMMs as an AVX2 CPU runs them): AVX2_MEASUREMENT
+// baseline: never on x86-64 (no fma instruction: the kernel's fma is libm's); nor on other machines (not measured).
+struct SmallGemmLimits {
+  int64_t max_macs_bf16;  // bf16 GEMMs (native bf16 addmm) up to this many multiply-adds
+  int64_t max_k_f32;      // fp32 GEMMs up to this K, whatever M and N
+};
+
+SmallGemmLimits small_gemm_limits(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return {int64_t{1} << 21, 512};
+    case Isa::Avx2: return {int64_t{1} << 20, 512};
+    default: return {0, 0};
+  }
+}
 
 // Which operand the kernel packs as 16-wide k-major vectors (the other is broadcast): the one whose packing and
 // lane waste cost less, in zmm FMAs (1 cycle each) plus per-element costs measured on Zen 4: 0.2 cycles to transpose
@@ -256,11 +269,10 @@ bool sg_pack_a(const SgOperand& a, const SgOperand& b, int64_t K) {
   return cols_cost < rows_cost;
 }
 
-// Whether the kernel of small_gemm.h runs an M x N x K GEMM (else addmm): a problem within the threshold, on the
-// AVX-512 kernel set.
+// Whether the kernel of small_gemm.h runs an M x N x K GEMM (else addmm): a problem within the active level's limits.
 bool small_gemm_runs(int64_t M, int64_t N, int64_t K, at::ScalarType gemm_dtype) {
-  const bool small = gemm_dtype == at::kBFloat16 ? M * N * K <= kSmallGemmMaxMacsBf16 : K <= kSmallGemmMaxKF32;
-  return small && active_isa() == Isa::Avx512 && small_gemm_avx512::compiled();
+  const SmallGemmLimits limits = small_gemm_limits(active_isa());
+  return gemm_dtype == at::kBFloat16 ? M * N * K <= limits.max_macs_bf16 : K <= limits.max_k_f32;
 }
 
 // alpha * (decode(a) @ decode(b)^T) (+ bias) by the kernel of small_gemm.h (numerics there). The packed operand
@@ -300,7 +312,7 @@ Tensor small_gemm(const Decoder& a, const Decoder& b, float alpha, const optiona
   Tensor scratch = at::empty({job.s.rows * K + v_floats}, at::TensorOptions().dtype(at::kFloat));
   job.s_pack = scratch.data_ptr<float>();
   job.v_pack = job.s_pack + job.s.rows * K;
-  namespace sg = small_gemm_avx512;
+  const SmallGemmKernels& sg = small_gemm_kernels(active_isa());
   if (s.rows * s.k > 0) {  // storage row r of s at s_pack + r * s.k
     const int64_t batch = std::max<int64_t>(1, 4096 / s.k);  // storage rows per decode: a few KiB, in L1
     parallel_chunks(s.rows, std::max<int64_t>(1, kElemGrain / s.k), [&](int64_t r0, int64_t r1, int) {
@@ -309,15 +321,16 @@ Tensor small_gemm(const Decoder& a, const Decoder& b, float alpha, const optiona
       for (int64_t r = r0; r < r1; r += batch) {
         const int64_t e = std::min(r1, r + batch);
         s.decode(r, e, rows.data(), t);
-        sg::widen(rows.data(), (e - r) * s.k, job.s_pack + r * s.k);
+        sg.widen(rows.data(), (e - r) * s.k, job.s_pack + r * s.k);
       }
     });
   }
-  parallel_chunks(sg::v_units(job), std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, 16 * K)),
-                  [&](int64_t b0, int64_t e0, int) { sg::pack_v(job, b0, e0); });
-  // a tile is 256 outputs: one thread per 2^20 multiply-adds at least
-  parallel_chunks(sg::tiles(job), std::max<int64_t>(1, (int64_t{1} << 20) / (256 * std::max<int64_t>(1, K))),
-                  [&](int64_t b0, int64_t e0, int) { sg::run_tiles(job, b0, e0); });
+  parallel_chunks(sg.v_units(job), std::max<int64_t>(1, kElemGrain / std::max<int64_t>(1, 16 * K)),
+                  [&](int64_t b0, int64_t e0, int) { sg.pack_v(job, b0, e0); });
+  // one thread per 2^20 multiply-adds at least (a tile's outputs depend on the level's blocking)
+  const int64_t tiles = sg.tiles(job), tile_outputs = std::max<int64_t>(1, M * N / std::max<int64_t>(1, tiles));
+  parallel_chunks(tiles, std::max<int64_t>(1, (int64_t{1} << 20) / (tile_outputs * std::max<int64_t>(1, K))),
+                  [&](int64_t b0, int64_t e0, int) { sg.run_tiles(job, b0, e0); });
   return out;
 }
 

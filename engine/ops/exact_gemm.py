@@ -28,16 +28,23 @@ The contract both implementations meet (tests/test_exact_gemm.py, tests/test_reg
   for a bf16 output, else to fp32), plus the final rounding to out_dtype; NaN and inf as IEEE arithmetic gives
   them (NaN bits unspecified). Subnormals are kept, whatever the caller's flush-to-zero state,
   by the native small kernel and the fp32 GEMM; a native bf16 GEMM (addmm with a bf16 output
-  where `native_bf16_gemm()`: this reference, the portable ISA, large native calls) reads
+  where `native_bf16_gemm()`: this reference, the baseline ISA, large native calls) reads
   subnormal operands as zero and flushes subnormal results, as the hardware's bf16 dot
   products do.
-* Run to run on one machine (same shapes, thread count and ISA), the bits are the same.
-* The native small kernel (AVX-512; bf16 output up to M * N * K = 2^21, fp32 and fp16
-  outputs for K <= 512 whatever M and N: csrc/bindings.cpp) sums each output as one fp32 fma
-  chain over k = 0..K-1 (csrc/small_gemm.h): its order depends on K alone, so a GEMM on a slice
-  of A's or B's rows gives the same bits as the matching slice of the whole GEMM (for fp32
-  outputs always, as the choice itself depends on K alone). addmm (this reference, the portable
-  ISA, larger native calls) makes no such promise, nor does it match the small kernel's bits.
+* Run to run on one machine (same shapes, thread count, ISA level and torch), the bits are the same.
+* So a machine without native bf16 GEMMs loses nothing by the fp32 GEMM: the same exact products, fp32
+  accumulation in both, and the bf16 output one rounding of the fp32 sum, as a bf16 GEMM's is. Every emulated
+  GEMM path runs this way there: this function and the native exact_gemm (per-tensor FP8, power-of-2 tiles:
+  MXFP8, MXFP4/MXFP6 as decoded elements, block scaling's default), NVFP4 (an fp32 output always),
+  `engine.gemm.cpu.per_k_block` (fp32 tile scales, fp32 partial products) and a quantized operand paired with a
+  plain one (dequantized to fp32).
+* The native small kernel (csrc/gemm/small_gemm_kernels.cpp, one source compiled per ISA level; run at avx2 and
+  avx512: bf16 output up to M * N * K = 2^21 (avx512) / 2^20 (avx2) where the bf16 GEMM is native, every fp32
+  GEMM for K <= 512 whatever M and N: csrc/gemm/exact_gemm_glue.cpp) sums each output as one fp32 fma chain over
+  k = 0..K-1 (csrc/gemm/small_gemm.h): its order depends on K alone, so a GEMM on a slice of A's or B's rows gives
+  the same bits as the matching slice of the whole GEMM (for fp32 GEMMs always, as the choice itself depends on K
+  alone), and avx2 and avx512 give the same bits. addmm (this reference, the baseline ISA, larger native calls)
+  makes no such promise, nor does it match the small kernel's bits.
 * A per-tensor pair whose fp32 scale product is not a normal number returns None.
 """
 

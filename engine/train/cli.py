@@ -1,4 +1,5 @@
-"""`python -m engine train`: the same GPT trained in bf16 and under each recipe, side by side."""
+"""`python -m engine train`: the same GPT trained in high precision (bf16 or fp32: the dtype this machine's GEMMs
+are fast at) and under each recipe, side by side."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from engine.train.checkpoint import RESUME_KEYS, SHAPE_FLAGS, load_run_checkpoin
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
-from engine.train.report import format_table, write_outputs
-from engine.train.run import BASELINE, DEFAULT_RUNS, RUN_NAMES, RunConfig, make_recipe, train, train_to_file
+from engine.train.report import baseline_note, format_table, write_outputs
+from engine.train.run import (RUN_NAMES, RunConfig, baseline_of, default_runs, make_recipe, train,
+                              train_to_file)
 from engine.train.speed import interleaved_step_seconds
 
 
@@ -40,12 +42,13 @@ _MIN_SEQ_LEN = GPTConfig.model_fields["seq_len"].metadata[0].ge
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("train", help="train a small GPT in bf16 and under each FP8 recipe and compare",
+    p = commands.add_parser("train", help="train a small GPT in high precision and under each FP8 recipe and compare",
                             description=__doc__)
-    p.add_argument("--recipes", type=_recipe_list, default=list(DEFAULT_RUNS),
-                   help=f"runs to make, comma separated, of {','.join(RUN_NAMES)} (default: {','.join(DEFAULT_RUNS)}); "
-                        "a run may add options: nvfp4:disable_rht sets the recipe's bool field, :last_block_bf16 keeps the "
-                        "last block in bf16")
+    p.add_argument("--recipes", type=_recipe_list, default=None,
+                   help=f"runs to make, comma separated, of {','.join(RUN_NAMES)} (default: {','.join(default_runs())}: "
+                        "the high-precision baseline is bf16 where torch's bf16 GEMM is native, else fp32; the recipe runs "
+                        "keep their activations in its dtype); a run may add options: nvfp4:disable_rht sets the "
+                        "recipe's bool field, :last_block_bf16 keeps the last block unquantized")
     shape = "; with --resume: the checkpoint's"
     p.add_argument("--steps", type=_positive, default=500, help="optimizer steps per run (default 500)")
     p.add_argument("--d-model", type=whole_number(_MIN_WIDTH), default=None, help=f"model width (default 128{shape})")
@@ -101,18 +104,19 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     checkpoint = None
     if args.resume is not None:
         if args.recipe is None:
-            raise ValueError("--resume needs --recipe: the recipe (or bf16) to continue under")
+            raise ValueError("--resume needs --recipe: the recipe (or bf16, fp32) to continue under")
         checkpoint = load_run_checkpoint(args.resume, "--resume", RESUME_KEYS)
     elif args.recipe is not None:
         raise ValueError("--recipe goes with --resume; to choose runs use --recipes")
     model = _model_config(args, checkpoint)
+    runs = [args.recipe] if args.resume is not None else (args.recipes or list(default_runs()))
     seed = args.seed
     if seed is None:  # a resumed run continues the checkpoint's data order
         seed = int(checkpoint.get("seed", 0)) if checkpoint is not None else 0
     common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
               "eval_every": args.eval_every, "seed": seed, "out_dir": str(out_dir),
               "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile,
-              "tp": args.tp, "fp8_weights": args.fp8_weights}
+              "tp": args.tp, "fp8_weights": args.fp8_weights, "dtype": baseline_of(runs)}
     nproc = _processes(args)
     if nproc > 1:
         check_layout(nproc, args.tp, model)
@@ -127,7 +131,7 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
         raise ValueError(f"--tp {args.tp}: needs several processes (--nproc, or torchrun)")
     if args.resume is not None:
         return [RunConfig(recipe=args.recipe, resume=args.resume, **common)]
-    return [RunConfig(recipe=name, **common) for name in args.recipes]
+    return [RunConfig(recipe=name, **common) for name in runs]
 
 
 def _under_torchrun() -> bool:
@@ -178,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} validation bytes")
         print(f"model: {configs[0].model.model_dump()}, {configs[0].steps} steps of "
               f"{configs[0].batch_size}x{configs[0].model.seq_len} tokens; output: {out_dir}")
+        print(f"baseline: {baseline_note(configs[0].dtype)}")
         if nproc > 1:
             print(f"processes: {nproc} ({nproc // args.tp} data-parallel (FSDP2) x {args.tp} tensor-parallel)")
     results = [_run_one(cfg, corpus, out_dir, args) for cfg in configs]
@@ -186,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     if not leader:
         return 0
-    if args.speed_rounds > 0 and nproc == 1 and len(configs) > 1 and any(c.recipe == BASELINE for c in configs):
+    if args.speed_rounds > 0 and nproc == 1 and len(configs) > 1 and any(c.recipe == c.dtype for c in configs):
         print(f"\ntiming the runs' steps interleaved ({args.speed_rounds} rounds) for the speed column")
         medians = interleaved_step_seconds(configs, corpus, args.speed_rounds)
         for result in results:

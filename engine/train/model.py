@@ -3,7 +3,8 @@
 Each block is attention (LayerNormLinear for QKV, torch's scaled_dot_product_attention,
 Linear for the output projection) and an MLP (LayerNormMLP), both with residuals. The
 embeddings, final norm and LM head stay in high precision, as is usual for FP8 training.
-Parameters are fp32 (master weights); activations run in bf16. For decoding, `forward`
+Parameters are fp32 (master weights); activations run in bf16 or fp32 (`activation_dtype`: the demo picks
+the one the machine's GEMMs are fast at). For decoding, `forward`
 takes a `KVCache`: it reads the positions after the cached ones and appends their keys and
 values. Positions are learned up to seq_len, so a longer sequence is refused (no sliding window).
 """
@@ -101,10 +102,15 @@ class Block(torch.nn.Module):
 
 
 class GPT(torch.nn.Module):
-    def __init__(self, cfg: GPTConfig, *, high_precision_last_blocks: int = 0) -> None:
-        """`high_precision_last_blocks`: the last blocks run in bf16 inside fp8_autocast (as TE advises for NVFP4)."""
+    def __init__(self, cfg: GPTConfig, *, high_precision_last_blocks: int = 0,
+                 activation_dtype: torch.dtype = torch.bfloat16) -> None:
+        """`high_precision_last_blocks`: the last blocks run unquantized inside fp8_autocast (as TE advises for
+        NVFP4); `activation_dtype`: bf16 or fp32 between the embeddings and the final norm."""
         super().__init__()
+        if activation_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"activation_dtype: expected torch.bfloat16 or torch.float32, got {activation_dtype}")
         self.cfg = cfg
+        self.activation_dtype = activation_dtype
         self.high_precision_last_blocks = high_precision_last_blocks
         self.tok_emb = torch.nn.Embedding(VOCAB_SIZE, cfg.d_model)
         self.pos_emb = torch.nn.Embedding(cfg.seq_len, cfg.d_model)
@@ -123,7 +129,7 @@ class GPT(torch.nn.Module):
             raise ValueError(f"tokens: positions {start}..{end - 1} go past the last learned position "
                              f"{self.cfg.seq_len - 1} (seq_len {self.cfg.seq_len}; no sliding window)")
         positions = torch.arange(start, end, device=tokens.device)
-        x = (self.tok_emb(tokens) + self.pos_emb(positions)).to(torch.bfloat16)
+        x = (self.tok_emb(tokens) + self.pos_emb(positions)).to(self.activation_dtype)
         first_bf16 = len(self.blocks) - self.high_precision_last_blocks
         for i, block in enumerate(self.blocks):
             kv = None if cache is None else cache.layers[i]

@@ -1,7 +1,11 @@
-"""One training run of the demo GPT under one recipe (or bf16), with its measurements.
+"""One training run of the demo GPT under one recipe (or in high precision), with its measurements.
 
 Every run with the same seed sees the same initial weights and the same batches in the
-same order, so runs differ only in how their GEMMs are quantized.
+same order, so runs differ only in how their GEMMs are quantized. The high-precision baseline
+is the dtype the machine's GEMMs are fast at (`baseline_name`): bf16 where torch's bf16 GEMM runs
+on bf16 instructions (or on a GPU), fp32 elsewhere (a CPU without AVX512-BF16 / AMX, where torch's
+bf16 matmul converts to fp32 inside, several times slower). The recipe runs keep their activations
+in the baseline's dtype (`RunConfig.dtype`); parameters are fp32 master weights in every run.
 """
 
 from __future__ import annotations
@@ -21,22 +25,43 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 import engine
+from engine.ops.exact_gemm import native_bf16_gemm
 from engine.recipes import RECIPES, Recipe
 from engine.train.checkpoint import RESUME_KEYS, load_run_checkpoint, saved_model_config
 from engine.train.data import Corpus, batch_at
 from engine.train.model import GPT, GPTConfig
 from engine.train.parallel import clip_grad_norm_, full_state_dict, mean_over_ranks, parallelize, world
 
-BASELINE = "bf16"
-RUN_NAMES = (BASELINE, *RECIPES)
-#: what `python -m engine train` runs by default (MXFP4/MXFP6 runs are reached with --recipes)
-DEFAULT_RUNS = (BASELINE, "delayed", "current", "block", "mxfp8")
+#: the high-precision runs and their activations' dtype
+HIGH_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
+RUN_NAMES = (*HIGH_PRECISION, *RECIPES)
+#: the recipes `python -m engine train` runs by default after the baseline (MXFP4/MXFP6 runs are reached with
+#: --recipes)
+DEFAULT_RECIPES = ("delayed", "current", "block", "mxfp8")
+
+
+def baseline_name() -> str:
+    """The high-precision run the machine is fast at: "bf16" where torch's bf16 GEMM is native (a GPU, or a CPU
+    with AVX512-BF16 / AMX: `engine.ops.exact_gemm.native_bf16_gemm`), else "fp32"."""
+    return "bf16" if torch.cuda.is_available() or native_bf16_gemm() else "fp32"
+
+
+def default_runs() -> tuple[str, ...]:
+    """What `python -m engine train` runs by default: the baseline, then DEFAULT_RECIPES."""
+    return (baseline_name(), *DEFAULT_RECIPES)
+
+
+def baseline_of(names: list[str]) -> str:
+    """The baseline among a list of runs: the one high-precision run listed, else the machine's (`baseline_name`)."""
+    listed = [n for n in names if n in HIGH_PRECISION]
+    return listed[0] if len(listed) == 1 else baseline_name()
 
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    recipe: str = BASELINE
+    recipe: str = "bf16"
+    dtype: str = Field("bf16", pattern="^(bf16|fp32)$")  # activations of the recipe runs: the baseline's
     model: GPTConfig = GPTConfig()
     steps: int = Field(500, ge=1)
     batch_size: int = Field(16, ge=1)
@@ -68,14 +93,15 @@ def split_run_name(name: str) -> tuple[str, list[str]]:
 
 
 def make_recipe(name: str) -> Recipe | None:
-    """None for the bf16 baseline, else the named recipe with its defaults and the run's bool options set."""
+    """None for a high-precision run (bf16, fp32), else the named recipe with its defaults and the run's bool
+    options set."""
     base, options = split_run_name(name)
     if base not in RUN_NAMES:
         raise ValueError(f"recipe: expected one of {list(RUN_NAMES)} (optionally followed by :options), got {name!r}")
     fields = [o for o in options if o != LAST_BLOCK_BF16]
-    if base == BASELINE:
+    if base in HIGH_PRECISION:
         if options:
-            raise ValueError(f"recipe: the bf16 baseline takes no recipe options, got {name!r}")
+            raise ValueError(f"recipe: the {base} run takes no recipe options, got {name!r}")
         return None
     model_fields = RECIPES[base].model_fields
     known = {f for f, info in model_fields.items() if info.annotation is bool}
@@ -142,10 +168,18 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer, loss_fn: Callable[[
     return loss
 
 
+def activation_dtype(cfg: RunConfig) -> torch.dtype:
+    """A high-precision run's own dtype; a recipe run's is the baseline's (cfg.dtype)."""
+    base = split_run_name(cfg.recipe)[0]
+    return HIGH_PRECISION[base if base in HIGH_PRECISION else cfg.dtype]
+
+
 def build_model(cfg: RunConfig, recipe: Recipe | None) -> GPT:
-    """The run's GPT, with FP8 primary weights if asked and the last block in bf16 if the run name says so."""
+    """The run's GPT, with FP8 primary weights if asked and the last block in high precision if the run name says
+    so."""
     with engine.fp8_model_init(enabled=cfg.fp8_weights and recipe is not None, recipe=recipe):
-        return GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]))
+        return GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]),
+                   activation_dtype=activation_dtype(cfg))
 
 
 def describe_replicated(run: str, replicated: dict[str, str]) -> str:
@@ -218,6 +252,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     last = train_losses[-min(10, len(train_losses)):]
     return {
         "recipe": cfg.recipe,
+        "dtype": cfg.dtype,
         "resumed_from": cfg.resume,
         "steps": [start + 1, end],
         "train_losses": train_losses,

@@ -4,7 +4,7 @@ Each run trains in its own process, one after another, so its tokens/s also meas
 machine's load during those minutes, which drifts on a shared machine. The speed ratios
 come instead from a short phase after the runs: every run's model takes one step in turn
 (run 1, run 2, ..., run 1, ...) for a few rounds, and each run's median step time is
-divided into bf16's. Load then falls on all runs alike.
+divided into the baseline's. Load then falls on all runs alike.
 """
 
 from __future__ import annotations
