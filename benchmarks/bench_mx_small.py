@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reference-runs", type=int, default=2)
-    parser.add_argument("--isa", choices=("auto", "avx512", "portable"), default="auto")
+    parser.add_argument("--isa", choices=("auto", "baseline", "avx2", "avx512"), default="auto")
     args = parser.parse_args(argv)
     if not native.available():
         print(f"the C++ kernels are unavailable: {native.why_unavailable()}")

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cast/fp8_glue.h"
+#include "cast/mx_small_glue.h"
 #include "common/isa.h"
 #include "gemm/exact_gemm_glue.h"
 #include "scaling/delayed_update_glue.h"
@@ -15,7 +16,6 @@
 #endif
 
 namespace engine_native {
-void register_mx_small(pybind11::module_& m);      // cast/mx_small_glue.cpp: MXFP4 / MXFP6
 void register_nvfp4(pybind11::module_& m);         // cast/nvfp4_glue.cpp: NVFP4
 void register_wo_gemm(pybind11::module_& m);       // inference/wo_gemm_glue.cpp: weight-only int4 / int8 GEMMs
 void register_int8_dynamic(pybind11::module_& m);  // inference/int8_dynamic_glue.cpp: int8 x quantize / rescale
@@ -54,7 +54,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_gemm", &exact_gemm_glue::exact_gemm, py::arg("a"), py::arg("a_scale_inv"), py::arg("a_tile_rows"),
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
         py::arg("bias"), py::arg("out_dtype"), py::arg("bf16_gemm"));
-  register_mx_small(m);
+  m.def("quantize_mx_small", &mx_small_glue::quantize, py::arg("x2d"), py::arg("kind"), py::arg("rceil"),
+        py::arg("rowwise"), py::arg("columnwise"), py::arg("out_row_data") = py::none(),
+        py::arg("out_row_codes") = py::none(), py::arg("out_col_data") = py::none(),
+        py::arg("out_col_codes") = py::none(),
+        "MXFP4/MXFP6 quantize of a 2D tensor, both usages in one pass: (row data, row E8M0 codes, col data, col codes)");
+  m.def("mx_small_to_bf16", &mx_small_glue::elements_to_bf16, py::arg("data"), py::arg("kind"), py::arg("cols"),
+        "E2M1 (packed) / E2M3 / E3M2 codes -> bf16 values (exact)");
   register_nvfp4(m);
   register_wo_gemm(m);
   register_int8_dynamic(m);
