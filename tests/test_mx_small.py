@@ -256,6 +256,8 @@ from engine.ops import native  # noqa: E402
 from tests.test_native import ISAS  # noqa: E402
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"C++ kernels unavailable: {native.why_unavailable()}")
+# every instruction-set level this machine runs (the kernels are one source compiled per level)
+ISAS = native.available_isas() if native.available() else ["baseline"]
 
 
 def edge_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -298,10 +300,10 @@ def test_native_quantize_is_bitwise_the_reference(isa, dtype):
 
 
 def fast_path_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Finite inputs (no NaN or inf scale code: the AVX-512 kernel's vector path, not its scalar fallback) over
-    whole 32-row strips wider than one 4096-column segment, partial segments and odd widths: every element
-    format's rounding midpoints and neighbours in blocks of known scale, both signs and -0, subnormal inputs,
-    all-zero blocks, values near the dtype's max, and E3M2's tiny-amax blocks (which fall back)."""
+    """Finite inputs (no NaN or inf scale code: the kernels' finite path, not their general one) over whole 32-row
+    strips wider than one 4096-column segment, partial segments and odd widths: every element format's rounding
+    midpoints and neighbours in blocks of known scale, both signs and -0, subnormal inputs, all-zero blocks,
+    values near the dtype's max, and E3M2's tiny-amax blocks."""
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(33, 4160, generator=g) * torch.exp2(torch.randint(-24, 24, (33, 4160), generator=g).float())
     wide[:, 64:128] = 0.0
@@ -348,15 +350,14 @@ def test_native_quantize_of_finite_inputs_is_bitwise_the_reference(isa, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_quantize_of_one_usage_is_bitwise_the_reference(dtype):
-    """The AVX-512 kernel's cast loop is compiled apart for both usages, rowwise only and columnwise only: each,
-    on finite inputs (its vector path), with both scale rules."""
-    if "avx512" not in native.available_isas():
-        pytest.skip("the one-usage cast loops exist only in the AVX-512 kernels, which this CPU cannot run")
+def test_native_quantize_of_one_usage_is_bitwise_the_reference(isa, dtype):
+    """The kernels' cast loop is compiled apart for both usages, rowwise only and columnwise only: each, on finite
+    inputs (the finite path), with both scale rules."""
     cases = fast_path_cases(dtype)
     bad = []
-    with native.use_isa("avx512"):
+    with native.use_isa(isa):
         for case in ("midpoints", "odd"):
             x = cases[case]
             for name in NAMES:
@@ -385,11 +386,14 @@ def test_native_quantize_ignores_flush_denormal():
 
 
 @needs_native
-def test_native_decode_is_bitwise_the_reference():
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_decode_is_bitwise_the_reference(isa):
     codes = torch.randint(0, 256, (3, 5, 33), dtype=torch.uint8)
     for name, fmt in (("e2m1", E2M1), ("e2m3", E2M3), ("e3m2", E3M2)):
         for cols in ((65, 66) if name == "e2m1" else (33,)):
-            got, want = native.elements_to_bf16(codes, fmt, cols), ref.elements_to_bf16(codes, fmt, cols)
+            with native.use_isa(isa):
+                got = native.elements_to_bf16(codes, fmt, cols)
+            want = ref.elements_to_bf16(codes, fmt, cols)
             assert got.shape == want.shape == (3, 5, cols) and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

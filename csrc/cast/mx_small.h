@@ -1,9 +1,10 @@
-// MXFP4 / MXFP6 quantize kernels (mx_small_kernels.h): the job the torch glue (kernels_mx_small.cpp) hands
-// them, and their two builds, portable and AVX-512 (kernels_mx_small_avx512.cpp, chosen at run time).
-// No torch here: the kernel files include only this.
+// MXFP4 / MXFP6 kernels (mx_small_kernels.cpp, compiled once per instruction-set level): the job the torch
+// glue (mx_small_glue.cpp) hands them and the table each level exports. No torch here.
 #pragma once
 
 #include <cstdint>
+
+#include "common/isa.h"
 
 namespace engine_native {
 
@@ -23,13 +24,16 @@ struct MxSmallJob {
 constexpr int64_t kMxSmallBlock = 32;
 constexpr int64_t kMxSmallTileCols = 256;  // a multiple of 32 (rowwise blocks) and 2 (E2M1 pairs)
 
-// Quantizes tiles [u0, u1) of the row-major grid ceil(M/32) x ceil(K/256) of tiles of 32 rows x 256 columns.
-namespace mx_small_portable {
-void mx_small_tiles(const MxSmallJob& job, int64_t u0, int64_t u1);
-}
-namespace mx_small_avx512 {
-bool compiled();  // false where the compiler or architecture has no AVX-512 build
-void mx_small_tiles(const MxSmallJob& job, int64_t u0, int64_t u1);
-}  // namespace mx_small_avx512
+struct MxSmallKernels {
+  // Quantizes tiles [u0, u1) of the row-major grid ceil(M/32) x ceil(K/256) of tiles of 32 rows x 256 columns.
+  void (*quantize_tiles)(const MxSmallJob& job, int64_t u0, int64_t u1);
+  // Element codes -> bf16 bits (exact, unscaled) of rows [r0, r1): row r's codes at in + r * in_stride
+  // (E2M1: packed, element 0 in the low nibble), its cols values at out + r * cols. Bits above a code's are
+  // ignored.
+  void (*decode_rows)(const uint8_t* in, int64_t in_stride, uint16_t* out, int64_t cols, int kind, int64_t r0,
+                      int64_t r1);
+};
+
+ENGINE_ISA_VARIANTS(MxSmallKernels, mx_small_kernels)
 
 }  // namespace engine_native

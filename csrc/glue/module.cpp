@@ -7,6 +7,7 @@
 
 #include "cast/fp8_glue.h"
 #include "cast/nvfp4_glue.h"
+#include "cast/mx_small_glue.h"
 #include "common/isa.h"
 #include "gemm/exact_gemm_glue.h"
 #include "inference/int8_dynamic_glue.h"
@@ -18,7 +19,6 @@
 #endif
 
 namespace engine_native {
-void register_mx_small(pybind11::module_& m);      // cast/mx_small_glue.cpp: MXFP4 / MXFP6
 }  // namespace engine_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -54,7 +54,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_gemm", &exact_gemm_glue::exact_gemm, py::arg("a"), py::arg("a_scale_inv"), py::arg("a_tile_rows"),
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
         py::arg("bias"), py::arg("out_dtype"), py::arg("bf16_gemm"));
-  register_mx_small(m);
   m.def("quantize_nvfp4", &nvfp4_glue::quantize, py::arg("x2d"), py::arg("rowwise"), py::arg("columnwise"),
         py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"),
         py::arg("out_row_data") = py::none(), py::arg("out_row_scales") = py::none(),
@@ -70,4 +69,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("e4m3") = false);
   m.def("int8_quantize_rows", &int8_dynamic_glue::quantize_rows, py::arg("x"), py::arg("biased"));
   m.def("int8_rescale", &int8_dynamic_glue::rescale, py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("dtype"));
+  m.def("quantize_mx_small", &mx_small_glue::quantize, py::arg("x2d"), py::arg("kind"), py::arg("rceil"),
+        py::arg("rowwise"), py::arg("columnwise"), py::arg("out_row_data") = py::none(),
+        py::arg("out_row_codes") = py::none(), py::arg("out_col_data") = py::none(),
+        py::arg("out_col_codes") = py::none(),
+        "MXFP4/MXFP6 quantize of a 2D tensor, both usages in one pass: (row data, row E8M0 codes, col data, col codes)");
+  m.def("mx_small_to_bf16", &mx_small_glue::elements_to_bf16, py::arg("data"), py::arg("kind"), py::arg("cols"),
+        "E2M1 (packed) / E2M3 / E3M2 codes -> bf16 values (exact)");
 }

@@ -682,9 +682,8 @@ def quantize_mx_coded(
         packed = (x2d.shape[0], -(-x2d.shape[1] // 2) if fmt.name == "E2M1" else x2d.shape[1])
         outs["out_row_data"] = memory.output_buffer(packed, torch.uint8) if rowwise else None
         outs["out_col_data"] = memory.output_buffer(packed, torch.uint8) if columnwise else None
-    ext = _ext()
-    row, row_codes, col, col_codes = ext.quantize_mx_small(x2d, kind, scale_mode == "rceil", bool(rowwise),
-                                                           bool(columnwise), ext.isa(), **outs)
+    row, row_codes, col, col_codes = _ext().quantize_mx_small(x2d, kind, scale_mode == "rceil", bool(rowwise),
+                                                              bool(columnwise), **outs)
     shape = (*x.shape[:-1], row.shape[-1] if rowwise else col.shape[-1]) if x.dim() else ()
     return ((row.view(shape) if rowwise else None), (row_codes if rowwise else None),
             (col.view(shape) if columnwise else None), (col_codes if columnwise else None))
