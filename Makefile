@@ -15,12 +15,13 @@ BUILD_INPUTS := $(CSRC) setup.py engine/ops/native_build.py
 
 install: $(BUILT)
 
-# torch first: on these machines 2.13.0 is a local CPU build, and a bare `torch` would pull CUDA wheels. The
-# build needs torch importable (--no-build-isolation: an isolated build would install a torch of its own).
+# torch first (numpy too: torch warns without it when setup.py imports it): on these machines 2.13.0 is a
+# local CPU build, and a bare `torch` would pull CUDA wheels. The build needs torch importable
+# (--no-build-isolation: an isolated build would install a torch of its own).
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 ninja setuptools wheel
+	$(PY) -m pip install --quiet torch==2.13.0 numpy ninja setuptools wheel
 	@start=$$(date +%s); \
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]' && \
 	echo "engine: pip install -e . (with the C++ kernels' build) took $$(( $$(date +%s) - start )) s"

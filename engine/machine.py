@@ -4,11 +4,11 @@
 `engine.recipes` exports is listed (`recipe_classes`), so a new recipe shows up without an edit here.
 
 Without a GPU every recipe runs, emulated on the CPU: its operands are quantized by the C++ kernels
-(csrc/, the best instruction set of the CPU - baseline, avx2 or avx512 - chosen at load time) or, for a layout without one, the plain-PyTorch
-reference; its GEMMs decode both operands exactly to bf16 and sum in fp32. With a GPU a recipe's
-GEMMs run on cuBLAS where engine has a kernel for its operands at this compute capability
-(per-tensor FP8 from 8.9; MXFP8, MXFP4 and NVFP4 at 10.x), are emulated on the GPU otherwise
-(1x128 / 128x128 blocks, rowwise, MXFP6), and per-tensor FP8 below 8.9 cannot run.
+(csrc/, at the best instruction set of the CPU - baseline, avx2 or avx512 - chosen at load time) or,
+for a layout without one, the plain-PyTorch reference; its GEMMs decode both operands exactly to bf16
+and sum in fp32. With a GPU a recipe's GEMMs run on cuBLAS where engine has a kernel for its operands
+at this compute capability (per-tensor FP8 from 8.9; MXFP8, MXFP4 and NVFP4 at 10.x), are emulated on
+the GPU otherwise (1x128 / 128x128 blocks, rowwise, MXFP6), and per-tensor FP8 below 8.9 cannot run.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def native_kernels() -> tuple[str | None, str]:
     if not native.available():
         return None, f"unavailable, quantization runs the reference ({native.why_unavailable()})"
     isa = native.isa()
-    cap = os.environ.get(native.ISA_ENV, "").strip().lower()
-    capped = f"; {native.ISA_ENV}={cap} caps them" if cap not in ("", "auto") else ""
+    cap = native.isa_cap()
+    capped = f"; {native.ISA_ENV}={cap} caps them" if cap is not None else ""
     return isa, (f"C++ (csrc/), instruction set {isa} (available here: {', '.join(native.available_isas())}"
                  f"{capped}; {native.loaded_from()})")
 

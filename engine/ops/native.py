@@ -317,6 +317,12 @@ def _ext() -> ModuleType:
     return ext
 
 
+def isa_cap() -> str | None:
+    """ENGINE_ISA's level as read when the kernels loaded (None: unset or auto)."""
+    _ext()
+    return _isa_cap
+
+
 def loaded_from() -> str:
     """Which build runs: 'installed engine._native' or 'JIT build <library path>'."""
     ext = _ext()
