@@ -1,4 +1,4 @@
-"""Quantized inference Linears (engine.quantize_ configs) vs bf16 `x @ w.t()`, measured in the same run.
+"""Quantized inference Linears (engine.quantize_ configs) vs torch's fp32 and bf16 `F.linear`, measured in the same run.
 
     python -m engine bench inference [--shapes 4096x4096,4096x11008,11008x4096] [--ms 1,16,256]
                                      [--configs int8wo,int4wo-g128,...] [--blocks 3] [--wall] [--quick]
@@ -6,8 +6,10 @@
 A shape is KxN (in_features x out_features: x [M, K], W [N, K]; 4096x11008 and 11008x4096 are the two
 orientations of an MLP). Default timing: one thread, the calling thread's CPU time over the least
 disturbed of `--blocks` interleaved blocks (`common.least_disturbed_cpu_seconds`), which is what a quiet
-machine shows; `--wall`: wall-time medians with torch's default threads (both cores). Every config is
-timed against bf16 `x @ w.t()` in the same run. Weight bytes are the memory a quantized weight holds
+machine shows; `--wall`: wall-time medians with torch's default threads (both cores). Every config (bf16 x) is
+timed against torch's fp32 (fp32 x and W) and bf16 `F.linear` in the same run, and its speed-up given against
+each and against the faster of the two (on a CPU without native bf16, such as an AVX2 one, that is fp32). The
+title names engine's kernel level (`engine.ops.native.isa()`) and torch's CPU capability. Weight bytes are the memory a quantized weight holds
 (`QuantizedWeight.nbytes_quantized`: its storage, and oneDNN's prepacked copy next to it; bf16: N*K*2).
 Each call reads its weight from memory, as a layer of a model does: every variant cycles through copies
 of its weight, at least `--cold-mib` (default 128, four times this machine's 32 MiB L3) of them in all,
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import least_disturbed_cpu_seconds, machine_line, median_seconds, print_table, torch_threads  # noqa: E402
 
 import engine  # noqa: E402
+from engine.ops import native  # noqa: E402
 from engine.formats import INT4  # noqa: E402
 from engine.inference import int_formats  # noqa: E402
 from engine.inference.weight import QuantizedWeight  # noqa: E402
@@ -116,7 +119,8 @@ def _measure(args: argparse.Namespace, names: list[str], ms: str) -> list[list[s
         torch.manual_seed(0)
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
         cold = args.cold_mib * 2**20
-        variants = {"bf16": (torch.nn.functional.linear, copies((w,), cold))}
+        variants = {"fp32": (torch.nn.functional.linear, copies((w.float(),), cold)),
+                    "bf16": (torch.nn.functional.linear, copies((w,), cold))}
         for name in names:
             f, weight = ((torch.nn.functional.linear, (QuantizedWeight.from_float(w, CONFIGS[name]),))
                          if name in CONFIGS else torch_kernel(name, w))
@@ -125,21 +129,24 @@ def _measure(args: argparse.Namespace, names: list[str], ms: str) -> list[list[s
                            for t in ws[0]) for name, (_, ws) in variants.items()}
         for m in (int(v) for v in ms.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            fns = {name: cycling(x, f, ws) for name, (f, ws) in variants.items()}
+            fns = {name: cycling(x.float() if name == "fp32" else x, f, ws) for name, (f, ws) in variants.items()}
             if args.wall:
                 times = {name: median_seconds(fn, repeat=5, warmup=1, min_time=0.02) for name, fn in fns.items()}
             else:
                 calls = 8 if m * k * n < 2**26 else 1
                 times = least_disturbed_cpu_seconds(fns, blocks=args.blocks, calls=calls, warmup=1)
-            base = times["bf16"]
-            rows.append([f"{m}x{k}x{n}", "bf16 x @ w.t()", f"{base * 1e3:.3f}", "1.00", f"{sizes['bf16'] / 2**20:.1f}"])
-            for name in names:
-                rows.append([f"{m}x{k}x{n}", name, f"{times[name] * 1e3:.3f}", f"{base / times[name]:.2f}",
-                             f"{sizes[name] / 2**20:.1f}"])
+            best = min(times["fp32"], times["bf16"])
+            labels = {"fp32": "torch fp32 F.linear", "bf16": "torch bf16 F.linear"}
+            for name in ("fp32", "bf16", *names):
+                t = times[name]
+                rows.append([f"{m}x{k}x{n}", labels.get(name, name), f"{t * 1e3:.3f}", f"{times['fp32'] / t:.2f}",
+                             f"{times['bf16'] / t:.2f}", f"{best / t:.2f}", f"{sizes[name] / 2**20:.1f}"])
     how = "wall-time medians" if args.wall else "thread CPU time, 1 thread, least disturbed of interleaved blocks"
     cache = f"weights cycled through {args.cold_mib} MiB of copies" if args.cold_mib else "one weight, cache-warm"
-    print(f"Inference Linear forward, bf16 activations ({how}; {cache})\n{machine_line()}")
-    print_table(["MxKxN", "config", "ms", "speed-up vs bf16", "weight MiB"], rows)
+    level = native.isa() if native.available() else "none (C++ kernels unavailable)"
+    print(f"Inference Linear forward, bf16 activations ({how}; {cache}); engine kernels: {level}, torch CPU "
+          f"capability: {torch.backends.cpu.get_cpu_capability()}\n{machine_line()}")
+    print_table(["MxKxN", "config", "ms", "speed-up vs fp32", "speed-up vs bf16", "vs the faster", "weight MiB"], rows)
     return rows
 
 

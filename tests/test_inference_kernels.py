@@ -434,5 +434,9 @@ def test_the_benchmark_runs(capsys) -> None:
     threads = torch.get_num_threads()
     rows = bench_inference.main(["--shapes", "128x48", "--ms", "1,3", "--blocks", "1",
                                  "--configs", "int8wo,int4wo-g32,int8dq,torch-int8pack,torch-int4pack-g128"])
-    assert len(rows) == 2 * 6 and "speed-up vs bf16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert len(rows) == 2 * 7 and "speed-up vs bf16" in out and "vs the faster" in out
+    assert f"engine kernels: {native.isa()}" in out
+    for row in rows:  # against the faster baseline (the shorter time): the smaller of the two speed-ups
+        assert float(row[5]) == min(float(row[3]), float(row[4]))
     assert torch.get_num_threads() == threads  # measured on one thread, this process's setting given back

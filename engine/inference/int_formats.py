@@ -7,8 +7,8 @@ checkpoint holds the parts torch-style: int8 "data" [N, K] and "scale" [N]; int4
 "scale_and_zero" bf16 [Kg/g, N16, 2], the layout the int4 kernel reads (`Int4Format`).
 
 The weight-only GEMMs run engine's C++ kernels (`engine.ops.native.int4_linear` / `int8_linear`,
-csrc/kernels_wo_gemm*.cpp: the weight dequantized in registers, fp32 sums, AVX-512 or portable) when the
-extension is built and M (the token count) is at most the format's `native_max_m` (for int4 with bf16 x:
+csrc/inference/wo_gemm_kernels.cpp: the weight dequantized in registers, fp32 sums, one source compiled per
+instruction set) when the extension is built and M (the token count) is at most the format's `native_max_m` (for int4 with bf16 x:
 `native_max_m_bf16`); above it, torch's op (int8) or the formula in torch ops (int4). The choice depends
 on the shape (and x's dtype) only, never on an error.
 """
