@@ -243,7 +243,13 @@ struct Decoder {
 //   16.8M-134M with K <= 512 0.86-0.94, 134M with K = 2048 1.65. So for every M and N up to K = 512: the choice then
 //   depends on K alone, and a GEMM on a slice of A's or B's rows (a tensor-parallel shard) takes the same path, and
 //   gives the same bits, as the whole one.
-// avx2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2: torch's GEMMs as an AVX2 CPU runs them): AVX2_MEASUREMENT
+// avx2, the same kernel at 8 fp32 lanes (same machine; ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for torch's
+// GEMMs as an AVX2 CPU runs them):
+// * fp32 output, and bf16 without native bf16 GEMMs (an AVX2 CPU): 1.0M MACs 0.53-0.81, 8.4M 0.80, 16.8M 0.74,
+//   33.5M-134M with K <= 512 0.82-0.91; K = 2048 runs addmm. So, as at avx512, every M and N up to K = 512.
+// * bf16 output where the bf16 GEMM is native (a bf16 CPU capped at avx2 by ENGINE_ISA): 1.0M 0.72-0.74 (the
+//   16x256x256 Linear GEMMs: 79 vs 110 us), while at 2.1M the kernel takes about twice its 1.0M time, more than
+//   addmm's 114 us. So up to 2^20.
 // baseline: never on x86-64 (no fma instruction: the kernel's fma is libm's); nor on other machines (not measured).
 struct SmallGemmLimits {
   int64_t max_macs_bf16;  // bf16 GEMMs (native bf16 addmm) up to this many multiply-adds
