@@ -27,10 +27,10 @@ from engine.schemes import ScaleEncoding, get_scheme
 from engine.recipes import CustomRecipe, OperandRecipe, QuantizerSpec, Recipe
 
 #: CPU features the kernels here look at (/proc/cpuinfo names): the avx2 kernels (x86-64-v3) need AVX2, FMA, F16C
-#: and BMI2; the avx512 ones (x86-64-v4) F, BW, DQ, VL; NVFP4's fast path VBMI2; bf16 weight-only GEMMs
+#: and BMI2; the avx512 ones (x86-64-v4) F, BW, DQ, VL, CD; NVFP4's fast path VBMI2; bf16 weight-only GEMMs
 #: AVX512-BF16; oneDNN's int8 GEMM VNNI or AMX
-CPU_FEATURES = ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi",
-                "avx512_vbmi2", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+CPU_FEATURES = ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd",
+                "avx512vbmi", "avx512_vbmi2", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 #: element formats with a cuBLAS block-scaled GEMM (torch._scaled_mm) on compute capability 10.x
 CUBLAS_BLOCK_ELEMENTS = ("e4m3", "e5m2", "e2m1")
 

@@ -28,7 +28,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLT_MAX = torch.finfo(torch.float32).max
 NAN, INF = float("nan"), float("inf")
 # /proc/cpuinfo flags of each x86-64 level (the old C++ module's AVX-512 set needs VBMI too)
-LEVEL_FLAGS = {"avx2": ("avx2", "fma", "f16c", "bmi2"), "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl")}
+LEVEL_FLAGS = {"avx2": ("avx2", "fma", "f16c", "bmi2"),
+               "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")}
 
 
 def cpu_flags() -> set[str]:
