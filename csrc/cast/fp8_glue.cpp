@@ -15,7 +15,7 @@ namespace fp8_glue {
 
 using namespace glue;
 
-const Kernels& kernels() { return fp8_kernels(active_isa()); }
+const Kernels& kernels() { return fp8_table(active_isa()); }
 
 // transposed view). Anything else is made contiguous by the caller.
 optional<Src> row_major(const Tensor& x) {
