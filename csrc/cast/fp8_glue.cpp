@@ -15,7 +15,7 @@ namespace fp8_glue {
 
 using namespace glue;
 
-const Kernels& kernels() { return fp8_kernels(active_isa()); }
+const Kernels& kernels() { return fp8_table(active_isa()); }
 
 // transposed view). Anything else is made contiguous by the caller.
 optional<Src> row_major(const Tensor& x) {
@@ -227,6 +227,12 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
   const BlockParams p{tile_rows, tile_cols, rule, kind};
   float* sinv = scale_inv.data_ptr<float>();
   uint8_t* out = bytes(data);
+  // The hand-written AVX-512 kernels (fp8_table) need every tile scale to be a positive normal number, which
+  // holds unless value_for_inf itself is not one, and panels of at most 1024 columns; the portable source
+  // (fp8_kernels) takes anything.
+  const float vfi = p.rule.value_for_inf;
+  const bool normal_vfi = vfi >= 1.17549435e-38f && vfi <= 3.4028234663852886e38f;
+  const Kernels& kern = normal_vfi ? kernels() : fp8_kernels(active_isa());
 
   if (column_major(x_in)) {
     // x2d = y^T for a row-major y (A x B = K x M): tiles of x2d are transposed panels of y.
@@ -236,7 +242,7 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
     // segments to read; the panel and the next one, prefetched, stay in L2)
     const int64_t target = std::min<int64_t>(1024, (128 * 1024 / 128) / x_in.element_size());
     const int64_t width = tile_rows * std::max<int64_t>(1, target / tile_rows);
-    const Kernels& k = kernels();  // width <= 1024, the kernels' panel limit
+    const Kernels& k = width <= 1024 ? kern : fp8_kernels(active_isa());
     const int64_t a_panels = tk, b_panels = (B + width - 1) / width;
     parallel_chunks(a_panels * b_panels, std::max<int64_t>(1, kElemGrain / (width * tile_cols)),
                     [&](int64_t b, int64_t e, int) {
@@ -252,7 +258,7 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
   }
   Tensor x = row_major(x_in).has_value() ? x_in : x_in.contiguous();
   const Src src = *row_major(x);
-  const Kernels& k = kernels();
+  const Kernels& k = kern;
   parallel_chunks(tm * tk, std::max<int64_t>(1, kElemGrain / (tile_rows * tile_cols)), [&](int64_t b, int64_t e, int) {
     k.block_rowwise(src, M, K, p, b, e, out, sinv);
   });

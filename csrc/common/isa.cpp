@@ -34,6 +34,18 @@ std::atomic<int> g_active{-1};
 
 }  // namespace
 
+bool cpu_has_avx512_vbmi() {
+#if defined(ENGINE_X86_64) && (defined(__GNUC__) || defined(__clang__))
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return cpu_has(Isa::Avx512) && __builtin_cpu_supports("avx512vbmi");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Avx512: return "avx512";

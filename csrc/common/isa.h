@@ -34,6 +34,8 @@ Isa detected_isa();
 std::vector<std::string> available_isas();
 // The level the kernels run at: detected_isa() unless set_active_isa chose a lower one.
 Isa active_isa();
+// AVX-512 VBMI (vpermb / vpermt2b), which the hand-written AVX-512 FP8 kernels need beyond x86-64-v4.
+bool cpu_has_avx512_vbmi();
 // "auto" (back to detected_isa()) or a level the CPU has; a ValueError otherwise.
 void set_active_isa(const std::string& name);
 

@@ -17,7 +17,7 @@ namespace exact_gemm_glue {
 
 using namespace glue;
 
-const Kernels& kernels() { return fp8_kernels(active_isa()); }
+const Kernels& kernels() { return fp8_table(active_isa()); }
 
 // --------------------------------------------------------------------------- fp8 -> bf16
 Tensor fp8_to_bf16(const Tensor& data_in, const optional<Tensor>& out) {
