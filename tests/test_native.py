@@ -46,11 +46,6 @@ def isa_cap() -> str:
     return "" if value == "auto" else value
 
 
-def old_cxx() -> bool:
-    """The C++ module of before issue 28 ('portable' for baseline, no avx2 kernels); drop with native's adapter."""
-    return "portable" in native._ext().available_isas()
-
-
 # Every ISA this run's kernels have: the CPU's levels, capped by ENGINE_ISA (ENGINE_ISA=avx2: a run that behaves
 # like an AVX2 CPU). Loading the kernels here, at collection, is cheap with the installed build.
 ISAS = tuple(native.available_isas()) if native.available() else ("baseline",)
@@ -151,8 +146,6 @@ def test_the_best_isa_of_the_cpu_is_used():
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to say what this CPU has")
     want = ["baseline"] + [isa for isa in ("avx2", "avx512") if set(LEVEL_FLAGS[isa]) <= flags]
-    if old_cxx():  # its AVX-512 kernels need VBMI; it has no AVX2 kernels
-        want = [isa for isa in want if isa != "avx2" and (isa != "avx512" or "avx512vbmi" in flags)]
     if isa_cap():
         want = [isa for isa in want if native.ISA_ORDER.index(isa) <= native.ISA_ORDER.index(isa_cap())]
     assert native.available_isas() == want
@@ -174,11 +167,10 @@ def test_engine_isa_caps_the_kernels_for_the_whole_process():
             refused = str(err)
         with native.use_isa("auto"):
             auto = native.isa()
-        print(json.dumps([native.isa(), native.available_isas(), auto, refused, "portable" in
-                          native._ext().available_isas()]))
+        print(json.dumps([native.isa(), native.available_isas(), auto, refused]))
     """)
-    isa, isas, auto, refused, old = got
-    want = ["baseline"] if old else ["baseline", "avx2"]  # the old C++ module has no avx2 kernels
+    isa, isas, auto, refused = got
+    want = ["baseline", "avx2"]
     assert (isa, isas, auto) == (want[-1], want, want[-1])
     assert "ENGINE_ISA=avx2" in refused
 

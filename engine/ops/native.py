@@ -256,19 +256,9 @@ def parse_isa(value: str, what: str = ISA_ENV) -> str | None:
     return name
 
 
-# The C++ module of before issue 28 says 'portable' for baseline and has no avx2 kernels; these two map its
-# names. Delete them when glue/module.cpp (baseline / avx2 / avx512) has landed.
-def _py_isa(name: str) -> str:
-    return "baseline" if name == "portable" else name
-
-
-def _cxx_isa(ext: ModuleType, name: str) -> str:
-    return "portable" if name == "baseline" and "portable" in ext.available_isas() else name
-
-
 def _machine_isas(ext: ModuleType) -> list[str]:
     """The ISAs this CPU and build run, lowest first (the C++ module's CPUID answer, ENGINE_ISA not applied)."""
-    return sorted((_py_isa(name) for name in ext.available_isas()), key=_level)
+    return sorted(ext.available_isas(), key=_level)
 
 
 def _capped(module: ModuleType, cap: str | None) -> ModuleType:
@@ -278,7 +268,7 @@ def _capped(module: ModuleType, cap: str | None) -> ModuleType:
         if _level(cap) > _level(have[-1]):
             raise ValueError(f"{ISA_ENV}={cap}: this machine runs {', '.join(have)} (its CPU or this build has no "
                              f"{cap} kernels); set {ISA_ENV} to one of those or unset it")
-        module.set_isa(_cxx_isa(module, max((n for n in have if _level(n) <= _level(cap)), key=_level)))
+        module.set_isa(max((n for n in have if _level(n) <= _level(cap)), key=_level))
     return module
 
 
@@ -331,7 +321,7 @@ def loaded_from() -> str:
 
 def isa() -> str:
     """The instruction set the kernels run: 'baseline', 'avx2' or 'avx512'."""
-    return _py_isa(_ext().isa())
+    return _ext().isa()
 
 
 def available_isas() -> list[str]:
@@ -353,7 +343,7 @@ def use_isa(name: str) -> Iterator[None]:
         raise ValueError(f"use_isa: {name!r} is not available here (available: {', '.join(allowed)}"
                          + (f"; {ISA_ENV}={_isa_cap} caps them)" if _isa_cap is not None else ")"))
     previous = ext.isa()
-    ext.set_isa(_cxx_isa(ext, wanted))
+    ext.set_isa(wanted)
     try:
         yield
     finally:
