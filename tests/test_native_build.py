@@ -272,8 +272,7 @@ class FakeModule:
     (["baseline", "avx2", "avx512"], "avx2", "avx2"),
     (["baseline", "avx2", "avx512"], "baseline", "baseline"),
     (["baseline", "avx2"], "avx2", "avx2"),
-    (["portable", "avx512"], "avx2", "portable"),  # the old module (no avx2 kernels): the best below the cap
-    (["portable", "avx512"], "avx512", "avx512")])
+    (["baseline", "avx2", "avx512"], "avx512", "avx512")])
 def test_a_cap_runs_the_best_isa_at_or_below_it(names, cap, chosen):
     assert native._capped(FakeModule(names), cap).calls == [chosen]
     assert native._capped(FakeModule(names), None).calls == []  # no cap: CPUID's choice stays
@@ -304,17 +303,6 @@ def test_use_isa_within_the_cap(monkeypatch):
     with pytest.raises(ValueError, match="use_isa: expected one of baseline, avx2, avx512 or auto, got 'neon'"):
         native.use_isa("neon").__enter__()
     assert fake.calls == ["baseline", "avx2", "avx2", "baseline"]
-
-
-def test_the_old_modules_names_are_mapped(monkeypatch):
-    """The adapter for the C++ module of before issue 28 ('portable'); delete with it."""
-    fake = FakeModule(["portable", "avx512"])
-    monkeypatch.setattr(native, "_module", fake)
-    monkeypatch.setattr(native, "_isa_cap", None)
-    assert native.available_isas() == ["baseline", "avx512"] and native.isa() == "avx512"
-    with native.use_isa("baseline"):
-        assert native.isa() == "baseline" and fake.current == "portable"
-    assert fake.current == "avx512"
 
 
 # ------------------------------------------------------------------ aarch64
