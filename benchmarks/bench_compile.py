@@ -24,7 +24,7 @@ from common import least_disturbed_cpu_seconds, machine_line, median_seconds, pr
 
 import engine  # noqa: E402
 from engine.recipes import RECIPES  # noqa: E402
-from engine.train.run import DEFAULT_RUNS  # noqa: E402
+from engine.train.run import DEFAULT_RECIPES  # noqa: E402
 from engine.train.model import GPT, GPTConfig  # noqa: E402
 
 # width -> (layers, batch, seq): the demo's size, and a wider model where the GEMMs dominate
@@ -76,7 +76,7 @@ def cpu_times(width: int, names: list[str], blocks: int) -> dict[str, dict[str, 
 def main(argv: list[str] | None = None, prog: str | None = None) -> list[list[str]]:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="128,1024")
-    parser.add_argument("--recipes", default=",".join(r for r in DEFAULT_RUNS if r != "bf16"),
+    parser.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                         help=f"comma separated, of {','.join(RECIPES)} (NVFP4 does not compile yet)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cpu-time", action="store_true",

@@ -124,7 +124,7 @@ class _no_warning:
 @pytest.mark.parametrize("argv, message", [
     (["--recipes", "fp4"], "expected one of"),
     (["--recipes", "nvfp4:bogus"], "'bogus' is not an option of nvfp4"),
-    (["--recipes", "bf16:last_block_bf16"], "the bf16 baseline takes no recipe options"),
+    (["--recipes", "bf16:last_block_bf16"], "the bf16 run takes no recipe options"),
     (["--steps", "0"], "expected a whole number >= 1"),
     (["--recipe", "mxfp8"], "--recipe goes with --resume"),
     (["--resume", "/nonexistent.pt", "--recipe", "bf16"], "no checkpoint"),
