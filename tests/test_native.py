@@ -44,13 +44,13 @@ def isa_cap() -> str:
     return os.environ.get("ENGINE_ISA", "").strip().lower()
 
 
-# the kernel sets this run has: the CPU's, capped by ENGINE_ISA=portable (a run that behaves like an AVX2 CPU)
-ISAS = ("portable", "avx512") if cpu_has_avx512() and isa_cap() != "portable" else ("portable",)
-
-
 def kernel_levels() -> list[str]:
     """Every instruction-set level this machine (and ENGINE_ISA) runs: the FP8 kernel tests run at each."""
     return native.available_isas() if native.available() else ["baseline"]
+
+
+# the kernel levels this run has: the CPU's, capped by ENGINE_ISA (avx2: a run that behaves like an AVX2 CPU)
+ISAS = tuple(kernel_levels())
 
 
 @pytest.fixture(params=kernel_levels())
