@@ -56,6 +56,10 @@ def kernel_levels() -> list[str]:
     return native.available_isas() if native.available() else ["baseline"]
 
 
+# the kernel levels this run has: the CPU's, capped by ENGINE_ISA (avx2: a run that behaves like an AVX2 CPU)
+ISAS = tuple(kernel_levels())
+
+
 @pytest.fixture(params=kernel_levels())
 def isa(request):
     assert native.available(), native.why_unavailable()

@@ -1,9 +1,9 @@
 // The 64x64 byte transpose of the transposing casts (cast/fp8_kernels.cpp): a tile of 64 rows of 64 bytes
-// in a buffer, written out as its 64 columns. Written on 64-bit words so that it vectorises at every
-// instruction-set level with lane-wise shifts, ands and xors only (no shuffles): the tile is an 8 x 8 grid of
-// 8 x 8 byte blocks; block row i's 8 rows, as vectors of their 8 words (one per block column), go through
-// the three swap stages of an 8x8 byte transpose, which transposes every block at once; each transposed
-// block's rows then go to their output row (the grid's transpose) as 8-byte stores.
+// in a buffer, written out as its 64 columns. The tile is a 4 x 4 grid of 16 x 16 byte blocks; each block
+// is transposed in 16-byte registers by four rounds of byte interleaves (unpack low / high of rows i and
+// i + 8, `__builtin_shufflevector` with constant indices: punpck{l,h}bw at every x86 level, zip1/zip2 on
+// NEON), and its 16 rows go out as 16-byte stores, so every output row gets 4 consecutive stores.
+// (The previous form, 8x8 swaps on 64-bit words with 8-byte stores, measured 1.2-1.4x slower at avx2.)
 //
 // Include only from a `*_kernels.cpp` (after isa_begin.h).
 #pragma once
@@ -16,45 +16,38 @@ namespace engine_native {
 namespace ENGINE_ISA_NS {
 namespace transpose {
 
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-// a[r] byte c <-> a[c] byte r for the 8 x 8 bytes of every lane: swaps of 1-, 2- and 4-byte pieces between
-// rows 1, 2 and 4 apart.
-inline __attribute__((always_inline)) void transpose8x8_bytes(u64x8 a[8]) {
-  for (int r = 0; r < 8; r += 2) {
-    const u64x8 t = ((a[r] >> 8) ^ a[r + 1]) & 0x00FF00FF00FF00FFull;
-    a[r + 1] ^= t;
-    a[r] ^= t << 8;
-  }
-  for (int r : {0, 1, 4, 5}) {
-    const u64x8 t = ((a[r] >> 16) ^ a[r + 2]) & 0x0000FFFF0000FFFFull;
-    a[r + 2] ^= t;
-    a[r] ^= t << 16;
-  }
-  for (int r = 0; r < 4; ++r) {
-    const u64x8 t = ((a[r] >> 32) ^ a[r + 4]) & 0x00000000FFFFFFFFull;
-    a[r + 4] ^= t;
-    a[r] ^= t << 32;
+// a[r] byte c <-> a[c] byte r: each round interleaves the bytes of rows i and i + 8 into rows 2i and 2i + 1,
+// which rotates the 8 index bits (row, column) by one; four rounds swap row and column.
+inline __attribute__((always_inline)) void transpose16x16_bytes(u8x16 a[16]) {
+  for (int round = 0; round < 4; ++round) {
+    u8x16 b[16];
+    for (int i = 0; i < 8; ++i) {
+      b[2 * i] = __builtin_shufflevector(a[i], a[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      b[2 * i + 1] =
+          __builtin_shufflevector(a[i], a[i + 8], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    }
+    for (int i = 0; i < 16; ++i) a[i] = b[i];
   }
 }
 
 // Transposes the 64x64 byte tile `tile` (row r at tile + 64 r) and stores row c of the result (= column c
 // of the tile) to dst + c * ld, for c < cols, keeping its first `rows` bytes.
 inline void transpose64_store(const uint8_t* tile, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld) {
-  for (int i = 0; i < 8 && 8 * i < rows; ++i) {  // block row i: tile rows 8i .. 8i + 7
-    u64x8 a[8];
-    for (int r = 0; r < 8; ++r) std::memcpy(&a[r], tile + 64 * (8 * i + r), 64);
-    transpose8x8_bytes(a);
-    // a[c] word j = column 8j + c of the tile, rows 8i .. 8i + 7: bytes 8i .. of output row 8j + c
-    const int64_t n = std::min<int64_t>(8, rows - 8 * i);
-    for (int j = 0; j < 8 && 8 * j < cols; ++j) {
-      for (int c = 0; c < 8 && 8 * j + c < cols; ++c) {
-        const uint64_t w = a[c][j];
-        uint8_t* d = dst + (8 * j + c) * ld + 8 * i;
-        if (n == 8) {
-          std::memcpy(d, &w, 8);
+  for (int j = 0; 16 * j < cols; ++j) {  // tile columns 16j .. 16j + 15: output rows
+    const int64_t nc = std::min<int64_t>(16, cols - 16 * j);
+    for (int i = 0; 16 * i < rows; ++i) {  // tile rows 16i .. 16i + 15: bytes 16i .. of those output rows
+      u8x16 a[16];
+      for (int r = 0; r < 16; ++r) std::memcpy(&a[r], tile + 64 * (16 * i + r) + 16 * j, 16);
+      transpose16x16_bytes(a);
+      const int64_t n = std::min<int64_t>(16, rows - 16 * i);
+      for (int64_t c = 0; c < nc; ++c) {
+        uint8_t* d = dst + (16 * j + c) * ld + 16 * i;
+        if (n == 16) {
+          std::memcpy(d, &a[c], 16);
         } else {
-          std::memcpy(d, &w, static_cast<size_t>(n));
+          std::memcpy(d, &a[c], static_cast<size_t>(n));
         }
       }
     }
