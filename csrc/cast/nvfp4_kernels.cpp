@@ -23,6 +23,8 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
+#include <cstdlib>  // malloc, free
+
 #include "cast/nvfp4.h"
 #include "common/vec.h"
 #include "hadamard/rht16.h"
@@ -269,26 +271,46 @@ inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t 
   return key;
 }
 
+// Raises m (lane-wise |RHT output| bits before the bf16 rounding, which is monotonic: the caller rounds the max)
+// with the columns of tile t. A group of 16 columns whose bound (hadamard::abs_bound) is below the max so far
+// cannot raise the tensor's max: its transform is skipped (inf and NaN give no bound).
+inline u32x16 rht_tile_max(const float (*__restrict t)[kT], u32x16 m) {
+  for (int64_t c = 0; c < kT; c += 16) {
+    f32x16 v[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) v[i] = vec::load<f32x16>(t[i] + c);
+    if (vec::reduce_max(vec::bits<u32x16>(hadamard::abs_bound(v))) < vec::reduce_max(m)) continue;
+    hadamard::rht16(v);
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) m = vec::max(m, vec::bits<u32x16>(v[k]) & 0x7FFFFFFFu);
+  }
+  return m;
+}
+
 template <bool BF16>
 void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
   alignas(64) float t[kB][kT];
-  alignas(64) float y[kB][kT];
-  uint32_t xk = 0, yk = 0;
+  uint32_t xk = 0;
+  u32x16 ym = {};
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
-    if (x_key) {
+    if (rht_key) {  // x's amax too (when asked) from the same tile: x read once
+      load_tile<BF16>(job, b, t);
+      ym = rht_tile_max(t, ym);
+      if (x_key) {
+        const uint32_t k = tile_key(t);
+        xk = xk > k ? xk : k;
+      }
+    } else if (x_key) {
       const uint32_t k = source_key<BF16>(job, b.r0, b.r0 + b.rows, b.c0, b.w);
       xk = xk > k ? xk : k;
     }
-    if (rht_key) {
-      load_tile<BF16>(job, b, t);
-      rht_tile(t, y);
-      const uint32_t k = tile_key(y);
-      yk = yk > k ? yk : k;
-    }
   }
   if (x_key) *x_key = xk;
-  if (rht_key) *rht_key = yk;
+  if (rht_key) {  // the bf16 rounding of the max (hadamard::bf16_round: a NaN is the canonical one)
+    const uint32_t k = vec::reduce_max(ym);
+    *rht_key = k > 0x7F800000u ? 0x7FC00000u : (k + 0x7FFFu + ((k >> 16) & 1u)) & 0xFFFF0000u;
+  }
 }
 
 // 16 codes (one per lane) -> 8 bytes, element 2i in the low nibble of byte i: as 64-bit lanes, code 2i is in the
@@ -376,11 +398,88 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
   }
 }
 
+// The columnwise outputs of the band of kNvfp4BandStrips strips in progress: per column and strip, 8 bytes of
+// packed data (16 rows) and one scale. Flushed when the tiles move to the next band (or the thread's range ends):
+// a column tile with all the band's strips leaves as one 64-byte line of data and one 8-byte run of scales per
+// column (instead of 8 bytes and 1 byte per strip: each line of the column-major outputs written whole, once);
+// strips missing from it (a thread's range starting or ending inside the band) are written one by one.
+struct Band {
+  int64_t first = -1;  // the band's first strip (-1: none)
+  // Strip strides of `lines` (words) and `scales` (bytes): a cache line more than the columns (rounded up to
+  // whole tiles), so that the 8 strips' entries of a column, read together by the flush, fall in different L1
+  // sets (a power-of-2 stride would put them all in one).
+  int64_t line_ld = 0, scale_ld = 0, col_tiles = 0;
+  uint64_t* lines = nullptr;    // [strip][column]; read only where `filled`
+  uint8_t* scales = nullptr;    // [strip][column]; read only where `filled`
+  uint32_t* filled = nullptr;   // [column tile]: bit k set when strip k of the band is held
+  void* store = nullptr;        // the allocation of the three (malloc: no C++ library code in a kernel source)
+
+  explicit Band(const Nvfp4Job& job) {
+    if (!job.col_data) return;
+    col_tiles = (job.K + kT - 1) / kT;
+    line_ld = col_tiles * kT + 8;
+    scale_ld = col_tiles * kT + 64;
+    const size_t line_bytes = static_cast<size_t>(line_ld * kNvfp4BandStrips) * 8;
+    const size_t scale_bytes = static_cast<size_t>(scale_ld * kNvfp4BandStrips);
+    store = std::malloc(line_bytes + scale_bytes + static_cast<size_t>(col_tiles) * 4 + 64);
+    if (store == nullptr) return;  // quantize_tiles then writes every strip directly
+    char* p = static_cast<char*>(store);
+    p += (64 - (reinterpret_cast<uintptr_t>(p) & 63)) & 63;
+    lines = reinterpret_cast<uint64_t*>(p);
+    scales = reinterpret_cast<uint8_t*>(p + line_bytes);
+    filled = reinterpret_cast<uint32_t*>(p + line_bytes + scale_bytes);
+    for (int64_t t = 0; t < col_tiles; ++t) filled[t] = 0;
+  }
+  ~Band() { std::free(store); }
+  Band(const Band&) = delete;
+  Band& operator=(const Band&) = delete;
+
+  void flush(const Nvfp4Job& job) {
+    if (first < 0) return;
+    const int64_t M = job.M, mp = (M + 1) / 2, nbm = (M + kB - 1) / kB;
+    const int64_t h = nbm - first < kNvfp4BandStrips ? nbm - first : kNvfp4BandStrips;
+    const bool full_band = h == kNvfp4BandStrips && (first + h) * kB <= M;  // 8 strips of 16 rows
+    for (int64_t ct = 0; ct < col_tiles; ++ct) {
+      const uint32_t f = filled[ct];
+      if (f == 0) continue;
+      filled[ct] = 0;
+      const TileBox b = box_of(job, first, ct);
+      uint8_t* data = job.col_data + b.c0 * mp + first * (kB / 2);
+      uint8_t* sc = job.col_scales + b.c0 * nbm + first;
+      if (full_band && f == (1u << kNvfp4BandStrips) - 1) {
+        for (int64_t c = 0; c < b.w; ++c) {
+          u64x8 line;
+          uint8_t run[kNvfp4BandStrips];
+#pragma GCC unroll 8
+          for (int k = 0; k < kNvfp4BandStrips; ++k) {
+            line[k] = lines[k * line_ld + b.c0 + c];
+            run[k] = scales[k * scale_ld + b.c0 + c];
+          }
+          vec::store(data + c * mp, line);
+          std::memcpy(sc + c * nbm, run, kNvfp4BandStrips);
+        }
+        continue;
+      }
+      for (int64_t k = 0; k < h; ++k) {
+        if (!(f >> k & 1)) continue;
+        const int64_t r0 = (first + k) * kB, rows = r0 + kB < M ? kB : M - r0;
+        const size_t bytes = static_cast<size_t>((rows + 1) / 2);
+        for (int64_t c = 0; c < b.w; ++c) {
+          std::memcpy(data + c * mp + k * (kB / 2), lines + k * line_ld + b.c0 + c, bytes);
+          sc[c * nbm + k] = scales[k * scale_ld + b.c0 + c];
+        }
+      }
+    }
+    first = -1;
+  }
+};
+
 // The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output), 8 columns at
-// a time, each column's 16 codes gathered into a 64-bit word (element 2i in the low nibble of byte i).
+// a time, each column's 16 codes gathered into a 64-bit word (element 2i in the low nibble of byte i): into the
+// band buffer (its strip of the tile's b.r0) when `band` is set, else straight to the outputs.
 template <bool SR>
 void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict src)[kT],
-                     const uint32_t* __restrict tile_keys, uint32_t rkey) {
+                     const uint32_t* __restrict tile_keys, uint32_t rkey, Band* band) {
   const TensorScale ts = tensor_scale(job.col_amax);
   const int64_t M = job.M, nbm = (M + kB - 1) / kB, mp = (M + 1) / 2;
   uint8_t* const col_scales = job.col_scales;
@@ -406,7 +505,16 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
     }
     block_scales(codes, enc, kT, ts);
   }
-  for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
+  const int64_t strip = block_row - (band ? band->first : 0);  // the strip within the band
+  if (band) {
+    uint8_t* dst = band->scales + strip * band->scale_ld + b.c0;
+    for (int64_t c = 0; c < kT; c += 16) {
+      vec::store(dst + c, vec::convert<vec::u8x16>(vec::load<u32x16>(codes + c)));
+    }
+    band->filled[b.c0 / kT] |= 1u << strip;
+  } else {
+    for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
+  }
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
   for (int64_t c = 0; c < b.w; c += 16) {
     const f32x16 e = vec::load<f32x16>(enc + c);
@@ -445,6 +553,10 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
            __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 8, 9, 10, 11, 12, 13, 14, 15), u64x8) |
                (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 8, 9, 10, 11, 12, 13, 14, 15), u64x8)
                 << 32u));
+    if (band) {
+      std::memcpy(band->lines + strip * band->line_ld + b.c0 + c, column_words, sizeof column_words);
+      continue;
+    }
     const int64_t n = b.w - c < 16 ? b.w - c : 16;
     if (bytes == 8) {  // little endian: byte i holds elements 2i, 2i + 1
       for (int64_t l = 0; l < n; ++l) std::memcpy(out + (c + l) * mp, column_words + l, 8);
@@ -457,7 +569,7 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
 // The asked usages of one tile, through the fp32 tile t (and y, for the RHT): any job, any tile.
 template <bool BF16, bool SR>
 void quantize_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT], float (*__restrict y)[kT],
-                   uint32_t rkey) {
+                   uint32_t rkey, Band* band) {
   alignas(64) uint32_t tile_keys[kT / kB];
   load_tile<BF16>(job, b, t);
   if (job.two_d) {
@@ -466,7 +578,7 @@ void quantize_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[
   if (job.row_data) rowwise_tile<SR>(job, b, t, tile_keys, rkey);
   if (job.col_data) {
     if (job.rht) rht_tile(t, y);
-    columnwise_tile<SR>(job, b, job.rht ? y : t, tile_keys, rkey);
+    columnwise_tile<SR>(job, b, job.rht ? y : t, tile_keys, rkey, band);
   }
 }
 
@@ -475,7 +587,18 @@ void quantize_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1) {
   alignas(64) float t[kB][kT];
   alignas(64) float y[kB][kT];
   const uint32_t rkey = seed_key(job.seed);
-  for (int64_t u = u0; u < u1; ++u) quantize_tile<BF16, SR>(job, tile_box(job, u), t, y, rkey);
+  Band band(job);
+  const bool banded = job.col_data && band.lines;
+  for (int64_t u = u0; u < u1; ++u) {
+    const TileBox b = tile_box(job, u);
+    const int64_t strip = b.r0 / kB, first = strip - strip % kNvfp4BandStrips;
+    if (banded && first != band.first) {
+      band.flush(job);
+      band.first = first;
+    }
+    quantize_tile<BF16, SR>(job, b, t, y, rkey, banded ? &band : nullptr);
+  }
+  if (banded) band.flush(job);
 }
 
 #include "cast/nvfp4_4over6_kernels.h"  // 4over6 (quantize_tiles_46), in these namespaces

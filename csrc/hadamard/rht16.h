@@ -40,6 +40,17 @@ ENGINE_VEC_INLINE void rht16(V* v) {
   fwht16(v);
 }
 
+// Lane-wise bounds above every |sum_i x_i H[i][k]| (rht16's output, before the bf16 rounding) of the tokens
+// v[0..15]: 0.25 * 1.01 * sum_i |x_i| + 2^-140. The 4 butterfly stages add a relative error below 2^-19, the fp32
+// sum of the |x_i| is low by at most 2^-19, and x_i * 0.25 rounds up by at most 2^-150; an inf or NaN token gives
+// inf or NaN (no bound).
+ENGINE_VEC_INLINE vec::f32x16 abs_bound(const vec::f32x16* v) {
+  vec::f32x16 sum = {};
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sum = sum + vec::abs(v[i]);
+  return sum * (0.25f * 1.01f) + 0x1p-140f;
+}
+
 // fp32 -> the nearest bf16 (ties to even) as fp32; NaN -> 0x7FC00000.
 ENGINE_VEC_INLINE vec::f32x16 bf16_round(vec::f32x16 v) {
   const vec::u32x16 u = vec::bits<vec::u32x16>(v);
