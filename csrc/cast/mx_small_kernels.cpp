@@ -1,6 +1,6 @@
 // MXFP4 / MXFP6 quantize and decode, one source compiled per instruction-set level (common/isa_begin.h) against
-// the portable vector layer (common/vec.h): 16 fp32 lanes are one AVX-512 register, two AVX2 ones, four SSE2 /
-// NEON ones.
+// the portable vector layer (common/vec.h), in vectors of the level's native width (kLanes fp32 lanes: 16 for
+// AVX-512, 8 for AVX2, 4 for SSE2 / NEON).
 //
 // Bit for bit the rules of engine/ops/mx_elements.py and reference.e8m0_rceil / e8m0_floor:
 //   scale code  RCEIL: d = amax * fp32(1/max_elem), rounded up to a power of two (0..254; inf amax 254)
@@ -10,15 +10,17 @@
 //               saturating at +-max, NaN -> code 0, the sign bit kept (-0 has a code)
 //   storage     E2M1: two codes per byte along the last dim, element 0 in the low nibble (an odd last dim
 //               ends in a byte whose high nibble is 0); E2M3 / E3M2: one code per byte
-// Every rule is branch-free lane-wise integer and fp32 arithmetic, so NaN, inf and subnormal blocks take the
-// same path as the others.
+// Every rule is branch-free lane-wise integer and fp32 arithmetic (`encode`); a segment whose scale codes are
+// all below 254 (no inf or NaN in x, the usual case) takes the shorter `encode_finite`, and for bf16 x on
+// AVX2 / AVX-512 its magic number comes from a table lookup by x's exponent field (`encode_lookup`).
 //
 // Work goes in segments: 32 rows (one columnwise block) x up to 4096 bf16 / 2048 fp32 columns (a run of the
 // glue's tiles in one strip; a whole strip of a 4096-wide bf16 x is one contiguous read), each read twice:
 //   pass 1, from memory, in order: |x| keys -> the column amaxes (a running max per column) and the amax of
-//            each 1x32 block (a transposing max-reduction, 16 blocks at a time) -> both usages' E8M0 codes
+//            each 1x32 block (a transposing max-reduction, kLanes blocks at a time) -> both usages' E8M0 codes
 //            and multipliers 2^(127 - code);
-//   pass 2, from L2: each row cast with its blocks' and with the columns' multipliers, while the next
+//   pass 2, from L2: each row cast with its blocks' and with the columns' multipliers, elements in pair order
+//            (a bf16 pair splits with a shift and a mask; two E2M1 codes make a byte), while the next
 //            segment's rows are prefetched.
 #include "cast/mx_small.h"
 #include "common/vec.h"
