@@ -46,11 +46,6 @@ def isa_cap() -> str:
     return "" if value == "auto" else value
 
 
-# Every ISA this run's kernels have: the CPU's levels, capped by ENGINE_ISA (ENGINE_ISA=avx2: a run that behaves
-# like an AVX2 CPU). Loading the kernels here, at collection, is cheap with the installed build.
-ISAS = tuple(native.available_isas()) if native.available() else ("baseline",)
-
-
 def kernel_levels() -> list[str]:
     """Every instruction-set level this machine (and ENGINE_ISA) runs: the FP8 kernel tests run at each."""
     return native.available_isas() if native.available() else ["baseline"]
