@@ -31,18 +31,11 @@ namespace {
 
 using namespace vec;
 
-// The kernels work in vectors of the level's native width: the compiler splits wider generic vectors into
-// native ones well for arithmetic, but not for shuffles and narrowing conversions.
-#if ENGINE_ISA_LEVEL >= 2
-constexpr int kLanes = 16;
-#elif ENGINE_ISA_LEVEL == 1
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float f32v __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t u32v __attribute__((vector_size(4 * kLanes)));
-typedef int32_t i32v __attribute__((vector_size(4 * kLanes)));
+// The kernels work in vectors of the level's native width (vec.h: shuffles and narrowing conversions).
+constexpr int kLanes = kNativeLanes;
+using f32v = f32n;
+using u32v = u32n;
+using i32v = i32n;
 typedef uint16_t u16v __attribute__((vector_size(4 * kLanes)));  // 2 * kLanes lanes
 typedef uint16_t u16x4 __attribute__((vector_size(8)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));

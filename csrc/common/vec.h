@@ -34,6 +34,21 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
+// The level's own register width in fp32 lanes (x86-64: 4 SSE2, 8 AVX2, 16 AVX-512; elsewhere 4, NEON), and
+// vectors of that width. GCC 12 splits the 64-byte vectors above into native ones well for arithmetic but not
+// for shuffles, narrowing conversions or widening loads (those go through the stack below AVX-512): kernels
+// that need them work in these.
+#if defined(__x86_64__) && ENGINE_ISA_LEVEL >= 2
+constexpr int kNativeLanes = 16;
+#elif defined(__x86_64__) && ENGINE_ISA_LEVEL == 1
+constexpr int kNativeLanes = 8;
+#else
+constexpr int kNativeLanes = 4;
+#endif
+typedef float f32n __attribute__((vector_size(4 * kNativeLanes)));
+typedef uint32_t u32n __attribute__((vector_size(4 * kNativeLanes)));
+typedef int32_t i32n __attribute__((vector_size(4 * kNativeLanes)));
+
 template <typename V>
 constexpr int lanes() {
   return static_cast<int>(sizeof(V) / sizeof(V{}[0]));

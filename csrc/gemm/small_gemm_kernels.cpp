@@ -13,6 +13,7 @@
 // The tile sizes fit each level's 32 zmm / 16 ymm / 16 xmm registers. The x86 baseline (SSE2) has no fma
 // instruction: its fma is libm's (exact, slow), and the glue never picks the kernel there.
 #include "gemm/small_gemm.h"
+#include "common/vec.h"
 
 #if defined(ENGINE_X86_64) && ENGINE_ISA_LEVEL >= 1
 #include <immintrin.h>
@@ -36,9 +37,10 @@ constexpr int kW = 4, kRowTile = 2, kPanelTile = 1, kColTile = 2;
 #endif
 constexpr int kVecs = kLanes / kW;  // native vectors per 16 outputs
 
-typedef float F __attribute__((vector_size(4 * kW)));
-typedef uint32_t U __attribute__((vector_size(4 * kW)));
-typedef int32_t I __attribute__((vector_size(4 * kW)));
+static_assert(kW == vec::kNativeLanes, "the tiles are of the level's native vectors (common/vec.h)");
+using F = vec::f32n;
+using U = vec::u32n;
+using I = vec::i32n;
 typedef uint16_t H __attribute__((vector_size(2 * kW)));
 
 template <typename V>

@@ -13,6 +13,7 @@
 //   int8: a block is 4L bytes of a row, widened to 32-bit lanes (see int8_vector).
 // x is stored in the matching order by the pack functions, so the sums run over matching pairs.
 #include "inference/wo_gemm.h"
+#include "common/vec.h"
 
 #if ENGINE_ISA_LEVEL >= 1 && defined(__x86_64__)
 #include <immintrin.h>  // the int8 widening (below), and at AVX-512 the bf16 path
@@ -27,17 +28,10 @@ namespace {
 
 #define WO_INLINE inline __attribute__((always_inline))
 
-#if ENGINE_ISA_LEVEL == 2
-constexpr int L = 16;
-#elif ENGINE_ISA_LEVEL == 1
-constexpr int L = 8;
-#else
-constexpr int L = 4;
-#endif
-
-typedef float fv __attribute__((vector_size(4 * L)));
-typedef uint32_t uv __attribute__((vector_size(4 * L)));
-typedef int32_t iv __attribute__((vector_size(4 * L)));
+constexpr int L = vec::kNativeLanes;  // the level's native vectors (common/vec.h)
+using fv = vec::f32n;
+using uv = vec::u32n;
+using iv = vec::i32n;
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
 // An unaligned load (a memcpy into a vector variable makes GCC 12 copy it through the stack).
