@@ -102,12 +102,22 @@ def installed_build(key: str | None) -> tuple[ModuleType | None, str]:
     """(`engine._native`, '') when it is installed and was built with `key` (None: no csrc/ to compare with,
     any build will do), else (None, why not). A library whose file does not hold the key is not even loaded:
     a stale one may have been built against another torch."""
-    spec = importlib.util.find_spec(INSTALLED)
-    if spec is None or spec.origin is None:
+    import importlib.machinery
+
+    import engine
+
+    # Looked up in this engine package's own folder only: an editable install's import hook would otherwise
+    # hand a copy of the checkout the original's library.
+    spec = importlib.machinery.PathFinder.find_spec(INSTALLED, list(engine.__path__))
+    if spec is None or spec.origin is None or spec.loader is None:
         return None, f"{INSTALLED} is missing"
     if key is not None and key.encode() not in Path(spec.origin).read_bytes():
         return None, f"{INSTALLED} is stale (not built from this csrc/ with these flags, compiler and torch)"
-    module = importlib.import_module(INSTALLED)
+    module = sys.modules.get(INSTALLED)
+    if module is None or getattr(module, "__file__", None) != spec.origin:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[INSTALLED] = module
     reported = module.build_key() if hasattr(module, "build_key") else None
     if key is not None and reported != key:
         return None, f"{INSTALLED} is stale (its build key is {reported or 'unknown'}, csrc/'s is {key})"
