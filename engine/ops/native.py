@@ -104,12 +104,11 @@ def installed_build(key: str | None) -> tuple[ModuleType | None, str]:
     a stale one may have been built against another torch."""
     import importlib.machinery
 
-    import engine
-
     # Looked up in this engine package's own folder only: an editable install's import hook would otherwise
     # hand a copy of the checkout the original's library.
     package, _, _ = INSTALLED.rpartition(".")
-    spec = importlib.machinery.PathFinder.find_spec(INSTALLED, list(engine.__path__) if package == "engine" else None)
+    here = [str(Path(__file__).resolve().parents[1])]  # the engine package
+    spec = importlib.machinery.PathFinder.find_spec(INSTALLED, here if package == "engine" else None)
     if spec is None or spec.origin is None or spec.loader is None:
         return None, f"{INSTALLED} is missing"
     if key is not None and key.encode() not in Path(spec.origin).read_bytes():
