@@ -43,32 +43,9 @@ using U = vec::u32n;
 using I = vec::i32n;
 typedef uint16_t H __attribute__((vector_size(2 * kW)));
 
-template <typename V>
-SG_INLINE V load(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// The first n lanes (n < 0: none), the others 0.
-template <typename V>
-SG_INLINE V load_first(const void* p, int64_t n) {
-  constexpr int64_t lanes = sizeof(V) / sizeof(V{}[0]);
-  if (n >= lanes) return load<V>(p);
-  V v{};
-  if (n > 0) std::memcpy(&v, p, static_cast<size_t>(n) * sizeof(V{}[0]));
-  return v;
-}
-
-template <typename V>
-SG_INLINE void store_first(void* p, V v, int64_t n) {
-  constexpr int64_t lanes = sizeof(V) / sizeof(V{}[0]);
-  if (n >= lanes) {
-    std::memcpy(p, &v, sizeof v);
-  } else if (n > 0) {
-    std::memcpy(p, &v, static_cast<size_t>(n) * sizeof(V{}[0]));
-  }
-}
+using vec::load;
+using vec::load_first;  // the first n lanes (n <= 0: none), the others 0
+using vec::store_first;
 
 // Every lane = x: a broadcast (x - 0 is x for every x, -0 included, so the compiler drops the subtraction; 0 + x
 // would turn -0 into +0, and a lane-by-lane fill compiles to 16 masked inserts at avx512).
