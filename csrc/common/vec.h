@@ -60,7 +60,7 @@ using lane_t = std::remove_cv_t<std::remove_reference_t<decltype(V{}[0])>>;
 // Every lane = s.
 template <typename V>
 ENGINE_VEC_INLINE V splat(lane_t<V> s) {
-  return V{} + s;
+  return s - V{};  // not V{} + s: 0 + -0 is +0
 }
 
 // Lanes 0, 1, 2, ... as the lane type.
