@@ -1,7 +1,10 @@
 // The Python module of the kernels: every entry point bound by name (the one file that includes
 // torch's Python headers). The ops' glue lives by operation (csrc/README.md); engine/ops/native.py
 // documents each function.
-#include <torch/extension.h>
+//
+// torch's pybind11 type casters (at::Tensor, optional, ...) and no more: <torch/extension.h> would bring
+// all of libtorch's C++ API (nn, optim, data), 35 s of CPU to parse against 14 s for this.
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 
