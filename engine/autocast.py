@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from engine.checks import check_bool, check_instance
 from engine.collectives import all_reduce_max, group_size
-from engine.recipes import DelayedScaling, Recipe, RecipeState
+from engine.recipes import DelayedScaling, Recipe, RecipeMap, RecipeState
+from engine.recipes.recipe_map import as_recipe_map
 
 
 @dataclass
@@ -54,7 +55,7 @@ class _AutocastState(threading.local):
     def __init__(self) -> None:
         self.enabled = False
         self.calibrating = False
-        self.recipe: Recipe | None = None
+        self.recipe: Recipe | RecipeMap | None = None
         self.recipe_key: str | None = None  # recipe.key, read by compiled code (guarded by value)
         self.group: dist.ProcessGroup | None = None
         self.depth = 0
@@ -74,14 +75,30 @@ def _check_recipe(recipe: Any) -> Recipe:
     return check_instance(recipe, Recipe, "recipe", "an engine.recipes.Recipe or None")
 
 
+def _check_recipe_or_map(recipe: Any) -> Recipe | RecipeMap:
+    if isinstance(recipe, (RecipeMap, dict)):  # an "inherit" default: the enclosing autocast's recipe
+        around = _STATE.recipe if _STATE.depth > 0 and _STATE.recipe is not None else DelayedScaling()
+        return as_recipe_map(recipe, "recipe").inheriting(around.default if isinstance(around, RecipeMap) else around)
+    if recipe is None or isinstance(recipe, Recipe):
+        return _check_recipe(recipe)
+    raise TypeError(f"recipe: expected an engine.recipes.Recipe, a RecipeMap (or a dict of module-name patterns to "
+                    f"recipes or None) or None, got {type(recipe).__name__}")
+
+
 @contextlib.contextmanager
 def fp8_autocast(
     enabled: bool = True,
     calibrating: bool = False,
-    recipe: Recipe | None = None,
+    recipe: Recipe | RecipeMap | dict | None = None,
     fp8_group: dist.ProcessGroup | None = None,
 ) -> Iterator[None]:
     """Run engine modules inside in FP8 under `recipe` (default: DelayedScaling()).
+
+    `recipe` may be per layer: a `RecipeMap` (or a dict of module-name fnmatch patterns to a recipe, or
+    to None for high precision; unmatched names get the enclosing fp8_autocast's recipe, DelayedScaling()
+    outside any). A module's name is the one
+    `engine.convert` or `engine.set_recipe_map` gave it. Without a map, a module that holds a pick of
+    its own (`engine.set_recipe_map`, or a checkpoint that carried one) runs under its pick.
 
     `calibrating=True` with `enabled=False` runs in high precision while recording
     amaxes, so the first FP8 step starts from calibrated delayed scales. Nesting is
@@ -89,7 +106,7 @@ def fp8_autocast(
     """
     check_bool(enabled, "enabled")
     check_bool(calibrating, "calibrating")
-    recipe = _check_recipe(recipe)
+    recipe = _check_recipe_or_map(recipe)
     if fp8_group is not None and not isinstance(fp8_group, dist.ProcessGroup):
         raise TypeError(f"fp8_group: expected a torch.distributed.ProcessGroup or None, got {type(fp8_group).__name__}")
     saved = (_STATE.enabled, _STATE.calibrating, _STATE.recipe, _STATE.recipe_key, _STATE.group)
@@ -121,8 +138,8 @@ def is_calibrating() -> bool:
     return _STATE.calibrating
 
 
-def get_recipe() -> Recipe:
-    """The recipe of the innermost fp8_autocast (DelayedScaling() outside any)."""
+def get_recipe() -> Recipe | RecipeMap:
+    """The recipe (or per-layer RecipeMap) of the innermost fp8_autocast (DelayedScaling() outside any)."""
     return _STATE.recipe if _STATE.recipe is not None else DelayedScaling()
 
 
@@ -248,7 +265,7 @@ def register_recomputed_backward_state(state: RecipeState, group: dist.ProcessGr
 def autocast(
     enabled: bool = True,
     calibrating: bool = False,
-    recipe: Recipe | None = None,
+    recipe: Recipe | RecipeMap | dict | None = None,
     amax_reduction_group: dist.ProcessGroup | None = None,
 ) -> contextlib.AbstractContextManager[None]:
     """Transformer Engine 2.x's name for fp8_autocast, with its argument names
@@ -265,7 +282,7 @@ class _CallableModule(types.ModuleType):
     `engine.autocast.fp8_autocast`, `engine.autocast.register_forward_state`, ... keep working."""
 
     def __call__(
-        self, enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
+        self, enabled: bool = True, calibrating: bool = False, recipe: Recipe | RecipeMap | dict | None = None,
         amax_reduction_group: dist.ProcessGroup | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         return autocast(enabled, calibrating, recipe, amax_reduction_group)

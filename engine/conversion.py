@@ -22,9 +22,11 @@ from typing import Callable
 from torch import nn
 
 from engine.checks import check_bool, check_instance
-from engine.modules import LayerNormLinear, Linear
+from engine.modules import FP8Module, LayerNormLinear, Linear
+from engine.modules.recipe_maps import saved_recipe_map, set_recipe_map
 from engine.ops.reference import HIGH_PRECISION_DTYPES
-from engine.recipes import DelayedScaling, Recipe
+from engine.recipes import DelayedScaling, Recipe, RecipeMap
+from engine.recipes.recipe_map import as_recipe_map
 from engine import conversion_layers as layers
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -39,6 +41,7 @@ def convert(
     fp8_weights: bool = False,
     recipe: Recipe | None = None,
     fuse_norms: bool = False,
+    recipe_map: RecipeMap | dict | None = None,
 ) -> nn.Module:
     """Replace the model's nn.Linear and Conv1D layers with engine.Linear, in place; returns the model.
 
@@ -63,6 +66,15 @@ def convert(
       through forward code (Hugging Face models) are not fused: module structure does not
       show the data flow.
 
+    * `recipe_map`: per-layer recipes (`engine.recipes.RecipeMap`, or a dict of fnmatch patterns to a
+      recipe or None for high precision), stored in the converted modules as `engine.set_recipe_map`
+      does: saved with the model, used under any fp8_autocast that does not bring a map of its own.
+      Without it, the map a Hugging Face model's config carries (`config.engine_recipe_map`, saved by
+      `save_pretrained` after `engine.set_recipe_map`) is applied.
+
+    Every engine module of the converted model is named after `model.named_modules()` (`module.name`),
+    so `fp8_autocast(recipe=RecipeMap(...))` can match it.
+
     Conv1D weights are held as [out, in] (a transposed copy) but saved and loaded in Conv1D's
     [in, out] layout, so GPT-2 checkpoints load both ways; with `fp8_weights` such a weight is
     saved dequantized and requantized when loaded. A bare layer (`model` itself a Linear) is
@@ -73,6 +85,7 @@ def convert(
     check_bool(fp8_weights, "fp8_weights")
     check_bool(fuse_norms, "fuse_norms")
     check_instance(recipe, Recipe, "recipe", "an engine.recipes.Recipe or None", none_ok=True)
+    recipe_map = None if recipe_map is None else as_recipe_map(recipe_map, "recipe_map")
     if recipe is not None and not fp8_weights:
         raise ValueError(f"recipe: {type(recipe).__name__}(...) given without fp8_weights=True; convert uses a recipe "
                          "only to quantize FP8 primary weights. A converted model computes in FP8 inside "
@@ -125,6 +138,12 @@ def convert(
         warnings.warn(f"engine.convert: fp8_weights: {', '.join(tied_names)} keep(s) a high-precision weight: it is "
                       "tied to another module's parameter, and a shared weight cannot be an FP8 primary weight",
                       UserWarning, stacklevel=2)
+    recipe_map = saved_recipe_map(model) if recipe_map is None else recipe_map
+    if recipe_map is not None:
+        return set_recipe_map(model, recipe_map)
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Module):
+            module.name = name
     return model
 
 

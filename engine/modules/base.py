@@ -21,9 +21,10 @@ from engine.dtensor import is_dtensor, local_of
 from engine.formats import FP8_DTYPES
 from engine.hooks import Hook
 from engine.modules.linear_function import LinearArgs, WeightCache
-from engine.modules.saving import EXTRA_STATE_KEY, encode_extra_state, read_extra_state
+from engine.modules.saving import CHOICE_KEY, EXTRA_STATE_KEY, encode_extra_state, read_extra_state
 from engine.parameters import make_parameter
-from engine.recipes import Recipe, RecipeState, Role, recipe_from_plain, recipe_to_plain
+from engine.recipes import Recipe, RecipeMap, RecipeState, Role, recipe_from_plain, recipe_to_plain
+from engine.recipes.recipe_map import choice_from_plain, choice_to_plain
 from engine.recipes.base import SLOTS_PER_GEMM
 from engine.tensors import QuantizedTensor
 from engine.tensors.serialization import COMPONENT_SUFFIXES, META_SUFFIX, has_components, pop_components, to_components
@@ -59,6 +60,32 @@ class FP8Module(torch.nn.Module):
         self._bwd_state: RecipeState | None = None
         self._pending_extra_state: dict | None = None
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
+        #: the module's name for a per-layer RecipeMap (Transformer Engine's `name`): engine.convert and
+        #: engine.set_recipe_map set it to the name model.named_modules() gives
+        self.name: str | None = None
+        self._recipe_choice: tuple[Recipe | None] | None = None  # (a map's pick,), None = no pick of its own
+        self._choice_key: str = ""  # the pick as a string compiled code guards on
+
+    # ------------------------------------------------------------------ per-layer recipes
+    def set_recipe_choice(self, choice: tuple[Recipe | None] | None) -> None:
+        """Give this module a recipe of its own, `(recipe,)` or `(None,)` for high precision, used under
+        any fp8_autocast without a RecipeMap and saved in its checkpoint; None removes it."""
+        if choice is not None and not (isinstance(choice, tuple) and len(choice) == 1
+                                       and (choice[0] is None or isinstance(choice[0], Recipe))):
+            raise TypeError(f"choice: expected (an engine recipe,), (None,) or None, got {choice!r:.200}")
+        self._recipe_choice = choice
+        self._choice_key = "" if choice is None else ("high_precision" if choice[0] is None else choice[0].key)
+
+    def recipe_in_force(self) -> Recipe | None:
+        """The recipe this module runs under in the current fp8_autocast; None: high precision."""
+        recipe = autocast.get_recipe()
+        if isinstance(recipe, RecipeMap):
+            if self.name is None:
+                raise ValueError(f"{type(self).__name__}: fp8_autocast got a RecipeMap but this module has no name to "
+                                 "match its patterns against; name every module with engine.set_recipe_map(model, "
+                                 "recipe_map) or engine.convert(model), or set module.name")
+            return recipe.recipe_for(self.name)
+        return recipe if self._recipe_choice is None else self._recipe_choice[0]
 
     # ------------------------------------------------------------------ parameters
     def _new_weight(self, value: torch.Tensor, gemm: int) -> torch.nn.Parameter:
@@ -123,13 +150,15 @@ class FP8Module(torch.nn.Module):
         recompute.check_forward(self, fp8)
         # high precision, unless calibrating (states record amaxes while the GEMMs run in high precision)
         if not fp8 and not calibrating:
-            return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
-                    for _ in range(self.num_gemms)]
+            return self._high_precision_args(grad)
         if torch.compiler.is_compiling():
-            _states_while_tracing(self, autocast.get_recipe_key(), device)
+            if not _states_while_tracing(self, autocast.get_recipe_key(), self._choice_key, device):
+                return self._high_precision_args(grad)
         else:
+            recipe = self.recipe_in_force()
+            if recipe is None:  # a per-layer map keeps this layer in high precision
+                return self._high_precision_args(grad)
             self._refuse_inference_weights("inside fp8_autocast" if fp8 else "while calibrating")
-            recipe = autocast.get_recipe()
             if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
                 self._build_states(recipe, device)
         fwd = recompute.register_states(self._fwd_state, self._bwd_state, fp8=fp8, grad=grad)  # engine.checkpoint
@@ -139,6 +168,10 @@ class FP8Module(torch.nn.Module):
                        grad_enabled=grad)
             for g in range(self.num_gemms)
         ]
+
+    def _high_precision_args(self, grad: bool) -> list[LinearArgs]:
+        return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
+                for _ in range(self.num_gemms)]
 
     def _refuse_inference_weights(self, where: str) -> None:
         """A weight `engine.quantize_` swapped (a QuantizedWeight, which says `inference_only`) runs its own GEMM,
@@ -180,11 +213,12 @@ class FP8Module(torch.nn.Module):
 
         Empty when the module has no recipe (never ran); `state_dict()` then leaves the key out.
         """
+        choice = {} if self._recipe_choice is None else {CHOICE_KEY: choice_to_plain(self._recipe_choice[0])}
         if self._recipe is None and self._pending_extra_state is not None:
-            return encode_extra_state(self._pending_extra_state)  # loaded but not run yet: pass it on
+            return encode_extra_state({**self._pending_extra_state, **choice})  # loaded, not run yet: pass it on
         if self._recipe is None:
-            return torch.empty(0, dtype=torch.uint8)
-        state: dict[str, Any] = {"recipe": recipe_to_plain(self._recipe)}
+            return encode_extra_state({"recipe": None, **choice}) if choice else torch.empty(0, dtype=torch.uint8)
+        state: dict[str, Any] = {"recipe": recipe_to_plain(self._recipe), **choice}
         for key, s in (("forward", self._fwd_state), ("backward", self._bwd_state)):
             part = s.to_plain()
             if part is not None:
@@ -197,9 +231,14 @@ class FP8Module(torch.nn.Module):
             plain = read_extra_state(state)
             if plain is None:
                 return
-            check_extra_state(plain, self.num_gemms)
+            choice = check_extra_state(plain, self.num_gemms)[1]
         except ValueError as err:  # `_load_from_state_dict` puts the module's prefix before the key
             raise ExtraStateError(str(err)) from None
+        if CHOICE_KEY in plain:
+            self.set_recipe_choice(choice)
+            plain = {k: v for k, v in plain.items() if k != CHOICE_KEY}
+        if plain["recipe"] is None:
+            return
         self._pending_extra_state = plain
         if self._recipe is not None:
             self._apply_extra_state(plain)
@@ -277,12 +316,16 @@ class FP8Module(torch.nn.Module):
                     param.update_quantizer(quantizer)
 
 
-def _states_while_tracing(module: FP8Module, recipe_key: str, device: torch.device) -> bool:
-    """States for the autocast's recipe, made by Dynamo while it traces (eagerly, outside the graph), before
-    the traced code reads them: the first compiled step's guards already see them, so the second step does
-    not recompile. The recipe key, a string Dynamo guards on, makes a new recipe retrace."""
-    if module._fwd_state is None or module._fwd_state.key != recipe_key:
-        module._build_states(autocast.get_recipe(), device)
+def _states_while_tracing(module: FP8Module, recipe_key: str, choice_key: str, device: torch.device) -> bool:
+    """States for the recipe the module runs under, made by Dynamo while it traces (eagerly, outside the graph),
+    before the traced code reads them: the first compiled step's guards already see them, so the second step
+    does not recompile. The autocast's recipe key and the module's pick (strings Dynamo guards on) make a new
+    recipe or map retrace. False: this module runs in high precision (a per-layer map's pick)."""
+    recipe = module.recipe_in_force()
+    if recipe is None:
+        return False
+    if module._fwd_state is None or module._fwd_state.key != recipe.key:
+        module._build_states(recipe, device)
     return True
 
 
@@ -292,12 +335,21 @@ def _states_while_tracing(module: FP8Module, recipe_key: str, device: torch.devi
 _states_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def check_extra_state(state: dict[str, Any], num_gemms: int) -> Recipe:
-    """The saved recipe, after checking every part of a plain `_extra_state`; ValueError naming the bad key."""
+def check_extra_state(state: dict[str, Any], num_gemms: int) -> tuple[Recipe | None, tuple[Recipe | None] | None]:
+    """The saved recipe (None: the module never ran) and the module's own pick ((recipe or None,), or None
+    without one), after checking every part of a plain `_extra_state`; ValueError naming the bad key."""
+    choice = None
+    if CHOICE_KEY in state:
+        try:
+            choice = (choice_from_plain(state[CHOICE_KEY]),)
+        except ValueError as err:
+            raise ValueError(f"_extra_state[{CHOICE_KEY!r}]: {err}") from None
+    if state["recipe"] is None:
+        return None, choice
     try:
         recipe = recipe_from_plain(state["recipe"])
     except ValueError as err:
         raise ValueError(f"_extra_state['recipe']: {err}") from None
     for key, slots in (("forward", SLOTS_PER_GEMM[True] * num_gemms), ("backward", SLOTS_PER_GEMM[False] * num_gemms)):
         recipe.check_saved_state(state.get(key), f"_extra_state[{key!r}]", slots)
-    return recipe
+    return recipe, choice

@@ -38,17 +38,21 @@ DICT_VERSION = 1  # the Python dict of checkpoints written before version 2
 EXTRA_STATE_KEY = "_extra_state"
 DIRECTIONS = ("forward", "backward")
 STATE_TENSORS = ("scale", "amax_history", "rng_counter")  # rng_counter: NVFP4's stochastic rounding
+CHOICE_KEY = "choice"  # a module's pick from a per-layer recipe map (engine.set_recipe_map)
 _WHERE = "_extra_state"
 
 
 def encode_extra_state(state: dict[str, Any]) -> torch.Tensor:
-    """The plain form {"recipe": plain | None, "forward"?: {name: tensor}, "backward"?: {...}} as a record."""
-    unknown = sorted(set(state) - {"recipe", *DIRECTIONS})
+    """The plain form {"recipe": plain | None, "choice"?: plain, "forward"?: {name: tensor}, "backward"?: {...}}
+    as a record. "choice" is the module's own pick of a per-layer recipe map (a recipe's plain form, or
+    {"high_precision": true}); a module without one writes no "choice" key."""
+    unknown = sorted(set(state) - {"recipe", CHOICE_KEY, *DIRECTIONS})
     if unknown:
         raise ValueError(f"{_WHERE}: unknown keys {unknown}")
     tensors = {f"{direction}.{name}": t for direction in DIRECTIONS if direction in state
                for name, t in state[direction].items()}
-    return encode_record(EXTRA_STATE_MAGIC, EXTRA_STATE_VERSION, {"recipe": state["recipe"]}, tensors)
+    header = {k: state[k] for k in ("recipe", CHOICE_KEY) if k in state}
+    return encode_record(EXTRA_STATE_MAGIC, EXTRA_STATE_VERSION, header, tensors)
 
 
 def read_extra_state(value: Any) -> dict[str, Any] | None:
@@ -67,7 +71,7 @@ def read_extra_state(value: Any) -> dict[str, Any] | None:
     else:
         raise ValueError(f"{_WHERE}: expected a uint8 tensor (an engine record) or, from older checkpoints, a dict "
                          f"with version {DICT_VERSION}; got {type(value).__name__} {value!r:.200}")
-    return None if state["recipe"] is None else state
+    return None if state["recipe"] is None and CHOICE_KEY not in state else state
 
 
 def _read_dict(value: dict) -> dict[str, Any]:
@@ -82,17 +86,18 @@ def _read_dict(value: dict) -> dict[str, Any]:
 
 def _read_record(value: torch.Tensor) -> dict[str, Any]:
     _, header, tensors = decode_record(value, EXTRA_STATE_MAGIC, (EXTRA_STATE_VERSION,), _WHERE)
-    unknown = set(header) - {"recipe"}
+    unknown = set(header) - {"recipe", CHOICE_KEY}
     if unknown or "recipe" not in header:
-        raise ValueError(f"{_WHERE}: expected a header with a 'recipe' and 'tensors', got the keys {sorted(header)}")
-    state: dict[str, Any] = {"recipe": header["recipe"]}
+        raise ValueError(f"{_WHERE}: expected a header with a 'recipe', 'tensors' and maybe a '{CHOICE_KEY}', got the "
+                         f"keys {sorted(header)}")
+    state: dict[str, Any] = {k: header[k] for k in ("recipe", CHOICE_KEY) if k in header}
     for name, t in tensors.items():
         direction, _, part = name.partition(".")
         if direction not in DIRECTIONS or part not in STATE_TENSORS:
             raise ValueError(f"{_WHERE}: unknown tensor {name!r}; expected some of "
                              f"{[f'{d}.{p}' for d in DIRECTIONS for p in STATE_TENSORS]}")
         state.setdefault(direction, {})[part] = t
-    if state["recipe"] is None and len(state) > 1:
+    if state["recipe"] is None and any(d in state for d in DIRECTIONS):
         raise ValueError(f"{_WHERE}: scaling state {sorted(tensors)} without a recipe")
     return state
 

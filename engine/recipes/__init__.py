@@ -12,6 +12,7 @@ from engine.recipes.mxfp8 import MXFP8BlockScaling
 from engine.recipes.nvfp4 import NVFP4BlockScaling
 from engine.recipes.operands import BACKWARD_ROLES, FORWARD_ROLES, OPERANDS, Gemm, QuantizerSpec, Role
 from engine.recipes.plain import RECIPES, SAVED_RECIPES, recipe_from_plain, recipe_to_plain
+from engine.recipes.recipe_map import RecipeMap
 from engine.recipes.role import QuantizerRole
 from engine.recipes.rowwise import Float8RowwiseScaling
 
@@ -19,6 +20,6 @@ __all__ = [
     "BACKWARD_ROLES", "CustomRecipe", "CustomRecipeState", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES",
     "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format", "Gemm", "MXFP4BlockScaling",
     "MXFP4MixedBlockScaling", "MXFP6BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "OPERANDS",
-    "OperandRecipe", "QuantizerRole", "QuantizerSpec", "RECIPES", "Recipe", "SAVED_RECIPES", "RecipeState", "Role",
+    "OperandRecipe", "QuantizerRole", "QuantizerSpec", "RECIPES", "Recipe", "RecipeMap", "SAVED_RECIPES", "RecipeState", "Role",
     "recipe_from_plain", "recipe_to_plain",
 ]
