@@ -1,0 +1,145 @@
+"""engine.inspect(model, every=N, out=DIR, what_if=None): the numerics of every quantized GEMM of a model.
+
+A step is one forward of `model` (its forward pre-hook counts them). On steps 0, N, 2N, ... the pre-hook
+sets this thread's observer (`engine.autocast.swap_inspector`) and the forward post-hook clears it, so every
+engine linear layer the forward runs goes through `Observer.linear` and its backward reports through the
+autograd node's hook; on the other steps the pre-hook's counter check is all that runs, and the layers
+take their usual path. A step's records are complete after its backward: they are written when the next
+step starts and when the context exits.
+
+Not supported: compiled models (torch.compile: a RuntimeError at entry or when a compiled forward meets the
+hooks), activation recompute records the first forward only (the recompute runs after the post-hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import autocast
+from engine.modules import FP8Module
+from engine.numerics.config import InspectConfig
+from engine.numerics.observe import Layer, Observer, Record
+from engine.numerics.writer import RecordWriter
+from engine.recipes import Recipe
+
+COMPILED = ("engine.inspect: the model (or its submodule {name!r}) is compiled with torch.compile; the inspector "
+            "watches the eager layers only - inspect the uncompiled model (for torch.compile(m): m._orig_mod)")
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+class Inspector:
+    """The state of one `engine.inspect` context: the step counter, the layers, the records."""
+
+    def __init__(self, model: torch.nn.Module, config: InspectConfig) -> None:
+        self.model, self.config = model, config
+        self.step = -1  # the step running (the count of forwards so far, minus one)
+        self.records: list[Record] = []  # every record so far, in order
+        self._pending: list[Record] = []  # the records of steps not yet written
+        self._writer = None if config.out is None else RecordWriter(config.out)
+        self._layers: dict[int, Layer] = {}
+        self._what_if_states: list[Any] = []
+        self._observer = Observer(self._locate, self._emit, config.what_if)
+        self._armed = False  # the observer is set for this forward
+
+    # -------------------------------------------------------------- the model's hooks
+    def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.step += 1
+        if self.step % self.config.every:
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILED.format(name=""))
+        self.flush()
+        for state in self._what_if_states:  # delayed scaling: the what-if scales follow the inspected steps
+            state.update()
+        autocast.swap_inspector(self._observer)
+        self._armed = True
+
+    def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._armed:
+            autocast.swap_inspector(None)
+            self._armed = False
+
+    # -------------------------------------------------------------- the observer's callbacks
+    def _emit(self, record: Record) -> None:
+        self._pending.append({"step": self.step, **record})
+
+    def _locate(self, weight: torch.Tensor) -> Layer:
+        layer = self._layers.get(id(weight))
+        if layer is None:  # first sight, or the weights were replaced: look again
+            self._layers = self._scan()
+            layer = self._layers.get(id(weight))
+        if layer is None:
+            raise RuntimeError("engine.inspect: a linear call's weight belongs to no engine module of the inspected "
+                               "model; inspect the model that holds the layer")
+        return layer
+
+    def _scan(self) -> dict[int, Layer]:
+        old = {layer.name: layer for layer in self._layers.values()}
+        found: dict[int, Layer] = {}
+        for name, module in self.model.named_modules():
+            if not isinstance(module, FP8Module):
+                continue
+            for gemm, weight_name in enumerate(module.weight_names):
+                label = name if module.num_gemms == 1 else f"{name}.{module.gemm_names[gemm]}"
+                layer = old.get(label) or self._layer(label, module, gemm)
+                found[id(getattr(module, weight_name))] = layer
+        return found
+
+    def _layer(self, label: str, module: FP8Module, gemm: int) -> Layer:
+        recipe: Recipe | None = self.config.what_if
+        if recipe is None:
+            return Layer(label, gemm)
+        device = getattr(module, module.weight_names[gemm]).device
+        who = {"num_gemms": 1, "device": device, "module": type(module).__name__,
+               "gemm_names": (module.gemm_names[gemm],)}
+        fwd, bwd = recipe.make_state(forward=True, **who), recipe.make_state(forward=False, **who)
+        self._what_if_states += [fwd, bwd]
+        return Layer(label, 0, fwd, bwd)
+
+    # -------------------------------------------------------------- records
+    def flush(self) -> None:
+        """Write the records of the finished steps (to `out`, if given) and keep them in `records`."""
+        pending, self._pending = self._pending, []
+        self.records += pending
+        if self._writer is not None:
+            self._writer.write(pending)
+
+
+@contextlib.contextmanager
+def inspect(model: torch.nn.Module, every: int = 1, out: str | Path | None = None,
+            what_if: Recipe | None = None) -> Iterator[Inspector]:
+    """Record the numerics of every engine layer of `model` on steps 0, N, 2N, ... (N = `every`).
+
+    Per layer and step: for each GEMM operand and usage the training recipe quantizes, amax, scale range,
+    underflow %, saturation %, SQNR and MSE of dequantize(quantize(x)) against x and the share of zero /
+    subnormal / saturated block scales; for fprop, dgrad and wgrad the output's relative error against the
+    same GEMM in high precision, and for wgrad the ratio of gradient norm to quantization noise (1 / that
+    error; below sqrt(3) low precision stops helping, arXiv 2505.19115). With `what_if`, the same for that
+    recipe (one extra quantize per operand). Yields the Inspector (`.records`); writes `out`/records.jsonl and
+    records.csv per step. Outside inspected steps the layers run exactly as without it.
+    """
+    config = InspectConfig(every=every, out=out, what_if=what_if)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if _compiled(module):
+            raise RuntimeError(COMPILED.format(name=name))
+    inspector = Inspector(model, config)
+    handles = [model.register_forward_pre_hook(inspector.pre_forward),
+               model.register_forward_hook(inspector.post_forward, always_call=True)]
+    previous = autocast.swap_inspector(None)
+    try:
+        yield inspector
+    finally:
+        for handle in handles:
+            handle.remove()
+        autocast.swap_inspector(previous)
+        inspector.flush()
