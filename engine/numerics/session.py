@@ -100,7 +100,9 @@ class Inspector:
         device = getattr(module, module.weight_names[gemm]).device
         who = {"num_gemms": 1, "device": device, "module": type(module).__name__,
                "gemm_names": (module.gemm_names[gemm],)}
-        fwd, bwd = recipe.make_state(forward=True, **who), recipe.make_state(forward=False, **who)
+        with torch.random.fork_rng(devices=[]):  # stochastic-rounding streams draw from torch's generator: the
+            # training run's own draws (its modules' states, its data) stay what they would be without the inspector
+            fwd, bwd = recipe.make_state(forward=True, **who), recipe.make_state(forward=False, **who)
         self._what_if_states += [fwd, bwd]
         return Layer(label, 0, fwd, bwd)
 
