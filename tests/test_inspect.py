@@ -125,9 +125,17 @@ def test_writes_json_lines_and_csv(tmp_path) -> None:
 
 def test_refuses_a_compiled_model() -> None:
     model = torch.compile(make_model())
-    with pytest.raises(RuntimeError, match="torch.compile"):
+    with pytest.raises(RuntimeError, match="the model is compiled with torch.compile"):
         with engine.inspect(model):
             pass
+
+
+def test_a_model_compiled_inside_the_context_is_refused_when_records_are_written() -> None:
+    model = make_model()
+    with pytest.raises(RuntimeError, match="compiled inside the context"):
+        with engine.inspect(model):
+            with engine.fp8_autocast(recipe=MXFP8BlockScaling()):
+                torch.compile(model)(torch.randn(16, 64))
 
 
 @pytest.mark.parametrize("kwargs, field", [({"every": 0}, "every"), ({"every": True}, "every"),

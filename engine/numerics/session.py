@@ -7,8 +7,9 @@ autograd node's hook; on the other steps the pre-hook's counter check is all tha
 take their usual path. A step's records are complete after its backward: they are written when the next
 step starts and when the context exits.
 
-Not supported: compiled models (torch.compile: a RuntimeError at entry or when a compiled forward meets the
-hooks), activation recompute records the first forward only (the recompute runs after the post-hook).
+Not supported: compiled models (torch.compile): a RuntimeError at entry, or, for a model compiled inside the
+context, when its records are next written (its forward runs the compiled custom ops, which are not watched).
+Activation recompute: only the first forward is recorded (the recompute runs after the post-hook).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from engine.numerics.observe import Layer, Observer, Record
 from engine.numerics.writer import RecordWriter
 from engine.recipes import Recipe
 
-COMPILED = ("engine.inspect: the model (or its submodule {name!r}) is compiled with torch.compile; the inspector "
-            "watches the eager layers only - inspect the uncompiled model (for torch.compile(m): m._orig_mod)")
+COMPILED = ("engine.inspect: {what} is compiled with torch.compile; the inspector watches the eager layers only - "
+            "inspect the uncompiled model (for torch.compile(m): m._orig_mod)")
 
 
 def _compiled(module: torch.nn.Module) -> bool:
@@ -48,14 +49,16 @@ class Inspector:
         self._what_if_states: list[Any] = []
         self._observer = Observer(self._locate, self._emit, config.what_if)
         self._armed = False  # the observer is set for this forward
+        self.compiled = False  # a compiled forward ran the model's hooks
 
     # -------------------------------------------------------------- the model's hooks
     def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self.step += 1
         if self.step % self.config.every:
             return
-        if torch.compiler.is_compiling():
-            raise RuntimeError(COMPILED.format(name=""))
+        if torch.compiler.is_compiling():  # compiled after the context began: said when the records are next written
+            self.compiled = True
+            return
         self.flush()
         for state in self._what_if_states:  # delayed scaling: the what-if scales follow the inspected steps
             state.update()
@@ -109,6 +112,8 @@ class Inspector:
     # -------------------------------------------------------------- records
     def flush(self) -> None:
         """Write the records of the finished steps (to `out`, if given) and keep them in `records`."""
+        if self.compiled:
+            raise RuntimeError(COMPILED.format(what="the model, compiled inside the context,"))
         pending, self._pending = self._pending, []
         self.records += pending
         if self._writer is not None:
@@ -133,7 +138,7 @@ def inspect(model: torch.nn.Module, every: int = 1, out: str | Path | None = Non
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules():
         if _compiled(module):
-            raise RuntimeError(COMPILED.format(name=name))
+            raise RuntimeError(COMPILED.format(what=f"the model's submodule {name!r}" if name else "the model"))
     inspector = Inspector(model, config)
     handles = [model.register_forward_pre_hook(inspector.pre_forward),
                model.register_forward_hook(inspector.post_forward, always_call=True)]
