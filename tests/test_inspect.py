@@ -144,3 +144,35 @@ def test_bad_arguments_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         with engine.inspect(make_model(), **kwargs):
             pass
+
+
+def test_activation_recompute_records_each_gemm_once() -> None:
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.mlp = engine.Linear(64, 64), engine.LayerNormMLP(64, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return engine.checkpoint(self.mlp, self.first(x))
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    with engine.inspect(model) as inspector:
+        x = torch.randn(32, 64, requires_grad=True)
+        with engine.fp8_autocast(recipe=MXFP8BlockScaling()):
+            y = model(x)
+        y.sum().backward()
+    for layer in ("first", "mlp.fc1", "mlp.fc2"):
+        gemms = sorted(r["gemm"] for r in inspector.records if r["layer"] == layer and r["kind"] == "gemm")
+        assert gemms == ["dgrad", "fprop", "wgrad"], layer
+        operands = [r["operand"] for r in inspector.records if r["layer"] == layer and r["kind"] == "operand"]
+        assert sorted(operands) == sorted(set(operands)) and len(operands) == 6, layer
+
+
+def test_layers_of_another_model_run_unwatched() -> None:
+    model, other = make_model(), make_model(seed=3)
+    with engine.inspect(model) as inspector:
+        run(model, MXFP8BlockScaling(), 1)
+        run(other, MXFP8BlockScaling(), 1)  # after an inspected step, before the next: the observer is set
+    assert {r["layer"] for r in inspector.records} == set(LAYERS) and {r["step"] for r in inspector.records} == {0}
+    assert len(inspector.records) == len(LAYERS) * (6 + 3)  # six operand usages and three GEMMs per layer

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine import autocast
 from engine.gemm import general_gemm
 from engine.modules.linear_function import LinearArgs, LinearFunction, quantize_uses, same_rows
 from engine.recipes import Gemm, Recipe, RecipeState, Role
@@ -91,9 +92,11 @@ class LinearCall:
         self.x: torch.Tensor | None = None  # the high-precision operands, kept until backward
         self.w: torch.Tensor | None = None
         self.what_if: dict[str, Any] = {}  # the what-if operands a later GEMM reads
+        self.recomputed = False  # a recomputed forward: only what the first one did not record (its backward uses)
 
     def emit(self, source: str, recipe: str | None, kind: str, **fields: Any) -> None:
-        self.observer.emit({"layer": self.layer.name, "source": source, "recipe": recipe, "kind": kind, **fields})
+        self.observer.emit({"layer": self.layer.name, "source": source, "recipe": recipe, "kind": kind, **fields},
+                           self.recomputed)
 
     # -------------------------------------------------------------- operands of the training recipe
     def operand(self, role: Role, storage: QuantizedTensorBase, hp: torch.Tensor, source: str = "train",
@@ -194,9 +197,12 @@ class _WhatIfSink:
 
 
 class Observer:
-    """What `linear()` calls during an inspected step's forward (set in the thread's autocast state)."""
+    """What `linear()` calls during an inspected step (set in the thread's autocast state from the step's forward
+    to the next step). A weight of no inspected layer runs unwatched; an activation recompute
+    (`engine.checkpoint`) records only what its first forward did not (the usages only backward reads) and
+the backward it serves."""
 
-    def __init__(self, locate: Callable[[torch.Tensor], Layer], emit: Callable[[Record], None],
+    def __init__(self, locate: Callable[[torch.Tensor], Layer | None], emit: Callable[[Record, bool], None],
                  what_if: Recipe | None) -> None:
         self.locate, self.emit = locate, emit
         self.what_if_name = None if what_if is None else what_if.name
@@ -204,7 +210,10 @@ class Observer:
     def linear(self, inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs
                ) -> torch.Tensor:
         layer = self.locate(weight)
+        if layer is None:
+            return LinearFunction.apply(inp, weight, bias, args)
         call = LinearCall(self, layer, args.fwd.recipe.name if args.fp8 else None)
+        call.recomputed = getattr(autocast.recompute_phase(), "recomputing", False)
         if args.fp8:
             args = dataclasses.replace(args, fwd=WatchedState(args.fwd, call), bwd=WatchedState(args.bwd, call))
         out = LinearFunction.apply(inp, weight, bias, args)
@@ -217,6 +226,7 @@ class Observer:
             grad = out.grad_fn is not None
             need_dgrad, need_wgrad = grad and inp.requires_grad, grad and weight.requires_grad
             call.what_if_forward(x2d, w, bias, need_dgrad, need_wgrad, reference)
+        call.recomputed = False
         if grad:
             call.x, call.w = x2d, w
             out.grad_fn.register_hook(call.backward)

@@ -1,15 +1,15 @@
 """engine.inspect(model, every=N, out=DIR, what_if=None): the numerics of every quantized GEMM of a model.
 
 A step is one forward of `model` (its forward pre-hook counts them). On steps 0, N, 2N, ... the pre-hook
-sets this thread's observer (`engine.autocast.swap_inspector`) and the forward post-hook clears it, so every
-engine linear layer the forward runs goes through `Observer.linear` and its backward reports through the
-autograd node's hook; on the other steps the pre-hook's counter check is all that runs, and the layers
-take their usual path. A step's records are complete after its backward: they are written when the next
+sets this thread's observer (`engine.autocast.swap_inspector`) until the next step, so every engine linear
+layer of the model the forward (and an activation recompute in its backward) runs goes through
+`Observer.linear` and its backward reports through the autograd node's hook; on the other steps the
+pre-hook's counter check (and, on the first one after an inspected step, clearing the observer) is all that
+runs, and the layers take their usual path. A step's records are complete after its backward: they are written when the next
 step starts and when the context exits.
 
 Not supported: compiled models (torch.compile): a RuntimeError at entry, or, for a model compiled inside the
 context, when its records are next written (its forward runs the compiled custom ops, which are not watched).
-Activation recompute: only the first forward is recorded (the recompute runs after the post-hook).
 """
 
 from __future__ import annotations
@@ -44,44 +44,49 @@ class Inspector:
         self.step = -1  # the step running (the count of forwards so far, minus one)
         self.records: list[Record] = []  # every record so far, in order
         self._pending: list[Record] = []  # the records of steps not yet written
+        self._keys: set[tuple] = set()  # what this step recorded (layer, source, kind, operand, usage, gemm)
         self._writer = None if config.out is None else RecordWriter(config.out)
         self._layers: dict[int, Layer] = {}
         self._what_if_states: list[Any] = []
         self._observer = Observer(self._locate, self._emit, config.what_if)
-        self._armed = False  # the observer is set for this forward
+        self._armed = False  # the observer is set: from an inspected step's forward to the next step
         self.compiled = False  # a compiled forward ran the model's hooks
 
     # -------------------------------------------------------------- the model's hooks
     def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self.step += 1
         if self.step % self.config.every:
+            if self._armed:  # the first skipped step after an inspected one
+                self._disarm()
             return
         if torch.compiler.is_compiling():  # compiled after the context began: said when the records are next written
             self.compiled = True
             return
         self.flush()
+        self._keys = set()
         for state in self._what_if_states:  # delayed scaling: the what-if scales follow the inspected steps
             state.update()
         autocast.swap_inspector(self._observer)
         self._armed = True
 
-    def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._armed:
-            autocast.swap_inspector(None)
-            self._armed = False
+    def _disarm(self) -> None:
+        autocast.swap_inspector(None)
+        self._armed = False
 
     # -------------------------------------------------------------- the observer's callbacks
-    def _emit(self, record: Record) -> None:
+    def _emit(self, record: Record, recomputed: bool) -> None:
+        key = tuple(record.get(k) for k in ("layer", "source", "kind", "operand", "usage", "gemm"))
+        if recomputed and key in self._keys:
+            return  # an activation recompute repeats what the step's forward recorded
+        self._keys.add(key)
         self._pending.append({"step": self.step, **record})
 
-    def _locate(self, weight: torch.Tensor) -> Layer:
+    def _locate(self, weight: torch.Tensor) -> Layer | None:
+        """The inspected layer whose weight this is (None: a layer of another model)."""
         layer = self._layers.get(id(weight))
         if layer is None:  # first sight, or the weights were replaced: look again
             self._layers = self._scan()
             layer = self._layers.get(id(weight))
-        if layer is None:
-            raise RuntimeError("engine.inspect: a linear call's weight belongs to no engine module of the inspected "
-                               "model; inspect the model that holds the layer")
         return layer
 
     def _scan(self) -> dict[int, Layer]:
@@ -140,8 +145,7 @@ def inspect(model: torch.nn.Module, every: int = 1, out: str | Path | None = Non
         if _compiled(module):
             raise RuntimeError(COMPILED.format(what=f"the model's submodule {name!r}" if name else "the model"))
     inspector = Inspector(model, config)
-    handles = [model.register_forward_pre_hook(inspector.pre_forward),
-               model.register_forward_hook(inspector.post_forward, always_call=True)]
+    handles = [model.register_forward_pre_hook(inspector.pre_forward)]
     previous = autocast.swap_inspector(None)
     try:
         yield inspector
