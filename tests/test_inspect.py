@@ -176,3 +176,28 @@ def test_layers_of_another_model_run_unwatched() -> None:
         run(other, MXFP8BlockScaling(), 1)  # after an inspected step, before the next: the observer is set
     assert {r["layer"] for r in inspector.records} == set(LAYERS) and {r["step"] for r in inspector.records} == {0}
     assert len(inspector.records) == len(LAYERS) * (6 + 3)  # six operand usages and three GEMMs per layer
+
+
+def test_cli_inspect_writes_records_plots_and_a_table(tmp_path, capsys) -> None:
+    from engine.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)  # 10 KiB: enough windows of the demo's 128 bytes
+    out = tmp_path / "out"
+    assert main(["inspect", "--recipe", "mxfp8", "--what-if", "nvfp4", "--steps", "2", "--every", "2",
+                 "--batch-size", "1", "--data", str(text), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| blocks.0.attn.qkv | train |" in printed and "| blocks.3.mlp.fc2 | what_if |" in printed
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in lines} == {0}
+    for name in ("sqnr_heatmap.png", "scale_traces.png", "gemm_error.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_inspect_refuses_nothing_to_measure(tmp_path) -> None:
+    from engine.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("x" * 4096)
+    with pytest.raises(SystemExit, match="nothing to measure"):
+        main(["inspect", "--recipe", "bf16", "--data", str(text), "--no-progress"])
