@@ -201,3 +201,22 @@ def test_cli_inspect_refuses_nothing_to_measure(tmp_path) -> None:
     text.write_text("x" * 4096)
     with pytest.raises(SystemExit, match="nothing to measure"):
         main(["inspect", "--recipe", "bf16", "--data", str(text), "--no-progress"])
+
+
+def test_fp8_primary_weights_and_fused_wgrad_run_under_the_inspector() -> None:
+    """A weight the call does not quantize (FP8 primary) has no operand record; a wgrad fused into main_grad has
+    no GEMM record; the rest is recorded."""
+    torch.manual_seed(0)
+    with engine.fp8_model_init(recipe=MXFP8BlockScaling()):
+        primary = engine.Linear(64, 64)
+    fused = engine.Linear(64, 64, fuse_wgrad_accumulation=True)
+    fused.weight.main_grad = torch.zeros(64, 64)
+    model = torch.nn.Sequential(primary, fused)
+    with engine.inspect(model) as inspector:
+        x = torch.randn(32, 64, requires_grad=True)
+        with engine.fp8_autocast(recipe=MXFP8BlockScaling()):
+            model(x).sum().backward()
+    ops = {(r["layer"], r["operand"]) for r in inspector.records if r["kind"] == "operand"}
+    gemms = {(r["layer"], r["gemm"]) for r in inspector.records if r["kind"] == "gemm"}
+    assert ("0", "fprop_weight") not in ops and ("0", "fprop_input") in ops and ("1", "fprop_weight") in ops
+    assert gemms == {("0", "fprop"), ("0", "dgrad"), ("0", "wgrad"), ("1", "fprop"), ("1", "dgrad")}

@@ -4,7 +4,8 @@
 unchanged `LinearFunction` with two watchers:
 
 * the recipe states wrapped (`WatchedState`): the quantizers a call uses hand each storage they make to
-  `LinearCall.operand` before returning it, so the statistics read the quantizer's own output;
+  `LinearCall.operand` before returning it, so the statistics read the quantizer's own output (an FP8 primary
+  weight or a weight cached over micro-batches is not quantized in the call: it has no operand record);
 * a hook on the call's autograd node (`Node.register_hook`), which sees dy and the dgrad / wgrad outputs
   after the node ran and changes nothing.
 
@@ -37,10 +38,10 @@ Record = dict[str, Any]
 
 @dataclasses.dataclass
 class Layer:
-    """Where a call belongs: the layer's name (a LayerNormMLP GEMM gets `.fc1` / `.fc2`) and its what-if states."""
+    """Where a call belongs: the layer's name (a LayerNormMLP GEMM gets `.fc1` / `.fc2`) and its what-if states
+    (made for this one GEMM: its index in them is 0)."""
 
     name: str
-    gemm: int
     what_if_fwd: RecipeState | None = None
     what_if_bwd: RecipeState | None = None
 
@@ -133,7 +134,7 @@ class LinearCall:
     # -------------------------------------------------------------- the what-if recipe
     def what_if_forward(self, x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                         need_dgrad: bool, need_wgrad: bool, reference: torch.Tensor) -> None:
-        state, name, gemm = self.layer.what_if_fwd, self.observer.what_if_name, self.layer.gemm
+        state, name = self.layer.what_if_fwd, self.observer.what_if_name
         if state is None:
             return
         x_row, x_col = self._what_if_operand(state, Role.INPUT, x2d, need_wgrad)
@@ -145,7 +146,7 @@ class LinearCall:
 
     def _what_if_operand(self, state: RecipeState, role: Role, t: torch.Tensor, columnwise: bool) -> tuple[Any, Any]:
         watched = WatchedState(state, _WhatIfSink(self))
-        return quantize_uses(t, watched, role, self.layer.gemm, rowwise=True, columnwise=columnwise)
+        return quantize_uses(t, watched, role, 0, rowwise=True, columnwise=columnwise)
 
     def what_if_backward(self, dy: torch.Tensor, dx_ref: torch.Tensor | None, dw_ref: torch.Tensor | None) -> None:
         state, name = self.layer.what_if_bwd, self.observer.what_if_name

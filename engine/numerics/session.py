@@ -104,7 +104,7 @@ class Inspector:
     def _layer(self, label: str, module: FP8Module, gemm: int) -> Layer:
         recipe: Recipe | None = self.config.what_if
         if recipe is None:
-            return Layer(label, gemm)
+            return Layer(label)
         device = getattr(module, module.weight_names[gemm]).device
         who = {"num_gemms": 1, "device": device, "module": type(module).__name__,
                "gemm_names": (module.gemm_names[gemm],)}
@@ -112,7 +112,7 @@ class Inspector:
             # training run's own draws (its modules' states, its data) stay what they would be without the inspector
             fwd, bwd = recipe.make_state(forward=True, **who), recipe.make_state(forward=False, **who)
         self._what_if_states += [fwd, bwd]
-        return Layer(label, 0, fwd, bwd)
+        return Layer(label, fwd, bwd)
 
     # -------------------------------------------------------------- records
     def flush(self) -> None:
