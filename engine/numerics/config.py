@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from engine.recipes import Recipe
@@ -16,6 +17,7 @@ class InspectConfig(BaseModel):
     every:    record every N-th step (a step is one forward of the inspected model: steps 0, N, 2N, ...)
     out:      a directory for `records.jsonl` and `records.csv` (None: keep the records in memory only)
     what_if:  another recipe whose statistics are recorded next to the training recipe's (None: none)
+    group:    the ranks a step's numbers are reduced over under torch.distributed (None: the world)
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -23,6 +25,14 @@ class InspectConfig(BaseModel):
     every: int = 1
     out: Path | None = None
     what_if: Recipe | None = None
+    group: dist.ProcessGroup | None = None
+
+    @field_validator("group", mode="before")
+    @classmethod
+    def _group(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, dist.ProcessGroup):
+            raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {type(value).__name__}")
+        return value
 
     @field_validator("every", mode="before")
     @classmethod

@@ -17,7 +17,6 @@ own states (`engine.modules.linear_function.quantize_uses`) and runs its GEMMs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import torch
@@ -27,11 +26,8 @@ from engine.gemm import general_gemm
 from engine.modules.linear_function import LinearArgs, LinearFunction, quantize_uses, same_rows
 from engine.recipes import Gemm, Recipe, RecipeState, Role
 from engine.recipes.operands import operand_key
-from engine.numerics.stats import relative_error, usage_stats
+from engine.numerics.stats import gemm_sums, usage_sums
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
-
-#: below this ratio of gradient norm to quantization noise quantized training stops helping (arXiv 2505.19115)
-NOISE_THRESHOLD = math.sqrt(3.0)
 
 Record = dict[str, Any]
 
@@ -110,26 +106,21 @@ class LinearCall:
             if not held:
                 continue
             if columnwise and rowwise is not None and storage.scheme.derivable:
-                stats = rowwise
+                sums = rowwise
             else:
-                stats = usage_stats(storage, hp, columnwise)
-            rowwise = stats if not columnwise else rowwise
+                sums = usage_sums(storage, hp, columnwise)
+            rowwise = sums if not columnwise else rowwise
             operand = role.uses[1 if columnwise else 0]
             self.emit(source, recipe, "operand", operand=operand_key(operand),
-                      usage="columnwise" if columnwise else "rowwise", **stats)
+                      usage="columnwise" if columnwise else "rowwise", scheme=storage.scheme.name, sums=sums)
 
     def gemm(self, gemm: Gemm, out: torch.Tensor | None, reference: torch.Tensor, source: str = "train",
              recipe: str | None = None) -> None:
-        """A GEMM output's relative error; for wgrad also the gradient-norm-to-noise ratio (1 / that error)."""
+        """A GEMM output against its high-precision reference (the relative error follows from the sums)."""
         if out is None:
             return
-        error = relative_error(out, reference)
-        extra = {}
-        if gemm is Gemm.WGRAD:
-            ratio = math.inf if error == 0 else 1.0 / error
-            extra = {"grad_noise_ratio": ratio, "below_threshold": ratio < NOISE_THRESHOLD}
-        self.emit(source, self.recipe if recipe is None else recipe, "gemm", gemm=gemm.value, rel_error=error,
-                  **extra)
+        self.emit(source, self.recipe if recipe is None else recipe, "gemm", gemm=gemm.value,
+                  sums=gemm_sums(out, reference))
 
     # -------------------------------------------------------------- the what-if recipe
     def what_if_forward(self, x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,

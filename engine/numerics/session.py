@@ -21,10 +21,14 @@ from typing import Any
 
 import torch
 
+import torch.distributed as dist
+
 from engine import autocast
+from engine.collectives import group_size
 from engine.modules import FP8Module
 from engine.numerics.config import InspectConfig
 from engine.numerics.observe import Layer, Observer, Record
+from engine.numerics.reduce import finish, reduce_sums
 from engine.numerics.writer import RecordWriter
 from engine.recipes import Recipe
 
@@ -45,7 +49,8 @@ class Inspector:
         self.records: list[Record] = []  # every record so far, in order
         self._pending: list[Record] = []  # the records of steps not yet written
         self._keys: set[tuple] = set()  # what this step recorded (layer, source, kind, operand, usage, gemm)
-        self._writer = None if config.out is None else RecordWriter(config.out)
+        self._writes = group_size(config.group) <= 1 or dist.get_rank(config.group) == 0  # one rank writes
+        self._writer = None if config.out is None or not self._writes else RecordWriter(config.out)
         self._layers: dict[int, Layer] = {}
         self._what_if_states: list[Any] = []
         self._observer = Observer(self._locate, self._emit, config.what_if)
@@ -120,14 +125,16 @@ class Inspector:
         if self.compiled:
             raise RuntimeError(COMPILED.format(what="the model, compiled inside the context,"))
         pending, self._pending = self._pending, []
+        reduce_sums(pending, self.config.group)
+        pending = [finish(r) for r in pending]
         self.records += pending
-        if self._writer is not None:
+        if self._writer is not None and self._writes:
             self._writer.write(pending)
 
 
 @contextlib.contextmanager
 def inspect(model: torch.nn.Module, every: int = 1, out: str | Path | None = None,
-            what_if: Recipe | None = None) -> Iterator[Inspector]:
+            what_if: Recipe | None = None, group: dist.ProcessGroup | None = None) -> Iterator[Inspector]:
     """Record the numerics of every engine layer of `model` on steps 0, N, 2N, ... (N = `every`).
 
     Per layer and step: for each GEMM operand and usage the training recipe quantizes, amax, scale range,
@@ -137,8 +144,11 @@ def inspect(model: torch.nn.Module, every: int = 1, out: str | Path | None = Non
     error; below sqrt(3) low precision stops helping, arXiv 2505.19115). With `what_if`, the same for that
     recipe (one extra quantize per operand). Yields the Inspector (`.records`); writes `out`/records.jsonl and
     records.csv per step. Outside inspected steps the layers run exactly as without it.
+
+    Under torch.distributed each step's numbers are reduced over `group` (default: the world) before they are
+    kept, and its rank 0 writes the files: every rank must run the inspected steps.
     """
-    config = InspectConfig(every=every, out=out, what_if=what_if)
+    config = InspectConfig(every=every, out=out, what_if=what_if, group=group)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules():
@@ -153,4 +163,4 @@ def inspect(model: torch.nn.Module, every: int = 1, out: str | Path | None = Non
         for handle in handles:
             handle.remove()
         autocast.swap_inspector(previous)
-        inspector.flush()
+    inspector.flush()  # not after an error: the step is incomplete (and other ranks may not reach the collective)

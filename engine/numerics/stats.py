@@ -11,6 +11,9 @@ the values a GEMM multiplies against the values it would have multiplied in high
     SQNR, MSE     10 log10(sum x^2 / sum (x - dq)^2) and mean (x - dq)^2 over the finite pairs
     scales        the decode factor per block (element -> value): min / max; the share of block
                   scales that are zero, subnormal in their encoding, or at their encoding's max
+
+Each is kept as sums (counts, sums of squares, maxima, minima: `usage_sums`, `gemm_sums`) until a step is
+complete, so that ranks can add theirs (`reduce.py`); `operand_stats` / `error_of` make the statistics.
 """
 
 from __future__ import annotations
@@ -78,8 +81,15 @@ def stored_elements(storage: QuantizedTensorBase, columnwise: bool) -> tuple[tor
     return elements, values, factors
 
 
-def scale_shares(storage: QuantizedTensorBase, columnwise: bool) -> dict[str, float]:
-    """Percent of the usage's block scales (as stored) that are zero, subnormal in their encoding, or at its max."""
+#: the parts of a record that add over ranks (and over shards of one tensor), that take the max, and the min
+SUMS = ("numel", "nonzero", "underflow", "clamped", "finite", "signal_sq", "error_sq", "blocks", "zero_blocks",
+        "subnormal_blocks", "saturated_blocks", "difference_sq", "reference_sq")
+MAXES = ("amax", "scale_max")
+MINS = ("scale_min",)
+
+
+def scale_sums(storage: QuantizedTensorBase, columnwise: bool) -> dict[str, int]:
+    """Counts of the usage's block scales (as stored): all, zero, subnormal in their encoding, at its max."""
     scheme = storage.scheme
     stored = getattr(storage, f"{'columnwise' if columnwise else 'rowwise'}_scale_inv")
     if scheme.scale is ScaleEncoding.E8M0:
@@ -89,63 +99,103 @@ def scale_shares(storage: QuantizedTensorBase, columnwise: bool) -> dict[str, fl
     else:
         values, min_normal, top = stored.float(), FP32.tiny, FP32.max
     values = values.abs()
-    n = max(values.numel(), 1)
-    return {
-        "zero_scale_pct": 100.0 * int((values == 0).sum()) / n,
-        "subnormal_scale_pct": 100.0 * int(((values > 0) & (values < min_normal)).sum()) / n,
-        "saturated_scale_pct": 100.0 * int((values >= top).sum()) / n,
-    }
+    return {"blocks": values.numel(), "zero_blocks": int((values == 0).sum()),
+            "subnormal_blocks": int(((values > 0) & (values < min_normal)).sum()),
+            "saturated_blocks": int((values >= top).sum())}
 
 
-def sqnr_db(signal: torch.Tensor, error: torch.Tensor) -> float:
-    """10 log10(sum signal^2 / sum error^2) in float64: inf for no error, nan for no signal."""
-    s, e = float(signal.double().square().sum()), float(error.double().square().sum())
-    if e == 0.0:
-        return math.inf if s > 0 else math.nan
-    return 10.0 * math.log10(s / e) if s > 0 else -math.inf
-
-
-def value_stats(x: torch.Tensor, elements: torch.Tensor, values: torch.Tensor, top: float) -> dict[str, float]:
-    """The element-level statistics of one usage: x its high-precision input, `elements` the element values and
+def value_sums(x: torch.Tensor, elements: torch.Tensor, values: torch.Tensor, top: float) -> dict[str, float]:
+    """The element-level sums of one usage: x its high-precision input, `elements` the element values and
     `values` the dequantized ones (all in the same orientation), `top` the element format's max."""
     finite = torch.isfinite(x) & torch.isfinite(values)
     nonzero = x != 0
     clamped = (elements.abs() == top) & (x.abs() > values.abs())
-    error = torch.where(finite, x - values, 0.0)
-    signal = torch.where(finite, x, 0.0)
-    n_finite = int(finite.sum())
     return {
         "numel": x.numel(),
+        "nonzero": int(nonzero.sum()),
+        "underflow": int((nonzero & (elements == 0)).sum()),
+        "clamped": int(clamped.sum()),
+        "finite": int(finite.sum()),
+        "signal_sq": float(torch.where(finite, x, 0.0).double().square().sum()),
+        "error_sq": float(torch.where(finite, x - values, 0.0).double().square().sum()),
         "amax": float(x.abs().max()) if x.numel() else 0.0,
-        "underflow_pct": 100.0 * int((nonzero & (elements == 0)).sum()) / max(int(nonzero.sum()), 1),
-        "saturation_pct": 100.0 * int(clamped.sum()) / max(x.numel(), 1),
-        "sqnr_db": sqnr_db(signal, error),
-        "mse": float(error.double().square().sum()) / max(n_finite, 1),
     }
 
 
-def usage_stats(storage: QuantizedTensorBase, hp: torch.Tensor, columnwise: bool) -> dict[str, Any]:
-    """Every statistic of one usage of `storage`, the quantization of the high-precision `hp` (same shape)."""
+def usage_sums(storage: QuantizedTensorBase, hp: torch.Tensor, columnwise: bool) -> dict[str, Any]:
+    """The sums, maxima and minima of one usage of `storage`, the quantization of the high-precision `hp`."""
     if tuple(hp.shape) != tuple(storage.shape):
         raise ValueError(f"hp: expected the storage's shape {tuple(storage.shape)}, got {tuple(hp.shape)}")
     elements, values, factors = stored_elements(storage, columnwise)
     x = stored_reference(hp, storage.scheme, columnwise)
     finite = factors[torch.isfinite(factors)]
     return {
-        "scheme": storage.scheme.name,
-        **value_stats(x, elements, values, element_max(storage.scheme)),
-        "scale_min": float(finite.min()) if finite.numel() else math.nan,
-        "scale_max": float(finite.max()) if finite.numel() else math.nan,
-        **scale_shares(storage, columnwise),
+        **value_sums(x, elements, values, element_max(storage.scheme)),
+        "scale_min": float(finite.min()) if finite.numel() else math.inf,
+        "scale_max": float(finite.max()) if finite.numel() else -math.inf,
+        **scale_sums(storage, columnwise),
     }
+
+
+def gemm_sums(out: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    """sum (out - reference)^2 and sum reference^2 in float64, over the finite pairs."""
+    out, reference = out.detach().double(), reference.detach().double()
+    finite = torch.isfinite(out) & torch.isfinite(reference)
+    return {"difference_sq": float(torch.where(finite, out - reference, 0.0).square().sum()),
+            "reference_sq": float(torch.where(finite, reference, 0.0).square().sum())}
+
+
+def _ratio_db(signal_sq: float, error_sq: float) -> float:
+    if error_sq == 0.0:
+        return math.inf if signal_sq > 0 else math.nan
+    return 10.0 * math.log10(signal_sq / error_sq) if signal_sq > 0 else -math.inf
+
+
+def _percent(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole else 0.0
+
+
+def operand_stats(sums: dict[str, Any]) -> dict[str, float]:
+    """What a record of an operand usage says, from its sums (`usage_sums`, possibly added over ranks)."""
+    return {
+        "numel": int(sums["numel"]), "amax": sums["amax"],
+        "scale_min": sums["scale_min"] if math.isfinite(sums["scale_min"]) else math.nan,
+        "scale_max": sums["scale_max"] if math.isfinite(sums["scale_max"]) else math.nan,
+        "underflow_pct": _percent(sums["underflow"], sums["nonzero"]),
+        "saturation_pct": _percent(sums["clamped"], sums["numel"]),
+        "sqnr_db": _ratio_db(sums["signal_sq"], sums["error_sq"]),
+        "mse": sums["error_sq"] / max(sums["finite"], 1),
+        "zero_scale_pct": _percent(sums["zero_blocks"], sums["blocks"]),
+        "subnormal_scale_pct": _percent(sums["subnormal_blocks"], sums["blocks"]),
+        "saturated_scale_pct": _percent(sums["saturated_blocks"], sums["blocks"]),
+    }
+
+
+def error_of(sums: dict[str, float]) -> float:
+    """||out - reference|| / ||reference|| from `gemm_sums` (0 when both are 0)."""
+    if sums["reference_sq"] == 0.0:
+        return 0.0 if sums["difference_sq"] == 0.0 else math.inf
+    return math.sqrt(sums["difference_sq"] / sums["reference_sq"])
+
+
+# ------------------------------------------------------------------ one tensor at a time (tests, ad-hoc use)
+def usage_stats(storage: QuantizedTensorBase, hp: torch.Tensor, columnwise: bool) -> dict[str, Any]:
+    """Every statistic of one usage of `storage`, the quantization of the high-precision `hp` (same shape)."""
+    return {"scheme": storage.scheme.name, **operand_stats(usage_sums(storage, hp, columnwise))}
+
+
+def scale_shares(storage: QuantizedTensorBase, columnwise: bool) -> dict[str, float]:
+    """Percent of the usage's block scales (as stored) that are zero, subnormal in their encoding, or at its max."""
+    stats = operand_stats({**dict.fromkeys(SUMS, 0), "amax": 0.0, "scale_min": 0.0, "scale_max": 0.0,
+                           **scale_sums(storage, columnwise)})
+    return {k: stats[k] for k in ("zero_scale_pct", "subnormal_scale_pct", "saturated_scale_pct")}
+
+
+def sqnr_db(signal: torch.Tensor, error: torch.Tensor) -> float:
+    """10 log10(sum signal^2 / sum error^2) in float64: inf for no error, nan for no signal."""
+    return _ratio_db(float(signal.double().square().sum()), float(error.double().square().sum()))
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     """||out - reference||_F / ||reference||_F in float64, over the finite pairs (0 when both are 0)."""
-    out, reference = out.detach().double(), reference.detach().double()
-    finite = torch.isfinite(out) & torch.isfinite(reference)
-    diff = float(torch.where(finite, out - reference, 0.0).square().sum().sqrt())
-    norm = float(torch.where(finite, reference, 0.0).square().sum().sqrt())
-    if norm == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / norm
+    return error_of(gemm_sums(out, reference))
