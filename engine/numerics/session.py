@@ -2,11 +2,12 @@
 
 A step is one forward of `model` (its forward pre-hook counts them). On steps 0, N, 2N, ... the pre-hook
 sets this thread's observer (`engine.autocast.swap_inspector`) until the next step, so every engine linear
-layer of the model the forward (and an activation recompute in its backward) runs goes through
-`Observer.linear` and its backward reports through the autograd node's hook; on the other steps the
+layer of the model that the forward (and an activation recompute in its backward) runs goes through
+`Observer.linear`, and its backward reports through the autograd node's hook. On the other steps the
 pre-hook's counter check (and, on the first one after an inspected step, clearing the observer) is all that
-runs, and the layers take their usual path. A step's records are complete after its backward: they are written when the next
-step starts and when the context exits.
+runs, and the layers take their usual path. A step's records are complete after its backward: they are
+reduced over the ranks (under torch.distributed), made final and written when the next inspected step starts
+and when the context exits (not after an error).
 
 Not supported: compiled models (torch.compile): a RuntimeError at entry, or, for a model compiled inside the
 context, when its records are next written (its forward runs the compiled custom ops, which are not watched).
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 import torch.distributed as dist
 
 from engine import autocast
