@@ -64,6 +64,7 @@ class _AutocastState(threading.local):
         self.model_init_enabled = False
         self.model_init_recipe: Recipe | None = None
         self.preserve_high_precision_init_val = False
+        self.inspector: Any = None  # engine.inspect's observer of this thread's linear calls (None: off)
 
 
 _STATE = _AutocastState()  # one instance, a separate set of attributes per thread
@@ -205,6 +206,17 @@ def model_init_recipe() -> Recipe:
 
 def preserve_high_precision_init_val() -> bool:
     return _STATE.preserve_high_precision_init_val
+
+
+def inspector() -> Any:
+    """The observer `engine.inspect` set for this thread's linear calls (None: not inspecting)."""
+    return _STATE.inspector
+
+
+def swap_inspector(observer: Any) -> Any:
+    """Make `observer` this thread's (None: off); returns the previous one."""
+    previous, _STATE.inspector = _STATE.inspector, observer
+    return previous
 
 
 # ---------------------------------------------------------------- activation recompute (engine.recompute)

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.train.generate import add_parser as add_generate_parser
 
     add_generate_parser(commands)
+    from engine.train.inspection import add_parser as add_inspect_parser
+
+    add_inspect_parser(commands)
     return parser
 
 

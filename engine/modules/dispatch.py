@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import autocast
 from engine.dtensor import any_dtensor
 from engine.hooks import Hook
 from engine.modules.linear_function import LinearArgs, LinearFunction
@@ -36,4 +37,7 @@ def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         from engine.modules.linear_op import compiled_linear
 
         return compiled_linear(inp, weight, bias, args)
+    observer = autocast.inspector()
+    if observer is not None:  # an engine.inspect step: the same function, watched (engine.numerics)
+        return observer.linear(inp, weight, bias, args)
     return LinearFunction.apply(inp, weight, bias, args)
