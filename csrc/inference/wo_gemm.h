@@ -2,11 +2,13 @@
 // (wo_gemm_glue.cpp) hands the kernels (wo_gemm_kernels.cpp, one source compiled per instruction set) and the
 // table each variant exports. No torch here.
 //
-// Every variant computes y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w dequantized in registers exactly as the
-// reference does (int4: (q - 8) * scale + zero, the product exact, one rounding; int8: q, the scale applied to
-// the sum), so the results differ from the plain-PyTorch fp32 reference only by the order of the fp32 additions.
-// int4 with bf16 x has a faster form on CPUs with AVX512-BF16 (int4_rows_bf16): per group,
-// scale * sum x * (q - 8) + zero * sum x.
+// Every variant computes y[m, n] = sum_k x[m, k] * w[n, k] with fp32 sums:
+//   int4: per group, scale * sum x * (q - 8) + zero * sum x (q - 8 exact in fp32, each product x * (q - 8)
+//         exact for bf16 / fp16 x), i.e. the reference's sum x * ((q - 8) * scale + zero) up to the order and
+//         grouping of fp32 additions (the tests' bound counts |q - 8| * scale + |zero| per term);
+//   int8 / E4M3: x * q (exact values), the scale applied to the sum: the reference up to the order of the
+//         fp32 additions.
+// int4 with bf16 x has a faster form on CPUs with AVX512-BF16 (int4_rows_bf16): the same sums by vdpbf16ps.
 #pragma once
 
 #include <cstdint>

@@ -4,12 +4,13 @@
 // is one register and the compiler never splits or scalarises them. A tile is MB rows of x times NR rows of
 // w over all of K, its MB x NR sums in vectors (added up at the end).
 //
-// The weight bytes are read as whole 32-bit words and their codes taken out by shifts, so nothing is widened:
-//   int4: a step reads 16 bytes (32 codes, 4 words) of a row into every group of 4 lanes; vector v shifts
-//         lane l by 4 * (v * L / 4 + l / 4), leaving code 8 * (l % 4) + v * L / 4 + l / 4 in its low nibble.
-//         The code becomes (q - 8) * scale + zero (the product exact: the reference's value bit for bit) by a
-//         16-entry lookup table made once per group (AVX-512: one permute, which reads the low 4 bits of the
-//         lane) or by arithmetic (AVX2 and below: mask, convert, multiply, add).
+// The weight codes are taken out without widening:
+//   int4: a step is 4L bytes (8L codes) of a row; an interleave with a constant puts 4 codes under an fp32
+//         exponent field in every lane, and each code becomes the float q - 8 by one AND and one subtraction
+//         (see int4_lanes / int4_code). The sums run over x * (q - 8) per group; scale and zero are applied per
+//         group (scale * sums + zero * the group's x sum). Measured on Zen 4 (one thread, 2048x2048 g128, weight
+//         in the cache) against the table / arithmetic dequantization it replaces: 1.7x at avx2, 1.6x at
+//         baseline; cold 4096x4096 g128 at avx2 1.35 vs 2.2-2.5 ms.
 //   int8: a block is 4L bytes of a row, widened to 32-bit lanes (see int8_vector).
 // x is stored in the matching order by the pack functions, so the sums run over matching pairs.
 #include "inference/wo_gemm.h"
@@ -160,13 +161,20 @@ struct Int4Chunks {
       for (at[c] += L / 4; at[c] >= per; at[c] -= per) ++group[c];
     }
   }
-  // The scales of row n for every lane (0 past K: the padding's codes meet zeros in x).
-  WO_INLINE fv scales(const WoInt4Job& job, int64_t groups, int64_t n) const {
-    float sc[L / 4];
-    for (int c = 0; c < L / 4; ++c) sc[c] = group[c] < groups ? bf16_value(job.sz[group[c] * job.sz_ld + n] & 0xFFFFu) : 0.0f;
-    fv s;
-    for (int l = 0; l < L; ++l) s[l] = sc[l / 4];
-    return s;
+  // Row n's scale-and-zero words of the chunks' groups, each in its chunk's 4 lanes (0 past K: the padding's
+  // codes meet zeros in x).
+  WO_INLINE uv words(const WoInt4Job& job, int64_t groups, int64_t n) const {
+    uint32_t word[L / 4];
+    for (int c = 0; c < L / 4; ++c) word[c] = group[c] < groups ? job.sz[group[c] * job.sz_ld + n] : 0u;
+    uv u;
+    for (int l = 0; l < L; ++l) u[l] = word[l / 4];
+    return u;
+  }
+  // x's sum over each group in lane 4c of the group's first chunk c, else 0.
+  WO_INLINE fv sums(const float* xsum, int64_t groups) const {
+    fv v = fv{};
+    for (int c = 0; c < L / 4; ++c) v[4 * c] = at[c] == 0 && group[c] < groups ? xsum[group[c]] : 0.0f;
+    return v;
   }
 };
 
@@ -230,31 +238,41 @@ void int4_tile(const WoInt4Job& job, int64_t m0, int64_t n0) {
     }
   } else {  // groups within a step: the scales per lane, applied per step
     Int4Chunks chunks(job.group);
-    for (int64_t k0 = 0; k0 < ldx; k0 += kInt4Step, chunks.next()) {
-      uint8_t tail[NR][kInt4Step / 2];
-      for (int r = 0; r < NR; ++r) {
-        at[r] = w[r] + k0 / 2;
-        if (k0 >= full) {  // the last, partial step: zero bytes past K (zeros in x too)
-          std::memset(tail[r], 0, sizeof tail[r]);
-          std::memcpy(tail[r], at[r], static_cast<size_t>((K - k0) / 2));
-          at[r] = tail[r];
-        }
-      }
+    const auto step = [&](int64_t k0, const uint8_t* const* rows) __attribute__((always_inline)) {
       for (int m = 0; m < MB; ++m) {
         for (int r = 0; r < NR; ++r) t[m][r][0] = t[m][r][1] = fv{};
       }
-      int4_step<MB, NR>(at, x, ldx, k0, t);
+      int4_step<MB, NR>(rows, x, ldx, k0, t);
+      fv xs[MB];
+      for (int m = 0; m < MB; ++m) xs[m] = chunks.sums(job.xsum + (m0 + m) * groups, groups);
       for (int r = 0; r < NR; ++r) {
-        const fv s = chunks.scales(job, groups, n0 + r);
-        for (int m = 0; m < MB; ++m) acc[m][r] = madd(t[m][r][0] + t[m][r][1], s, acc[m][r]);
+        const uv u = chunks.words(job, groups, n0 + r);
+        const uv su = u << 16, zu = u & 0xFFFF0000u;
+        const fv s = reinterpret_cast<const fv&>(su), z = reinterpret_cast<const fv&>(zu);
+        for (int m = 0; m < MB; ++m) acc[m][r] = madd(z, xs[m], madd(t[m][r][0] + t[m][r][1], s, acc[m][r]));
       }
+      chunks.next();
+    };
+    for (int64_t k0 = 0; k0 < full; k0 += kInt4Step) {
+      for (int r = 0; r < NR; ++r) at[r] = w[r] + k0 / 2;
+      step(k0, at);
+    }
+    if (full < K) {  // the last, partial step: zero bytes past K (zeros in x too)
+      uint8_t tail[NR][kInt4Step / 2] = {};
+      for (int r = 0; r < NR; ++r) {
+        std::memcpy(tail[r], w[r] + full / 2, static_cast<size_t>((K - full) / 2));
+        at[r] = tail[r];
+      }
+      step(full, at);
     }
   }
   for (int m = 0; m < MB; ++m) {
     const float* xs = job.xsum + (m0 + m) * groups;
     for (int r = 0; r < NR; ++r) {
-      float zsum = 0.0f;  // sum over groups of zero * the group's x sum
-      for (int64_t g = 0; g < groups; ++g) zsum += bf16_value(job.sz[g * job.sz_ld + n0 + r] >> 16) * xs[g];
+      float zsum = 0.0f;  // sum over groups of zero * the group's x sum (whole steps per group; else in acc)
+      if (job.group % kInt4Step == 0) {
+        for (int64_t g = 0; g < groups; ++g) zsum += bf16_value(job.sz[g * job.sz_ld + n0 + r] >> 16) * xs[g];
+      }
       job.y[(m0 + m) * job.ldy + n0 + r] = reduce_add(acc[m][r]) + zsum;
     }
   }
