@@ -2,11 +2,13 @@
 // (wo_gemm_glue.cpp) hands the kernels (wo_gemm_kernels.cpp, one source compiled per instruction set) and the
 // table each variant exports. No torch here.
 //
-// Every variant computes y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w dequantized in registers exactly as the
-// reference does (int4: (q - 8) * scale + zero, the product exact, one rounding; int8: q, the scale applied to
-// the sum), so the results differ from the plain-PyTorch fp32 reference only by the order of the fp32 additions.
-// int4 with bf16 x has a faster form on CPUs with AVX512-BF16 (int4_rows_bf16): per group,
-// scale * sum x * (q - 8) + zero * sum x.
+// Every variant computes y[m, n] = sum_k x[m, k] * w[n, k] with fp32 sums:
+//   int4: per group, scale * sum x * (q - 8) + zero * sum x (q - 8 exact in fp32, each product x * (q - 8)
+//         exact for bf16 / fp16 x), i.e. the reference's sum x * ((q - 8) * scale + zero) up to the order and
+//         grouping of fp32 additions (the tests' bound counts |q - 8| * scale + |zero| per term);
+//   int8 / E4M3: x * q (exact values), the scale applied to the sum: the reference up to the order of the
+//         fp32 additions.
+// int4 with bf16 x has a faster form on CPUs with AVX512-BF16 (int4_rows_bf16): the same sums by vdpbf16ps.
 #pragma once
 
 #include <cstdint>
@@ -20,11 +22,11 @@ namespace engine_native {
 constexpr int64_t kWoChunk = 32;  // the k values one step of the int4 kernels reads from one row: 16 bytes
 
 struct WoInt4Job {
-  const float* x;      // [M, K] fp32 in the variant's order (WoKernels::int4_pack_x)
-  int64_t M, K;
+  const float* x;      // [M, ldx] fp32 in the variant's order (WoKernels::int4_pack_x)
+  int64_t M, K, ldx;
   // The bf16 path (WoKernels::int4_rows_bf16), else null:
   const uint16_t* xb;  // [M, K] bf16 bits, each run of 64 k's stored even k's first, then odd k's
-  const float* xsum;   // [M, K / group]: the fp32 sum of x over each group
+  const float* xsum;   // [M, K / group]: the fp32 sum of x over each group (both paths)
   const uint8_t* w;    // the layout above, row n at w + n * K / 2
   const uint32_t* sz;  // group j of row n: sz[j * sz_ld + n] = bf16 scale bits | bf16 zero bits << 16
   int64_t sz_ld, group;
@@ -47,8 +49,10 @@ struct WoInt8Job {
 // weight bytes as whole 32-bit words and wants x in the order of the codes they hold), so x goes through the
 // same variant's pack function as the kernel that reads it.
 struct WoKernels {
-  // x [M, K] fp32 (K a multiple of 32) -> out [M, K] in int4_rows's order.
-  void (*int4_pack_x)(const float* x, int64_t M, int64_t K, float* out);
+  // K padded to a multiple of this for int4_rows (ldx).
+  int64_t int4_block;
+  // x [M, K] fp32 (K a multiple of 32) -> out [M, ldx] in int4_rows's order (zeros past K), and xsum.
+  void (*int4_pack_x)(const float* x, int64_t M, int64_t K, int64_t group, float* out, int64_t ldx, float* xsum);
   // Rows [n0, n1) of y, every m.
   void (*int4_rows)(const WoInt4Job& job, int64_t n0, int64_t n1);
   // K padded to a multiple of this for int8_rows (ldx).

@@ -90,21 +90,22 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_a
   const bool steps64 = group_size % 64 == 0 || (group_size == 32 && K % 64 == 0);
   const bool bf16 = k.int4_rows_bf16 != nullptr && x_in.scalar_type() == at::kBFloat16 && steps64 &&
                     !k.has_subnormal(src, M * K);
-  Tensor xd, xb, xsum;
+  const int64_t ldx = (K + k.int4_block - 1) / k.int4_block * k.int4_block;
+  Tensor xd, xb;
+  Tensor xsum = at::empty({M, groups}, x.options());
   if (bf16) {
     xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
-    xsum = at::empty({M, groups}, x.options());
     const Tensor xs = x_in.contiguous();
     k.int4_pack_x_bf16(reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>()), src, M, K, group_size,
                        reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>()), xsum.data_ptr<float>());
   } else {
-    xd = at::empty({M, K}, x.options());
-    k.int4_pack_x(src, M, K, xd.data_ptr<float>());
+    xd = at::empty({M, ldx}, x.options());
+    k.int4_pack_x(src, M, K, group_size, xd.data_ptr<float>(), ldx, xsum.data_ptr<float>());
   }
   Tensor y = at::empty({M, n}, x.options());
-  const WoInt4Job job{bf16 ? nullptr : xd.data_ptr<float>(), M, K,
+  const WoInt4Job job{bf16 ? nullptr : xd.data_ptr<float>(), M, K, ldx,
                       bf16 ? reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()) : nullptr,
-                      bf16 ? xsum.data_ptr<float>() : nullptr, data.data_ptr<uint8_t>(),
+                      xsum.data_ptr<float>(), data.data_ptr<uint8_t>(),
                       reinterpret_cast<const uint32_t*>(scale_and_zero.data_ptr<at::BFloat16>()), rows, group_size,
                       y.data_ptr<float>(), n};
   if (M > 0 && K > 0) {

@@ -830,8 +830,8 @@ def int4_linear(x: torch.Tensor, data: torch.Tensor, scale_and_zero: torch.Tenso
                 n: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, n] in x's dtype, W groupwise int4 (`Int4WeightOnly`'s parts, csrc/inference/wo_gemm.h):
     data uint8 [rows >= n, K/2] (q[n, 2i] in the low nibble of byte i), scale_and_zero bfloat16
-    [K/group_size, rows, 2]; w = (q - 8) * scale + zero in fp32, dequantized in registers, fp32 sums.
-    The same as the fp32 reference up to the order of the fp32 additions."""
+    [K/group_size, rows, 2]; w = (q - 8) * scale + zero, computed per group as scale * sum x * (q - 8) + zero *
+    sum x in fp32: the fp32 reference up to the order and grouping of the fp32 additions."""
     _wo_input(x)
     check_cpu_tensor(data, "data")
     check_cpu_tensor(scale_and_zero, "scale_and_zero")
