@@ -55,11 +55,33 @@ def kernel_levels() -> list[str]:
 ISAS = tuple(kernel_levels())
 
 
-@pytest.fixture(params=kernel_levels())
-def isa(request):
+# The FP8 table's portable avx512 variant runs on AVX-512 CPUs without VBMI only (cast/fp8.h's fp8_table picks the
+# hand-written kernels where VBMI is there): ENGINE_FP8_HAND_KERNELS=0 selects it, so every AVX-512 machine tests it.
+PORTABLE_AVX512 = "avx512-portable"
+
+
+def fp8_kernel_levels() -> list[str]:
+    """kernel_levels(), plus the portable avx512 FP8 variant where avx512 runs."""
+    levels = kernel_levels()
+    return levels + [PORTABLE_AVX512] if "avx512" in levels else levels
+
+
+@pytest.fixture(params=fp8_kernel_levels())
+def isa(request, monkeypatch):
     assert native.available(), native.why_unavailable()
-    with native.use_isa(request.param):
+    level = request.param
+    if level == PORTABLE_AVX512:
+        monkeypatch.setenv("ENGINE_FP8_HAND_KERNELS", "0")
+        level = "avx512"
+    with native.use_isa(level):
         yield request.param
+
+
+@pytest.mark.parametrize("value", ["2", "yes", ""])
+def test_a_bad_engine_fp8_hand_kernels_is_a_value_error(monkeypatch, value):
+    monkeypatch.setenv("ENGINE_FP8_HAND_KERNELS", value)
+    with pytest.raises(ValueError, match=f"ENGINE_FP8_HAND_KERNELS: expected 0 or 1 \\(or unset\\), got '{value}'"):
+        native.cast_transpose(torch.ones(4, 4), torch.tensor([1.0]), E4M3)
 
 
 # ----------------------------------------------------------------------------- helpers

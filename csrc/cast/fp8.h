@@ -7,6 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "common/fp8_scalar.h"
 #include "common/isa.h"
@@ -91,10 +95,21 @@ ENGINE_ISA_VARIANTS(Kernels, fp8_kernels)
 // cast/fp8_avx512_vbmi.cpp: hand-written AVX-512 + VBMI kernels (nullptr where they were not compiled).
 const Kernels* fp8_avx512_vbmi_kernels();
 
+// ENGINE_FP8_HAND_KERNELS=0 in the environment (read at every call; tests set it) turns the hand-written kernels
+// off, so that the portable avx512 variant, which only AVX-512 CPUs without VBMI run, is tested on any AVX-512 CPU.
+// Unset or 1: on. Any other value is a std::invalid_argument (a ValueError in Python).
+inline bool fp8_hand_kernels_allowed() {
+  const char* v = std::getenv("ENGINE_FP8_HAND_KERNELS");
+  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
+  if (std::strcmp(v, "0") == 0) return false;
+  throw std::invalid_argument(std::string("ENGINE_FP8_HAND_KERNELS: expected 0 or 1 (or unset), got '") + v + "'");
+}
+
 // The table the glue uses at `isa`: the hand-written kernels at avx512 on a CPU with VBMI (they measure
-// 1.3-3x faster there), else the portable source's variant.
+// 1.3-3x faster there) unless fp8_hand_kernels_allowed() says no, else the portable source's variant.
 inline const Kernels& fp8_table(Isa isa) {
-  if (isa == Isa::Avx512 && cpu_has_avx512_vbmi() && fp8_avx512_vbmi_kernels() != nullptr) {
+  const bool allowed = fp8_hand_kernels_allowed();  // checked at every level: a bad value is an error anywhere
+  if (allowed && isa == Isa::Avx512 && cpu_has_avx512_vbmi() && fp8_avx512_vbmi_kernels() != nullptr) {
     return *fp8_avx512_vbmi_kernels();
   }
   return fp8_kernels(isa);

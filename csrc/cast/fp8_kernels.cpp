@@ -1,9 +1,10 @@
 // The FP8 cast kernels of cast/fp8.h, one source for every instruction-set level (compiled once per level
 // by a generated wrapper, see common/isa_begin.h). The per-element rules are fp8_vec.h's branch-free forms
-// of fp8_scalar.h's; the kernels are plain loops over rows and row segments of them, which the compiler
-// vectorises for the level, plus the blocking of the work: 64x64 regions for the transposing casts (a
-// 64x64 byte tile, transpose/byte_transpose.h), amax passes whose second (cast) pass re-reads the data
-// from L1/L2, and prefetches of the next unit while the current one is cast.
+// of fp8_scalar.h's: the casts run them on groups of 4 native-width vectors (fp8_vec.h's *_g loops; the
+// amax passes are plain loops the compiler vectorises), plus the blocking of the work: strips of 64 rows
+// cast as whole row runs into a buffer whose 64x64 byte tiles are transposed out (transpose/byte_transpose.h)
+// for the transposing casts, amax passes whose second (cast) pass re-reads the data from L1/L2, prefetches
+// of the next unit while the current one is cast, and large outputs streamed past the caches.
 //
 // Every scale, any value (0, negative, inf, NaN, subnormal), goes through the same rule: the code of the
 // fp32 product x * s (reference.cast_to_fp8), so no scale needs a separate path.
@@ -60,7 +61,7 @@ uint32_t amax_key(const void* x, InType type, int64_t begin, int64_t end) {
 // --------------------------------------------------------------------------- flat cast
 template <InType T, Fp8Kind K>
 uint32_t cast_t(const void* x, int64_t begin, int64_t end, float scale, uint8_t* out) {
-  return f32_key<T>(cast_keyed<T, K>(at<T>(x, begin), end - begin, scale, out + begin));
+  return f32_key<T>(cast_keyed_g<T, K>(at<T>(x, begin), end - begin, scale, out + begin));
 }
 
 uint32_t cast(const void* x, InType type, int64_t begin, int64_t end, float scale, Fp8Kind kind, uint8_t* out) {
@@ -70,28 +71,45 @@ uint32_t cast(const void* x, InType type, int64_t begin, int64_t end, float scal
 }
 
 // ---------------------------------------------------------------------- cast transpose
-// One region of at most 64 x 64 at element `base` (row stride ld): rows cast with one scale into `out`
-// (row stride ld_out) and/or through a tile transposed into `out_t` (row stride ld_t); rows of the
-// region `next` elements further are prefetched meanwhile. Returns the region's max key.
+// Outputs of at least this many bytes are written around the caches (vec::store_stream), in whole lines: they
+// will not stay cached anyway, and stream stores skip reading each line first.
+constexpr int64_t kStreamBytes = int64_t{1} << 22;
+
+// Whether whole 64-byte rows at p + i * ld can be streamed (16-byte aligned).
+inline bool streamable(const uint8_t* p, int64_t ld) {
+  return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % 16 == 0;
+}
+
+// A strip of at most 64 rows x kStrip columns at element `base` (row stride ld): each row cast with one scale
+// as one run (sequential reads, which the hardware prefetchers follow) into `out` (row stride ld_out) when only
+// that is asked for, else into a buffer whose 64x64 tiles are then transposed into `out_t` (row stride ld_t) and
+// whose rows are copied to `out`; outputs streamed where `stream`. The same rows `next` elements further are
+// prefetched meanwhile. Returns max(key, the strip's max key). (64x64 regions cast one by one, with prefetches
+// of the next region, measured 2x slower at avx2: the prefetches of 64 short row pieces stall.)
+constexpr int64_t kStrip = 1024;
+
 template <InType T, Fp8Kind K>
-raw_t<T> cast_region(const void* x, int64_t base, int64_t ld, int64_t rows, int64_t cols, float scale, uint8_t* out,
-                     int64_t ld_out, uint8_t* out_t, int64_t ld_t, int64_t next) {
-  alignas(64) uint8_t tile[64 * 64];
-  raw_t<T> key = 0;
+raw_t<T> cast_strip(const void* x, int64_t base, int64_t ld, int64_t rows, int64_t cols, float scale, uint8_t* out,
+                    int64_t ld_out, uint8_t* out_t, int64_t ld_t, int64_t next, bool stream, raw_t<T> key) {
+  alignas(64) uint8_t buf[64 * kStrip];
   for (int64_t r = 0; r < rows; ++r) {
     const raw_t<T>* row = at<T>(x, base + r * ld);
     prefetch<T>(row + next, cols);
-    uint8_t* dst = out_t ? tile + 64 * r : out + r * ld_out;
-    key = tmax(key, cols == 64 ? cast_keyed<T, K>(row, 64, scale, dst) : cast_keyed<T, K>(row, cols, scale, dst));
+    key = cast_keyed_g<T, K>(row, cols, scale, out_t ? buf + kStrip * r : out + r * ld_out, key);
   }
   if (!out_t) return key;
-  transpose::transpose64_store(tile, rows, cols, out_t, ld_t);
-  // the row-major copy after the transpose: interleaved with the casts, at avx2 it measured 2x slower
+  for (int64_t c = 0; c < cols; c += 64) {
+    transpose::transpose64_store(buf + c, kStrip, rows, imin(64, cols - c), out_t + c * ld_t, ld_t, stream);
+  }
   for (int64_t r = 0; r < rows && out; ++r) {
-    if (cols == 64) {
-      std::memcpy(out + r * ld_out, tile + 64 * r, 64);
+    uint8_t* d = out + r * ld_out;
+    const uint8_t* b = buf + kStrip * r;
+    if (stream) {
+      int64_t c = 0;
+      for (; c + 16 <= cols; c += 16) vec::store_stream(d + c, vec::load<vec::u8x16>(b + c));
+      std::memcpy(d + c, b + c, static_cast<size_t>(cols - c));
     } else {
-      std::memcpy(out + r * ld_out, tile + 64 * r, static_cast<size_t>(cols));
+      std::memcpy(d, b, static_cast<size_t>(cols));
     }
   }
   return key;
@@ -100,16 +118,20 @@ raw_t<T> cast_region(const void* x, int64_t base, int64_t ld, int64_t rows, int6
 template <InType T, Fp8Kind K>
 uint32_t cast_transpose_t(Src x, int64_t M, int64_t Kc, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float scale,
                           uint8_t* out, uint8_t* out_t) {
+  // streamed when every output asked for is large and allows it
+  const bool stream = M * Kc >= kStreamBytes && out_t != nullptr && streamable(out_t, M) &&
+                      (out == nullptr || streamable(out, Kc));
   raw_t<T> key = 0;
   for (int64_t r = r0; r < r1; r += 64) {
-    for (int64_t c = c0; c < c1; c += 64) {
-      const int64_t rows = imin(64, r1 - r), cols = imin(64, c1 - c);
-      // prefetch the next region to the right (or the start of the next row block)
-      const int64_t next = c + 64 < c1 ? 64 : 64 * x.ld + c0 - c;
-      key = tmax(key, cast_region<T, K>(x.data, r * x.ld + c, x.ld, rows, cols, scale, out ? out + r * Kc + c : nullptr,
-                                        Kc, out_t ? out_t + c * M + r : nullptr, M, next));
+    for (int64_t c = c0; c < c1; c += kStrip) {
+      const int64_t rows = imin(64, r1 - r), cols = imin(kStrip, c1 - c);
+      // prefetch the next strip to the right (or the next row block)
+      const int64_t next = c + kStrip < c1 ? kStrip : 64 * x.ld + c0 - c;
+      key = cast_strip<T, K>(x.data, r * x.ld + c, x.ld, rows, cols, scale, out ? out + r * Kc + c : nullptr, Kc,
+                             out_t ? out_t + c * M + r : nullptr, M, next, stream, key);
     }
   }
+  if (stream) vec::stream_fence();
   return f32_key<T>(key);
 }
 
@@ -154,7 +176,7 @@ void block_tiles(Src x, int64_t r0, int64_t r1, int64_t c0, int64_t c_end, int64
     prefetch<T>(at<T>(x.data, r * x.ld + c0 + next), c1 - c0);
     for (int j = 0; j < n; ++j) {
       const int64_t t0 = c0 + j * tile_cols, t1 = imin(c_end, t0 + tile_cols);
-      cast_run<T, K>(at<T>(x.data, r * x.ld + t0), t1 - t0, scale[j], out + r * ld_out + t0);
+      cast_run_g<T, K>(at<T>(x.data, r * x.ld + t0), t1 - t0, scale[j], out + r * ld_out + t0);
     }
   }
 }
@@ -168,7 +190,7 @@ void block_1x128_group(const void* x, int64_t i, int ntiles, const ScaleRule& ru
     scale_inv[t] = 1.0f / scale[t];
   }
   prefetch<T>(at<T>(x, i + 128 * ntiles), 128 * ntiles);  // the next group, in a contiguous input
-  for (int t = 0; t < ntiles; ++t) cast_run<T, K>(at<T>(x, i + 128 * t), 128, scale[t], out + 128 * t);
+  for (int t = 0; t < ntiles; ++t) cast_run_g<T, K>(at<T>(x, i + 128 * t), 128, scale[t], out + 128 * t);
 }
 
 template <InType T, Fp8Kind K>
@@ -212,7 +234,7 @@ void block_rowwise(Src x, int64_t M, int64_t K, const BlockParams& p, int64_t t0
 constexpr int64_t kPanel = 1024;
 
 template <InType T, Fp8Kind K>
-void block_transposed_t(Src x, int64_t A, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+void block_transposed_t(Src x, int64_t A, int64_t B, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0, int64_t b1,
                         uint8_t* out, float* scale_inv) {
   const int64_t tiles_a = (A + p.tile_cols - 1) / p.tile_cols;
   const int64_t a_tile = a0 / p.tile_cols;
@@ -228,31 +250,31 @@ void block_transposed_t(Src x, int64_t A, const BlockParams& p, int64_t a0, int6
     scale_inv[((b0 + c) / p.tile_rows) * tiles_a + a_tile] = 1.0f / scale;
     for (int64_t l = 0; l < n; ++l) col_scale[c + l] = scale;
   }
+  alignas(64) float arranged[kPanel];  // the scales in group lane order
+  arrange_scales<T>(col_scale, width, arranged);
   // the next panel (see fp8_glue.cpp): the next tile_cols rows, or the next column panel
   const int64_t next = a1 < A ? (a1 - a0) * x.ld : width - a0 * x.ld;
-  alignas(64) uint8_t tile[64 * 64];
-  for (int64_t c = 0; c < width; c += 64) {
-    const int64_t cols = imin(64, width - c);
-    for (int64_t a = a0; a < a1; a += 64) {
-      const int64_t rows = imin(64, a1 - a);
-      for (int64_t r = 0; r < rows; ++r) {
-        const raw_t<T>* row = at<T>(x.data, (a + r) * x.ld + b0 + c);
-        prefetch<T>(row + next, cols);
-        if (cols == 64) {
-          cast_scaled<T, K>(row, 64, col_scale + c, tile + 64 * r);
-        } else {
-          cast_scaled<T, K>(row, cols, col_scale + c, tile + 64 * r);
-        }
-      }
-      transpose::transpose64_store(tile, rows, cols, out + (b0 + c) * A + a, A);
+  // 64 rows at a time cast as whole runs into a buffer (sequential reads from L2), its 64x64 tiles transposed out
+  alignas(64) uint8_t buf[64 * kStrip];
+  static_assert(kPanel <= kStrip, "a panel row fits a buffer row");
+  const bool stream = A * B >= kStreamBytes && streamable(out, A) && a0 % 16 == 0;
+  for (int64_t a = a0; a < a1; a += 64) {
+    const int64_t rows = imin(64, a1 - a);
+    for (int64_t r = 0; r < rows; ++r) {
+      const raw_t<T>* row = at<T>(x.data, (a + r) * x.ld + b0);
+      prefetch<T>(row + next, width);
+      cast_scaled_g<T, K>(row, width, col_scale, arranged, buf + kStrip * r);
+    }
+    for (int64_t c = 0; c < width; c += 64) {
+      transpose::transpose64_store(buf + c, kStrip, rows, imin(64, width - c), out + (b0 + c) * A + a, A, stream);
     }
   }
+  if (stream) vec::stream_fence();
 }
 
 void block_transposed(Src x, int64_t A, int64_t B, const BlockParams& p, int64_t a0, int64_t a1, int64_t b0,
                       int64_t b1, uint8_t* out, float* scale_inv) {
-  (void)B;
-  FP8_DISPATCH(x.type, p.kind, (block_transposed_t<T, K>(x, A, p, a0, a1, b0, b1, out, scale_inv)));
+  FP8_DISPATCH(x.type, p.kind, (block_transposed_t<T, K>(x, A, B, p, a0, a1, b0, b1, out, scale_inv)));
 }
 
 // ----------------------------------------------------------------------------- MXFP8
@@ -286,7 +308,18 @@ void mx_rowwise_t(Src x, int64_t Kc, bool rceil, int64_t r0, int64_t r1, uint8_t
         code_row[b0 + j] = code;
         s[j] = e8m0_element_scale(code);
       }
-      for (int j = 0; j < n; ++j) cast_run<T, K>(row + (b0 + j) * kMx, kMx, s[j], out_row + (b0 + j) * kMx);
+      // whole groups with each lane vector's block scale, then the blocks left one by one
+      const int64_t len = n * kMx;
+      const raw_t<T>* xb = row + b0 * kMx;
+      uint8_t* ob = out_row + b0 * kMx;
+      keyv<T> unused[4] = {};
+      int64_t g = 0;
+      for (; g + kGroup <= len; g += kGroup) {
+        vec::f32n sc[4];
+        for (int j = 0; j < 4; ++j) sc[j] = vec::splat<vec::f32n>(s[(g + lane_first<T>(j)) / kMx]);
+        cast_group<T, K>(xb + g, sc, ob + g, unused);
+      }
+      for (; g < len; g += kMx) cast_run<T, K>(xb + g, kMx, s[g / kMx], ob + g);
     }
     if (whole < nb) {  // the last, partial block
       const int64_t c0 = whole * kMx, n = Kc - c0;
@@ -323,11 +356,13 @@ void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t
       codes[br * Kc + c0 + c] = code;
       col_scale[c] = e8m0_element_scale(code);
     }
+    alignas(64) float arranged[kMxColumns];
+    arrange_scales<T>(col_scale, width, arranged);
     const int64_t next = next_unit_offset(c0, c1, Kc, kMx, x.ld);
     for (int64_t r = r0; r < r1; ++r) {
       const raw_t<T>* row = at<T>(x.data, r * x.ld + c0);
       prefetch<T>(row + next, width);
-      cast_scaled<T, K>(row, width, col_scale, out + r * Kc + c0);
+      cast_scaled_g<T, K>(row, width, col_scale, arranged, out + r * Kc + c0);
     }
   }
 }
@@ -412,7 +447,7 @@ void transpose_bytes(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
           if (i < nr) std::memcpy(tile + 64 * i, src + (r + i) * cols + c, static_cast<size_t>(nc));
         }
       }
-      transpose::transpose64_store(tile, nr, nc, dst + c * rows + r, rows);
+      transpose::transpose64_store(tile, 64, nr, nc, dst + c * rows + r, rows, false);  // the GEMM reads it next
     }
   }
 }

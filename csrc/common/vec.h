@@ -49,6 +49,9 @@ typedef float f32n __attribute__((vector_size(4 * kNativeLanes)));
 typedef uint32_t u32n __attribute__((vector_size(4 * kNativeLanes)));
 typedef int32_t i32n __attribute__((vector_size(4 * kNativeLanes)));
 
+typedef uint16_t u16n __attribute__((vector_size(4 * kNativeLanes)));  // 2 * kNativeLanes lanes
+typedef uint8_t u8n __attribute__((vector_size(4 * kNativeLanes)));    // 4 * kNativeLanes lanes
+
 template <typename V>
 constexpr int lanes() {
   return static_cast<int>(sizeof(V) / sizeof(V{}[0]));
@@ -102,6 +105,36 @@ ENGINE_VEC_INLINE void store_first(void* p, V v, int64_t n) {
   }
 }
 
+// Stores v to p around the caches where the level has such a store (x86-64: movntdq, 16 bytes at a time; p
+// 16-byte aligned), a plain store elsewhere. Stream stores that fill a whole 64-byte line one after another skip
+// reading the line first (no read for ownership) and leave the caches to the data still to be read: for large
+// outputs only. stream_fence() orders them before the stores that follow (call it before returning to the glue).
+template <typename V>
+ENGINE_VEC_INLINE void store_stream(void* p, V v) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  typedef long long q2 __attribute__((vector_size(16)));
+  static_assert(sizeof(V) % 16 == 0, "store_stream: whole 16-byte pieces");
+  for (size_t o = 0; o < sizeof(V); o += 16) {
+    q2 q;
+    std::memcpy(&q, reinterpret_cast<const char*>(&v) + o, 16);
+    q2* d = reinterpret_cast<q2*>(static_cast<char*>(p) + o);
+#if defined(__clang__)
+    __builtin_nontemporal_store(q, d);
+#else
+    __builtin_ia32_movntdq(d, q);
+#endif
+  }
+#else
+  store(p, v);
+#endif
+}
+
+ENGINE_VEC_INLINE void stream_fence() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_ia32_sfence();
+#endif
+}
+
 // Same-size reinterpretation of the bits.
 template <typename To, typename From>
 ENGINE_VEC_INLINE To bits(From v) {
@@ -140,6 +173,32 @@ ENGINE_VEC_INLINE f32x16 fmax_b(f32x16 a, f32x16 b) { return select(a > b, a, b)
 
 ENGINE_VEC_INLINE i32x16 is_nan(f32x16 v) { return v != v; }
 ENGINE_VEC_INLINE f32x16 abs(f32x16 v) { return bits<f32x16>(bits<u32x16>(v) & 0x7FFFFFFFu); }
+
+// The low halves of the lanes of a, then of b, as one native vector of half-width lanes (a's lanes first): the
+// narrowing of two native vectors into one, written as an even-lane shuffle, which GCC lowers to packs (AVX2, SSE2),
+// vpermt2w / vpmovwb (AVX-512) or uzp1 (NEON); a narrowing __builtin_convertvector goes through memory below AVX-512.
+#define ENGINE_VEC_EVEN8 0, 2, 4, 6, 8, 10, 12, 14
+#define ENGINE_VEC_EVEN16 ENGINE_VEC_EVEN8, 16, 18, 20, 22, 24, 26, 28, 30
+#define ENGINE_VEC_EVEN32 ENGINE_VEC_EVEN16, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62
+#define ENGINE_VEC_EVEN64                                                                                        \
+  ENGINE_VEC_EVEN32, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, \
+      108, 110, 112, 114, 116, 118, 120, 122, 124, 126
+#if ENGINE_ISA_LEVEL >= 2 && defined(__x86_64__)
+#define ENGINE_VEC_EVEN_HALF ENGINE_VEC_EVEN32
+#define ENGINE_VEC_EVEN_BYTE ENGINE_VEC_EVEN64
+#elif ENGINE_ISA_LEVEL == 1 && defined(__x86_64__)
+#define ENGINE_VEC_EVEN_HALF ENGINE_VEC_EVEN16
+#define ENGINE_VEC_EVEN_BYTE ENGINE_VEC_EVEN32
+#else
+#define ENGINE_VEC_EVEN_HALF ENGINE_VEC_EVEN8
+#define ENGINE_VEC_EVEN_BYTE ENGINE_VEC_EVEN16
+#endif
+ENGINE_VEC_INLINE u16n narrow_lo(u32n a, u32n b) {
+  return __builtin_shufflevector(bits<u16n>(a), bits<u16n>(b), ENGINE_VEC_EVEN_HALF);
+}
+ENGINE_VEC_INLINE u8n narrow_lo(u16n a, u16n b) {
+  return __builtin_shufflevector(bits<u8n>(a), bits<u8n>(b), ENGINE_VEC_EVEN_BYTE);
+}
 
 // Horizontal max / min / sum of the lanes (a tree of halvings; integer or float lanes).
 template <typename V>
