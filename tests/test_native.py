@@ -469,6 +469,16 @@ def test_quantize_block_other_tile_shapes(isa):
             assert_all_same(got, ref.quantize_block(view, E4M3, **kw), f"{isa} tiles {tr}x{tc} {tuple(view.stride())}")
 
 
+def test_quantize_block_tiles_taller_than_a_panel_on_a_transposed_view(isa):
+    """Tiles of more than 1024 rows on a column-major view: wider than one panel of the transposed kernels
+    (they once wrote past their per-panel arrays)."""
+    x = with_specials(spread((96, 2100), torch.bfloat16, 37), 38)
+    for tr, tc in ((1025, 32), (2048, 128), (4096, 64)):
+        kw = {"tile_rows": tr, "tile_cols": tc}
+        got = native.quantize_block(x.t(), E4M3, **kw)
+        assert_all_same(got, ref.quantize_block(x.t(), E4M3, **kw), f"{isa} tiles {tr}x{tc}")
+
+
 # ---------------------------------------------------------------------------------- MXFP8
 MX_SHAPES = [(32, 32), (64, 96), (96, 1024), (32, 544), (2, 64, 64), (1, 32), (3, 5), (33, 65), (45, 1000)]
 

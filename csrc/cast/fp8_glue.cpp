@@ -234,7 +234,8 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
   const bool normal_vfi = vfi >= 1.17549435e-38f && vfi <= 3.4028234663852886e38f;
   const Kernels& kern = normal_vfi ? kernels() : fp8_kernels(active_isa());
 
-  if (column_major(x_in)) {
+  // a panel holds whole tiles of at most kPanel (1024) columns of y: taller tiles read a row-major copy
+  if (column_major(x_in) && tile_rows <= 1024) {
     // x2d = y^T for a row-major y (A x B = K x M): tiles of x2d are transposed panels of y.
     const Src src{x_in.data_ptr(), in_type(x_in, "x2d"), x_in.stride(1)};
     const int64_t A = K, B = M;
@@ -242,7 +243,7 @@ std::tuple<Tensor, Tensor> quantize_block(const Tensor& x_in, int64_t kind_i, in
     // segments to read; the panel and the next one, prefetched, stay in L2)
     const int64_t target = std::min<int64_t>(1024, (128 * 1024 / 128) / x_in.element_size());
     const int64_t width = tile_rows * std::max<int64_t>(1, target / tile_rows);
-    const Kernels& k = width <= 1024 ? kern : fp8_kernels(active_isa());
+    const Kernels& k = kern;
     const int64_t a_panels = tk, b_panels = (B + width - 1) / width;
     parallel_chunks(a_panels * b_panels, std::max<int64_t>(1, kElemGrain / (width * tile_cols)),
                     [&](int64_t b, int64_t e, int) {
