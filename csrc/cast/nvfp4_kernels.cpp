@@ -136,6 +136,13 @@ ENGINE_VEC_INLINE U random_byte(U mix, U j_mod4) {
   return (mix >> (j_mod4 * 8u)) & 0xFFu;
 }
 
+// Lane l = mix[K * kN / 4 + l / 4]: the mixes of kN consecutive words spread over the 4 vectors of their 4 kN
+// indices (the run's first index a multiple of 4), vector K of them.
+template <int K, int... I>
+ENGINE_VEC_INLINE u32n spread_words(u32n mix, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(mix, mix, (K * kN / 4 + I / 4)...);
+}
+
 // ------------------------------------------------------------------------------ scales
 // E4M3 code of v, RNE, saturating at 448, NaN -> 0x7F, the sign kept (reference.cast_to_fp8). With c = min(|v|,
 // 448) and e = max(c's exponent field, 121 = that of 2^-6, E4M3's smallest normal), the fp32 sum c + M with
@@ -412,6 +419,25 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
     for (int64_t j = 0; j < blocks; ++j) scales[j] = static_cast<uint8_t>(codes[at + j]);
     const uint64_t base = row_offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(K) +
                           static_cast<uint64_t>(b.c0);
+    if (SR && (base & 3u) == 0) {  // each word's mix serves its 4 indices: one mix per 4 elements
+      for (int64_t g = 0; g < kT; g += 4 * kN) {
+        const uint64_t w0 = (base + static_cast<uint64_t>(g)) >> 2;
+        const uint32_t lo_first = static_cast<uint32_t>(w0), hi_first = static_cast<uint32_t>(w0 >> 32);
+        const u32n lo0 = vec::splat<u32n>(lo_first), lo = lo0 + iota;  // words w0 .. w0 + kN - 1
+        const u32n hk = lo_first <= 0xFFFFFFFFu - kN ? vec::splat<u32n>(hi_key(hi_first, rkey))  // no carry into hi
+                                                     : hi_key(hi_first + ((u32n)(lo < lo0) & 1u), rkey);
+        const u32n mix = word_mix(lo, hk), byte = iota & 3u;
+        const auto lanes = std::make_integer_sequence<int, kN>{};
+        const u32n r[4] = {random_byte(spread_words<0>(mix, lanes), byte), random_byte(spread_words<1>(mix, lanes), byte),
+                           random_byte(spread_words<2>(mix, lanes), byte), random_byte(spread_words<3>(mix, lanes), byte)};
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const int64_t e0 = g + k * kN;
+          const f32n v = vec::load<f32n>(t[i] + e0) * enc[at + e0 / kB];
+          vec::store(q + e0, e2m1_stochastic<f32n, u32n, i32n>(v, r[k]));
+        }
+      }
+    } else {
     for (int64_t j = 0; j < kBlocks; ++j) {
       const float e = enc[at + j];
 #pragma GCC unroll 4
@@ -432,6 +458,7 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
         }
         vec::store(q + j * kB + p, c);
       }
+    }
     }
     pack_codes(q, packed, kT);
     if (b.w == kT) {
@@ -559,6 +586,8 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
     for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
   }
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
+  // Every column's first index a multiple of 4 (b.r0 is): rows 4m .. 4m + 3 share a word, so one mix per 4 rows.
+  const bool aligned = M % 4 == 0 && col_offset % 4 == 0;
   for (int64_t c = 0; c < b.w; c += kN) {
     const f32n e = vec::load<f32n>(enc + c);
     u32n lo0, hk0, hk1, at;  // the column's first index j0: its word's low half, the hi keys of its high half and
@@ -579,6 +608,19 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       hk1 = hi_key(hi0 + 1u, rkey);
     }
     u32n words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
+    if (SR && aligned) {
+#pragma GCC unroll 4
+      for (int m = 0; m < kB / 4; ++m) {
+        const u32n lo = lo0 + static_cast<uint32_t>(m);
+        const u32n mix = word_mix(lo, vec::select(lo < lo0, hk1, hk0));
+#pragma GCC unroll 4
+        for (int k = 4 * m; k < 4 * m + 4; ++k) {
+          const f32n v = vec::load<f32n>(src[k] + c) * e;
+          const u32n q = e2m1_stochastic<f32n, u32n, i32n>(v, (mix >> static_cast<uint32_t>(8 * (k & 3))) & 0xFFu);
+          words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
+        }
+      }
+    } else {
 #pragma GCC unroll 16
     for (int k = 0; k < kB; ++k) {
       const f32n v = vec::load<f32n>(src[k] + c) * e;
@@ -590,6 +632,7 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
         q = e2m1_rne<f32n, u32n, i32n>(v);
       }
       words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
+    }
     }
     alignas(64) uint64_t column_words[kN];  // column l: rows 0..7 in the low half, 8..15 in the high half
     vec::store(column_words, interleave_lo(words[0], words[1]));
