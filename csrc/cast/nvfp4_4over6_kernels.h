@@ -7,7 +7,7 @@
 //           the tree (r_i + r_{i+8}), (.. + .._{i+4}), (.. + .._{i+2}), c_0 + c_1
 //   map-to-4 kept iff err_4 < err_6.
 // Included by nvfp4_kernels.cpp inside its namespaces (it declares none): it uses that file's vectors, element
-// rules and tiles. Blocks are processed 16 at a time, one per lane, their elements stored element-major
+// rules and tiles. Blocks are processed kN (the native width) at a time, one per lane, their elements stored element-major
 // (v[p * ld + lane]: element p of the block in lane `lane`, p in the order the errors are summed): a tile's
 // columns are that already (the columnwise usage); the rowwise usage transposes each row's blocks first.
 
@@ -24,11 +24,11 @@ inline Scale46 scale_46(float amax, float e4m3_max) {
   return {s, 1.0f / s, amax, bound};
 }
 
-// Both candidates of 16 blocks, one per lane.
-struct Pair16 {
-  u32x16 s4, s6;      // E4M3 scale codes
-  f32x16 err4, err6;  // errors (of the row of the block)
-  u32x16 code4[16], code6[16];  // E2M1 codes of element p
+// Both candidates of kN blocks, one per lane.
+struct PairN {
+  u32n s4, s6;      // E4M3 scale codes
+  f32n err4, err6;  // errors (of the row of the block)
+  u32n code4[16], code6[16];  // E2M1 codes of element p
 };
 
 // The code of element x under a candidate (factor enc, scale value sf), and its error term. The E2M1 rounding is
@@ -37,35 +37,35 @@ struct Pair16 {
 // magnitudes, |((mag * sf) * amax) / (6E) - |x||: the same bits as with the signed value (round-to-nearest is
 // symmetric; a product that underflows to -0 has magnitude 0, code 0, as TE's +0).
 template <bool MSE>
-ENGINE_VEC_INLINE f32x16 element46(f32x16 x, f32x16 ax, f32x16 enc, f32x16 sf, const Scale46& sc, u32x16& code) {
-  const f32x16 y = x * enc;
-  const u32x16 mag = (u32x16)y & 0x7FFFFFFFu;
-  const u32x16 c = vec::select(mag < 0x40C00000u, mag, u32x16{} + 0x40C00000u);  // min(|y|, 6); NaN: 6, code zeroed below
-  const u32x16 field = vec::max(c >> 23, u32x16{} + 127u);
-  const f32x16 magic = (f32x16)(((field + 22u) << 23) + ((field - 127u) << 1));
-  const f32x16 rounded = (f32x16)c + magic;
-  code = (((u32x16)rounded & 7u) | ((u32x16)(y < 0.0f) & 8u)) & ~(u32x16)(mag > 0x7F800000u);
-  const f32x16 d = (((rounded - magic) * sf) * sc.amax) / sc.denom - ax;
-  return MSE ? d * d : (f32x16)((u32x16)d & 0x7FFFFFFFu);
+ENGINE_VEC_INLINE f32n element46(f32n x, f32n ax, f32n enc, f32n sf, const Scale46& sc, u32n& code) {
+  const f32n y = x * enc;
+  const u32n mag = (u32n)y & 0x7FFFFFFFu;
+  const u32n c = vec::select(mag < 0x40C00000u, mag, vec::splat<u32n>(0x40C00000u));  // min(|y|, 6); NaN: 6, code zeroed below
+  const u32n field = vec::max(c >> 23, vec::splat<u32n>(127u));
+  const f32n magic = (f32n)(((field + 22u) << 23) + ((field - 127u) << 1));
+  const f32n rounded = (f32n)c + magic;
+  code = (((u32n)rounded & 7u) | ((u32n)(y < 0.0f) & 8u)) & ~(u32n)(mag > 0x7F800000u);
+  const f32n d = (((rounded - magic) * sf) * sc.amax) / sc.denom - ax;
+  return MSE ? d * d : (f32n)((u32n)d & 0x7FFFFFFFu);
 }
 
-// Both candidates of 16 blocks with amax keys `key` (|x| bits), their elements at v[p * ld] (p = 0..15): the errors
+// Both candidates of kN blocks with amax keys `key` (|x| bits), their elements at v[p * ld] (p = 0..15): the errors
 // summed in element order.
 template <bool MSE>
-ENGINE_VEC_INLINE void candidates16(const float* __restrict v, int64_t ld, u32x16 key, const Scale46& sc, Pair16& out) {
-  const f32x16 base = ((f32x16)key / 6.0f) * sc.s_enc;
-  out.s4 = e4m3_code<f32x16, u32x16>(base * 1.5f);
-  out.s6 = e4m3_code<f32x16, u32x16>(base);
-  const f32x16 sf4 = e4m3_value<f32x16, u32x16>(out.s4), sf6 = e4m3_value<f32x16, u32x16>(out.s6);
-  const f32x16 flt_max = f32x16{} + kFltMax;
-  f32x16 enc4 = 1.0f / (sf4 * sc.s_dec), enc6 = 1.0f / (sf6 * sc.s_dec);
+ENGINE_VEC_INLINE void candidates(const float* __restrict v, int64_t ld, u32n key, const Scale46& sc, PairN& out) {
+  const f32n base = ((f32n)key / 6.0f) * sc.s_enc;
+  out.s4 = e4m3_code<f32n, u32n>(base * 1.5f);
+  out.s6 = e4m3_code<f32n, u32n>(base);
+  const f32n sf4 = e4m3_value<f32n, u32n>(out.s4), sf6 = e4m3_value<f32n, u32n>(out.s6);
+  const f32n flt_max = vec::splat<f32n>(kFltMax);
+  f32n enc4 = 1.0f / (sf4 * sc.s_dec), enc6 = 1.0f / (sf6 * sc.s_dec);
   enc4 = vec::select(enc4 > kFltMax, flt_max, enc4);  // a NaN stays NaN
   enc6 = vec::select(enc6 > kFltMax, flt_max, enc6);
-  f32x16 err4 = {}, err6 = {};
+  f32n err4 = {}, err6 = {};
 #pragma GCC unroll 16
   for (int p = 0; p < 16; ++p) {
-    const f32x16 x = vec::load<f32x16>(v + p * ld);
-    const f32x16 ax = (f32x16)((u32x16)x & 0x7FFFFFFFu);
+    const f32n x = vec::load<f32n>(v + p * ld);
+    const f32n ax = (f32n)((u32n)x & 0x7FFFFFFFu);
     err4 = err4 + element46<MSE>(x, ax, enc4, sf4, sc, out.code4[p]);
     err6 = err6 + element46<MSE>(x, ax, enc6, sf6, sc, out.code6[p]);
   }
@@ -84,14 +84,15 @@ inline float tree16(const float* r, int64_t stride) {
 
 // The kept candidate of each lane (pick4: all-ones lanes keep map-to-4): scale codes, and the codes packed
 // 8 bytes per lane (element 2i in the low nibble of byte i).
-ENGINE_VEC_INLINE u32x16 keep16(const Pair16& c, u32x16 pick4, uint64_t* __restrict words) {
-  u32x16 lo = {}, hi = {};
+ENGINE_VEC_INLINE u32n keep(const PairN& c, u32n pick4, uint64_t* __restrict words) {
+  u32n lo = {}, hi = {};
 #pragma GCC unroll 8
   for (int p = 0; p < 8; ++p) {
     lo |= vec::select(pick4, c.code4[p], c.code6[p]) << static_cast<uint32_t>(4 * p);
     hi |= vec::select(pick4, c.code4[p + 8], c.code6[p + 8]) << static_cast<uint32_t>(4 * p);
   }
-  for (int l = 0; l < 16; ++l) words[l] = static_cast<uint64_t>(lo[l]) | (static_cast<uint64_t>(hi[l]) << 32);
+  vec::store(words, interleave_lo(lo, hi));  // little endian: lo[l] the low half of words[l]
+  vec::store(words + kN / 2, interleave_hi(lo, hi));
   return vec::select(pick4, c.s4, c.s6);
 }
 
@@ -112,14 +113,14 @@ void rowwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__rest
   if (job.two_d) {
     for (int64_t n = 0; n < kLanes; ++n) keys[n] = tile_keys[n % kBlocks];
   } else {
-    for (int64_t n = 0; n < kLanes; n += 16) vec::store(keys + n, block_maxima(&t[0][0] + n * kB));
+    for (int64_t n = 0; n < kLanes; n += 16) block_maxima(&t[0][0] + n * kB, keys + n);
   }
-  Pair16 c[kLanes / 16];
+  PairN c[kLanes / kN];
   alignas(64) float err4[kLanes], err6[kLanes];
-  for (int64_t g = 0; g < kLanes / 16; ++g) {
-    candidates16<MSE>(&v[0][16 * g], kLanes, vec::load<u32x16>(keys + 16 * g), sc, c[g]);
-    vec::store(err4 + 16 * g, c[g].err4);
-    vec::store(err6 + 16 * g, c[g].err6);
+  for (int64_t g = 0; g < kLanes / kN; ++g) {
+    candidates<MSE>(&v[0][kN * g], kLanes, vec::load<u32n>(keys + kN * g), sc, c[g]);
+    vec::store(err4 + kN * g, c[g].err4);
+    vec::store(err6 + kN * g, c[g].err6);
   }
   alignas(64) uint32_t pick[kLanes];
   if (job.two_d) {  // each tile (block column j) sums its 16 rows' errors by the tree
@@ -128,12 +129,12 @@ void rowwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       for (int64_t i = 0; i < kB; ++i) pick[i * kBlocks + j] = p4;
     }
   } else {
-    for (int64_t n = 0; n < kLanes; n += 16) vec::store(pick + n, (u32x16)(vec::load<f32x16>(err4 + n) < vec::load<f32x16>(err6 + n)));
+    for (int64_t n = 0; n < kLanes; n += kN) vec::store(pick + n, (u32n)(vec::load<f32n>(err4 + n) < vec::load<f32n>(err6 + n)));
   }
   alignas(64) uint64_t words[kLanes];
   alignas(64) uint32_t scales[kLanes];
-  for (int64_t g = 0; g < kLanes / 16; ++g) {
-    vec::store(scales + 16 * g, keep16(c[g], vec::load<u32x16>(pick + 16 * g), words + 16 * g));
+  for (int64_t g = 0; g < kLanes / kN; ++g) {
+    vec::store(scales + kN * g, keep(c[g], vec::load<u32n>(pick + kN * g), words + kN * g));
   }
   for (int64_t i = 0; i < b.rows; ++i) {
     const int64_t r = b.r0 + i;
@@ -151,27 +152,32 @@ void columnwise_tile_46(const Nvfp4Job& job, const TileBox& b, const float (*__r
   const Scale46 sc = scale_46(job.col_amax, job.e4m3_max);
   const int64_t M = job.M, nbm = (M + kB - 1) / kB, mp = (M + 1) / 2, block_row = b.r0 / kB;
   const size_t bytes = static_cast<size_t>((b.rows + 1) / 2);
-  Pair16 c;
+  PairN c[16 / kN];
   alignas(64) uint64_t words[16];
-  for (int64_t g = 0; g < kT && g < b.w; g += 16) {
-    u32x16 key;
-    if (job.two_d) {
-      key = u32x16{} + tile_keys[g / kB];
-    } else {
-      key = u32x16{};
-      for (int64_t k = 0; k < kB; ++k) key = vec::max(key, vec::load<u32x16>(t[k] + g) & 0x7FFFFFFFu);
+  alignas(64) uint32_t s[16];
+  for (int64_t g = 0; g < kT && g < b.w; g += 16) {  // 16 columns (a 16x16 tile's), kN at a time
+    alignas(64) float e4[16], e6[16];
+    for (int h = 0; h < 16; h += kN) {
+      u32n key;
+      if (job.two_d) {
+        key = vec::splat<u32n>(tile_keys[g / kB]);
+      } else {
+        key = u32n{};
+#pragma GCC unroll 16
+        for (int64_t k = 0; k < kB; ++k) key = vec::max(key, vec::load<u32n>(t[k] + g + h) & 0x7FFFFFFFu);
+      }
+      candidates<MSE>(&t[0][g + h], kT, key, sc, c[h / kN]);
+      vec::store(e4 + h, c[h / kN].err4);
+      vec::store(e6 + h, c[h / kN].err6);
     }
-    candidates16<MSE>(&t[0][g], kT, key, sc, c);
-    u32x16 pick4;
+    alignas(64) uint32_t pick[16];
     if (job.two_d) {  // the 16 columns of the tile: its 16 column errors by the tree
-      alignas(64) float e4[16], e6[16];
-      vec::store(e4, c.err4);
-      vec::store(e6, c.err6);
-      pick4 = u32x16{} + (tree16(e4, 1) < tree16(e6, 1) ? ~0u : 0u);
+      const uint32_t p4 = tree16(e4, 1) < tree16(e6, 1) ? ~0u : 0u;
+      for (int l = 0; l < 16; ++l) pick[l] = p4;
     } else {
-      pick4 = (u32x16)(c.err4 < c.err6);
+      for (int h = 0; h < 16; h += kN) vec::store(pick + h, (u32n)(c[h / kN].err4 < c[h / kN].err6));
     }
-    const u32x16 s = keep16(c, pick4, words);
+    for (int h = 0; h < 16; h += kN) vec::store(s + h, keep(c[h / kN], vec::load<u32n>(pick + h), words + h));
     const int64_t n = b.w - g < 16 ? b.w - g : 16;
     for (int64_t l = 0; l < n; ++l) {
       job.col_scales[(b.c0 + g + l) * nbm + block_row] = static_cast<uint8_t>(s[l]);

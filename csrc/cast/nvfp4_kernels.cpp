@@ -12,7 +12,10 @@
 // nvfp4_4over6_kernels.h, included below, on the same tiles.
 // A tile is 16 rows x kNvfp4TileCols columns of x, converted to fp32 once: its rows hold the rowwise 1x16
 // blocks, its columns the columnwise 16x1 blocks (of x, or of the RHT of the 16 tokens), its 16x16 squares
-// the 2D tiles. The rules are branch-free fp32 / integer operations on 16-lane vectors. The threads run with
+// the 2D tiles. The rules are branch-free fp32 / integer operations on vectors of the level's native width
+// (vec::f32n / u32n: 4, 8 or 16 lanes), so that the compiler splits nothing: shuffles and narrowing of wider
+// generic vectors are lowered lane by lane below AVX-512; bytes are packed by plain loops, which GCC vectorises
+// with the level's pack instructions. The threads run with
 // round-to-nearest and without flush-to-zero or denormals-are-zero (the glue sets MXCSR).
 
 // No FP-exception semantics to keep (nothing reads the flags): lets the compiler if-convert (and vectorise)
@@ -37,11 +40,29 @@ constexpr int64_t kB = kNvfp4Block;
 constexpr int64_t kT = kNvfp4TileCols;
 constexpr float kFltMax = 3.4028234663852886e38f;
 
+constexpr int kN = vec::kNativeLanes;  // lanes per vector
+static_assert(kB % kN == 0 && kT % 16 == 0, "blocks of whole vectors");
+
 using vec::f32x16;
 using vec::i32x16;
 using vec::u32x16;
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
+using vec::f32n;
+using vec::i32n;
+using vec::u32n;
+typedef int16_t i16n __attribute__((vector_size(4 * kN)));
+
+// Lanes (a[0], b[0], a[1], b[1], ...) of the first (H = 0) or second (H = 1) halves of a and b: as 64-bit words,
+// a's lane in the low half (little endian).
+template <int H, int... I>
+ENGINE_VEC_INLINE u32n interleave_half(u32n a, u32n b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (H * kN / 2 + I / 2 + (I % 2) * kN)...);
+}
+ENGINE_VEC_INLINE u32n interleave_lo(u32n a, u32n b) {
+  return interleave_half<0>(a, b, std::make_integer_sequence<int, kN>{});
+}
+ENGINE_VEC_INLINE u32n interleave_hi(u32n a, u32n b) {
+  return interleave_half<1>(a, b, std::make_integer_sequence<int, kN>{});
+}
 
 // ------------------------------------------------------------------------------ element rules
 // The E2M1 code of |a| (a >= 0, bits mag) rounded to nearest even, saturating at 6. With c = min(mag, 6) and
@@ -115,6 +136,13 @@ ENGINE_VEC_INLINE U random_byte(U mix, U j_mod4) {
   return (mix >> (j_mod4 * 8u)) & 0xFFu;
 }
 
+// Lane l = mix[K * kN / 4 + l / 4]: the mixes of kN consecutive words spread over the 4 vectors of their 4 kN
+// indices (the run's first index a multiple of 4), vector K of them.
+template <int K, int... I>
+ENGINE_VEC_INLINE u32n spread_words(u32n mix, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(mix, mix, (K * kN / 4 + I / 4)...);
+}
+
 // ------------------------------------------------------------------------------ scales
 // E4M3 code of v, RNE, saturating at 448, NaN -> 0x7F, the sign kept (reference.cast_to_fp8). With c = min(|v|,
 // 448) and e = max(c's exponent field, 121 = that of 2^-6, E4M3's smallest normal), the fp32 sum c + M with
@@ -167,10 +195,10 @@ ENGINE_VEC_INLINE F block_encode(U code, const TensorScale& ts) {
 
 // Codes and factors of n block keys (n a multiple of 16), in place of the keys.
 inline void block_scales(uint32_t* __restrict keys, float* __restrict enc, int64_t n, const TensorScale& ts) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const u32x16 code = block_code<f32x16, u32x16>(vec::load<u32x16>(keys + i), ts);
+  for (int64_t i = 0; i < n; i += kN) {
+    const u32n code = block_code<f32n, u32n>(vec::load<u32n>(keys + i), ts);
     vec::store(keys + i, code);
-    vec::store(enc + i, block_encode<f32x16, u32x16>(code, ts));
+    vec::store(enc + i, block_encode<f32n, u32n>(code, ts));
   }
 }
 
@@ -221,13 +249,11 @@ inline void load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict 
 
 // Max |value| bits over 16 rows x `cols` of t (16 at a time).
 inline uint32_t tile_key(const float (*__restrict t)[kT], int64_t c0 = 0, int64_t cols = kT) {
-  u32x16 m = {};
+  u32n m = {};
   for (int64_t i = 0; i < kB; ++i) {
-    for (int64_t c = c0; c < c0 + cols; c += 16) m = vec::max(m, vec::load<u32x16>(t[i] + c) & 0x7FFFFFFFu);
+    for (int64_t c = c0; c < c0 + cols; c += kN) m = vec::max(m, vec::load<u32n>(t[i] + c) & 0x7FFFFFFFu);
   }
-  uint32_t key = 0;
-  for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
-  return key;
+  return vec::reduce_max(m);
 }
 
 // Max |x| bits over rows [r0, r1) x cols [c0, c0 + w) of x, read in place (no fp32 tile): |bf16| bits order
@@ -235,30 +261,31 @@ inline uint32_t tile_key(const float (*__restrict t)[kT], int64_t c0 = 0, int64_
 template <bool BF16>
 inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t c0, int64_t w) {
   uint32_t key = 0;
-  if (BF16) {
-    typedef uint16_t H32 __attribute__((vector_size(64)));
-    const uint16_t* x = static_cast<const uint16_t*>(job.x);
-    H32 m = {};
+  if (BF16) {  // |bf16| bits are below 0x8000: a signed 16-bit max (SSE2 has it) orders them
+    constexpr int kH = 2 * kN;  // 16-bit lanes per vector
+    const int16_t* x = static_cast<const int16_t*>(job.x);
+    i16n m0 = {}, m1 = {};
     for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* row = x + r * job.ld + c0;
+      const int16_t* row = x + r * job.ld + c0;
       int64_t c = 0;
-      for (; c + 32 <= w; c += 32) {
-        const H32 v = vec::load<H32>(row + c) & static_cast<uint16_t>(0x7FFFu);
-        m = vec::select(v > m, v, m);
+      for (; c + 2 * kH <= w; c += 2 * kH) {
+        m0 = vec::max(m0, vec::load<i16n>(row + c) & static_cast<int16_t>(0x7FFF));
+        m1 = vec::max(m1, vec::load<i16n>(row + c + kH) & static_cast<int16_t>(0x7FFF));
       }
       for (; c < w; ++c) {
-        const uint32_t k = static_cast<uint32_t>(row[c] & 0x7FFFu) << 16;
+        const uint32_t k = static_cast<uint32_t>(row[c] & 0x7FFF) << 16;
         key = key > k ? key : k;
       }
     }
-    for (int l = 0; l < 32; ++l) key = key > (static_cast<uint32_t>(m[l]) << 16) ? key : static_cast<uint32_t>(m[l]) << 16;
+    const uint32_t k = static_cast<uint32_t>(vec::reduce_max(vec::max(m0, m1))) << 16;
+    key = key > k ? key : k;
   } else {
     const float* x = static_cast<const float*>(job.x);
-    u32x16 m = {};
+    u32n m = {};
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * job.ld + c0;
       int64_t c = 0;
-      for (; c + 16 <= w; c += 16) m = vec::max(m, vec::load<u32x16>(row + c) & 0x7FFFFFFFu);
+      for (; c + kN <= w; c += kN) m = vec::max(m, vec::load<u32n>(row + c) & 0x7FFFFFFFu);
       for (; c < w; ++c) {
         uint32_t k;
         std::memcpy(&k, row + c, 4);
@@ -266,7 +293,8 @@ inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t 
         key = key > k ? key : k;
       }
     }
-    for (int l = 0; l < 16; ++l) key = key > m[l] ? key : m[l];
+    const uint32_t k = vec::reduce_max(m);
+    key = key > k ? key : k;
   }
   return key;
 }
@@ -274,15 +302,15 @@ inline uint32_t source_key(const Nvfp4Job& job, int64_t r0, int64_t r1, int64_t 
 // Raises m (lane-wise |RHT output| bits before the bf16 rounding, which is monotonic: the caller rounds the max)
 // with the columns of tile t. A group of 16 columns whose bound (hadamard::abs_bound) is below the max so far
 // cannot raise the tensor's max: its transform is skipped (inf and NaN give no bound).
-inline u32x16 rht_tile_max(const float (*__restrict t)[kT], u32x16 m) {
-  for (int64_t c = 0; c < kT; c += 16) {
-    f32x16 v[16];
+inline u32n rht_tile_max(const float (*__restrict t)[kT], u32n m) {
+  for (int64_t c = 0; c < kT; c += kN) {
+    f32n v[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) v[i] = vec::load<f32x16>(t[i] + c);
-    if (vec::reduce_max(vec::bits<u32x16>(hadamard::abs_bound(v))) < vec::reduce_max(m)) continue;
+    for (int i = 0; i < 16; ++i) v[i] = vec::load<f32n>(t[i] + c);
+    if (vec::reduce_max(vec::bits<u32n>(hadamard::abs_bound(v))) < vec::reduce_max(m)) continue;
     hadamard::rht16(v);
 #pragma GCC unroll 16
-    for (int k = 0; k < 16; ++k) m = vec::max(m, vec::bits<u32x16>(v[k]) & 0x7FFFFFFFu);
+    for (int k = 0; k < 16; ++k) m = vec::max(m, vec::bits<u32n>(v[k]) & 0x7FFFFFFFu);
   }
   return m;
 }
@@ -291,7 +319,7 @@ template <bool BF16>
 void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, uint32_t* rht_key) {
   alignas(64) float t[kB][kT];
   uint32_t xk = 0;
-  u32x16 ym = {};
+  u32n ym = {};
   for (int64_t u = u0; u < u1; ++u) {
     const TileBox b = tile_box(job, u);
     if (rht_key) {  // x's amax too (when asked) from the same tile: x read once
@@ -313,35 +341,52 @@ void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, ui
   }
 }
 
-// 16 codes (one per lane) -> 8 bytes, element 2i in the low nibble of byte i: as 64-bit lanes, code 2i is in the
-// low half and code 2i + 1 in the high half.
-ENGINE_VEC_INLINE u8x8 pack16(u32x16 codes) {
-  const u64x8 pairs = (u64x8)codes;
-  return __builtin_convertvector((pairs & 0x0Fu) | ((pairs >> 28) & 0xF0u), u8x8);
+// n codes (n even, each below 16) -> n / 2 bytes, element 2i in the low nibble of byte i. A plain loop: GCC
+// vectorises it with the level's pack instructions (a narrowing vector conversion would be split lane by lane).
+ENGINE_VEC_INLINE void pack_codes(const uint32_t* __restrict codes, uint8_t* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n / 2; ++i) out[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
-// Max |value| bits of each of the 16 consecutive blocks of 16 values at v (lane j: block j), by a tree of
-// lane shuffles: each level halves the lanes per block and doubles the blocks per vector.
-ENGINE_VEC_INLINE u32x16 block_maxima(const float* __restrict v) {
-  u32x16 a[16];
-  for (int j = 0; j < 16; ++j) a[j] = vec::load<u32x16>(v + 16 * j) & 0x7FFFFFFFu;
-  for (int j = 0; j < 8; ++j) {  // 8 lanes per block, 2 blocks per vector
-    a[j] = vec::max(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                        30, 31));
+// One level of block_maxima's tree: a and b hold blocks of L lanes each (a's first); the result the maxima of
+// each block's two halves, L / 2 lanes per block, the blocks in order.
+constexpr int half_lane(int L, int i) { return (i / (L / 2)) * L + i % (L / 2); }
+
+template <int L, int... I>
+ENGINE_VEC_INLINE u32n halve_blocks(u32n a, u32n b, std::integer_sequence<int, I...>) {
+  return vec::max(__builtin_shufflevector(a, b, half_lane(L, I)...),
+                  __builtin_shufflevector(a, b, (half_lane(L, I) + L / 2)...));
+}
+
+// The level with L lanes per block: a[0..L) -> a[0..L/2) (L vectors hold L blocks of L lanes).
+template <int L>
+ENGINE_VEC_INLINE void halve_level(u32n* a) {
+  if constexpr (L >= 2 && L <= kN) {
+#pragma GCC unroll 16
+    for (int j = 0; j < L / 2; ++j) a[j] = halve_blocks<L>(a[2 * j], a[2 * j + 1], std::make_integer_sequence<int, kN>{});
   }
-  for (int j = 0; j < 4; ++j) {  // 4 lanes per block
-    a[j] = vec::max(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                        31));
+}
+
+// Max |value| bits of each of the 16 consecutive blocks of 16 values at v, into keys[0..15]: kN blocks at a time,
+// each block's values max'd to one vector, then a tree of lane shuffles (each level halves the lanes per block
+// and doubles the blocks per vector) leaves lane j with block j.
+ENGINE_VEC_INLINE void block_maxima(const float* __restrict v, uint32_t* __restrict keys) {
+#pragma GCC unroll 4
+  for (int g = 0; g < 16; g += kN) {
+    u32n a[kN];
+#pragma GCC unroll 16
+    for (int j = 0; j < kN; ++j) {
+      const float* block = v + 16 * (g + j);
+      u32n m = vec::load<u32n>(block) & 0x7FFFFFFFu;
+#pragma GCC unroll 4
+      for (int p = kN; p < 16; p += kN) m = vec::max(m, vec::load<u32n>(block + p) & 0x7FFFFFFFu);
+      a[j] = m;
+    }
+    halve_level<16>(a);
+    halve_level<8>(a);
+    halve_level<4>(a);
+    halve_level<2>(a);
+    vec::store(keys + g, a[0]);
   }
-  for (int j = 0; j < 2; ++j) {  // 2 lanes per block
-    a[j] = vec::max(__builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
-                __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                        31));
-  }
-  return vec::max(__builtin_shufflevector(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-              __builtin_shufflevector(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
 
 // The rowwise usage of a tile: 1x16 blocks of each row (or the 16x16 tiles' codes when 2D).
@@ -363,33 +408,59 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
     for (int64_t j = kBlocks; j < 16; ++j) codes[j] = 0;
     block_scales(codes, enc, 16, ts);
   } else {
-    for (int64_t n = 0; n < kB * kBlocks; n += 16) vec::store(codes + n, block_maxima(&t[0][0] + n * kB));
+    for (int64_t n = 0; n < kB * kBlocks; n += 16) block_maxima(&t[0][0] + n * kB, codes + n);
     block_scales(codes, enc, kB * kBlocks, ts);
   }
-  const u32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const u32n iota = vec::iota<u32n>();
+  alignas(64) uint32_t q[kT];  // one row's element codes
   for (int64_t i = 0; i < b.rows; ++i) {
     const int64_t r = b.r0 + i, at = two_d ? 0 : i * kBlocks;
     uint8_t* scales = row_scales + r * nbk + b.c0 / kB;
     for (int64_t j = 0; j < blocks; ++j) scales[j] = static_cast<uint8_t>(codes[at + j]);
     const uint64_t base = row_offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(K) +
                           static_cast<uint64_t>(b.c0);
-    for (int64_t j = 0; j < kBlocks; ++j) {
-      const f32x16 v = vec::load<f32x16>(t[i] + j * kB) * enc[at + j];
-      u32x16 q;
-      if (SR) {
-        const uint64_t first = base + static_cast<uint64_t>(j * kB), w0 = first >> 2;
-        const u32x16 rel = (u32x16{} + static_cast<uint32_t>(first & 3u)) + iota;  // lane l: j - 4 * w0
+    if (SR && (base & 3u) == 0) {  // each word's mix serves its 4 indices: one mix per 4 elements
+      for (int64_t g = 0; g < kT; g += 4 * kN) {
+        const uint64_t w0 = (base + static_cast<uint64_t>(g)) >> 2;
         const uint32_t lo_first = static_cast<uint32_t>(w0), hi_first = static_cast<uint32_t>(w0 >> 32);
-        const u32x16 lo0 = u32x16{} + lo_first;
-        const u32x16 lo = lo0 + (rel >> 2u);
-        const u32x16 hk = lo_first <= 0xFFFFFFFFu - 4u ? u32x16{} + hi_key(hi_first, rkey)  // no carry into hi in the run
-                                                    : hi_key(hi_first + ((u32x16)(lo < lo0) & 1u), rkey);
-        q = e2m1_stochastic<f32x16, u32x16, i32x16>(v, random_byte(word_mix(lo, hk), rel & 3u));
-      } else {
-        q = e2m1_rne<f32x16, u32x16, i32x16>(v);
+        const u32n lo0 = vec::splat<u32n>(lo_first), lo = lo0 + iota;  // words w0 .. w0 + kN - 1
+        const u32n hk = lo_first <= 0xFFFFFFFFu - kN ? vec::splat<u32n>(hi_key(hi_first, rkey))  // no carry into hi
+                                                     : hi_key(hi_first + ((u32n)(lo < lo0) & 1u), rkey);
+        const u32n mix = word_mix(lo, hk), byte = iota & 3u;
+        const auto lanes = std::make_integer_sequence<int, kN>{};
+        const u32n r[4] = {random_byte(spread_words<0>(mix, lanes), byte), random_byte(spread_words<1>(mix, lanes), byte),
+                           random_byte(spread_words<2>(mix, lanes), byte), random_byte(spread_words<3>(mix, lanes), byte)};
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const int64_t e0 = g + k * kN;
+          const f32n v = vec::load<f32n>(t[i] + e0) * enc[at + e0 / kB];
+          vec::store(q + e0, e2m1_stochastic<f32n, u32n, i32n>(v, r[k]));
+        }
       }
-      vec::store(packed + j * 8, pack16(q));
+    } else {
+    for (int64_t j = 0; j < kBlocks; ++j) {
+      const float e = enc[at + j];
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < kB; p += kN) {
+        const f32n v = vec::load<f32n>(t[i] + j * kB + p) * e;
+        u32n c;
+        if (SR) {
+          const uint64_t first = base + static_cast<uint64_t>(j * kB + p), w0 = first >> 2;
+          const u32n rel = vec::splat<u32n>(static_cast<uint32_t>(first & 3u)) + iota;  // lane l: index - 4 * w0
+          const uint32_t lo_first = static_cast<uint32_t>(w0), hi_first = static_cast<uint32_t>(w0 >> 32);
+          const u32n lo0 = vec::splat<u32n>(lo_first);
+          const u32n lo = lo0 + (rel >> 2u);
+          const u32n hk = lo_first <= 0xFFFFFFFFu - 4u ? vec::splat<u32n>(hi_key(hi_first, rkey))  // no carry into hi
+                                                       : hi_key(hi_first + ((u32n)(lo < lo0) & 1u), rkey);
+          c = e2m1_stochastic<f32n, u32n, i32n>(v, random_byte(word_mix(lo, hk), rel & 3u));
+        } else {
+          c = e2m1_rne<f32n, u32n, i32n>(v);
+        }
+        vec::store(q + j * kB + p, c);
+      }
     }
+    }
+    pack_codes(q, packed, kT);
     if (b.w == kT) {
       std::memcpy(row_data + r * kp + b.c0 / 2, packed, kT / 2);
     } else {
@@ -448,14 +519,14 @@ struct Band {
       uint8_t* sc = job.col_scales + b.c0 * nbm + first;
       if (full_band && f == (1u << kNvfp4BandStrips) - 1) {
         for (int64_t c = 0; c < b.w; ++c) {
-          u64x8 line;
+          uint64_t line[kNvfp4BandStrips];
           uint8_t run[kNvfp4BandStrips];
 #pragma GCC unroll 8
           for (int k = 0; k < kNvfp4BandStrips; ++k) {
             line[k] = lines[k * line_ld + b.c0 + c];
             run[k] = scales[k * scale_ld + b.c0 + c];
           }
-          vec::store(data + c * mp, line);
+          std::memcpy(data + c * mp, line, sizeof line);
           std::memcpy(sc + c * nbm, run, kNvfp4BandStrips);
         }
         continue;
@@ -474,7 +545,7 @@ struct Band {
   }
 };
 
-// The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output), 8 columns at
+// The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output), kN columns at
 // a time, each column's 16 codes gathered into a 64-bit word (element 2i in the low nibble of byte i): into the
 // band buffer (its strip of the tile's b.r0) when `band` is set, else straight to the outputs.
 template <bool SR>
@@ -498,66 +569,79 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       enc[c] = te[c / kB];
     }
   } else {
-    for (int64_t c = 0; c < kT; c += 16) {
-      u32x16 m = {};
-      for (int64_t k = 0; k < kB; ++k) m = vec::max(m, vec::load<u32x16>(src[k] + c) & 0x7FFFFFFFu);
+    for (int64_t c = 0; c < kT; c += kN) {
+      u32n m = {};
+#pragma GCC unroll 16
+      for (int64_t k = 0; k < kB; ++k) m = vec::max(m, vec::load<u32n>(src[k] + c) & 0x7FFFFFFFu);
       vec::store(codes + c, m);
     }
     block_scales(codes, enc, kT, ts);
   }
   const int64_t strip = block_row - (band ? band->first : 0);  // the strip within the band
   if (band) {
-    uint8_t* dst = band->scales + strip * band->scale_ld + b.c0;
-    for (int64_t c = 0; c < kT; c += 16) {
-      vec::store(dst + c, vec::convert<vec::u8x16>(vec::load<u32x16>(codes + c)));
-    }
+    uint8_t* __restrict dst = band->scales + strip * band->scale_ld + b.c0;
+    for (int64_t c = 0; c < kT; ++c) dst[c] = static_cast<uint8_t>(codes[c]);  // vectorised by GCC
     band->filled[b.c0 / kT] |= 1u << strip;
   } else {
     for (int64_t c = 0; c < b.w; ++c) col_scales[(b.c0 + c) * nbm + block_row] = static_cast<uint8_t>(codes[c]);
   }
   uint8_t* out = job.col_data + b.c0 * mp + b.r0 / 2;
-  for (int64_t c = 0; c < b.w; c += 16) {
-    const f32x16 e = vec::load<f32x16>(enc + c);
-    u32x16 lo0, hk0, hk1, at;  // the column's first index j0: its word's low half, the hi keys of its high half and
-                            // of one more, and j0 & 3
+  // Every column's first index a multiple of 4 (b.r0 is): rows 4m .. 4m + 3 share a word, so one mix per 4 rows.
+  const bool aligned = M % 4 == 0 && col_offset % 4 == 0;
+  for (int64_t c = 0; c < b.w; c += kN) {
+    const f32n e = vec::load<f32n>(enc + c);
+    u32n lo0, hk0, hk1, at;  // the column's first index j0: its word's low half, the hi keys of its high half and
+                             // of one more, and j0 & 3
     if (SR) {
-      u32x16 hi0;
-      for (int l = 0; l < 16; ++l) {
+      alignas(64) uint32_t lo_l[kN], hi_l[kN], at_l[kN];
+      for (int l = 0; l < kN; ++l) {
         const uint64_t first = col_offset + static_cast<uint64_t>(b.c0 + c + l) * static_cast<uint64_t>(M) +
                                static_cast<uint64_t>(b.r0);
-        lo0[l] = static_cast<uint32_t>(first >> 2);
-        hi0[l] = static_cast<uint32_t>(first >> 34);
-        at[l] = static_cast<uint32_t>(first & 3u);
+        lo_l[l] = static_cast<uint32_t>(first >> 2);
+        hi_l[l] = static_cast<uint32_t>(first >> 34);
+        at_l[l] = static_cast<uint32_t>(first & 3u);
       }
+      lo0 = vec::load<u32n>(lo_l);
+      at = vec::load<u32n>(at_l);
+      const u32n hi0 = vec::load<u32n>(hi_l);
       hk0 = hi_key(hi0, rkey);
       hk1 = hi_key(hi0 + 1u, rkey);
     }
-    u32x16 words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
+    u32n words[2] = {};  // elements 0..7 and 8..15 of each column, 4 bits each
+    if (SR && aligned) {
+#pragma GCC unroll 4
+      for (int m = 0; m < kB / 4; ++m) {
+        const u32n lo = lo0 + static_cast<uint32_t>(m);
+        const u32n mix = word_mix(lo, vec::select(lo < lo0, hk1, hk0));
+#pragma GCC unroll 4
+        for (int k = 4 * m; k < 4 * m + 4; ++k) {
+          const f32n v = vec::load<f32n>(src[k] + c) * e;
+          const u32n q = e2m1_stochastic<f32n, u32n, i32n>(v, (mix >> static_cast<uint32_t>(8 * (k & 3))) & 0xFFu);
+          words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
+        }
+      }
+    } else {
 #pragma GCC unroll 16
     for (int k = 0; k < kB; ++k) {
-      const f32x16 v = vec::load<f32x16>(src[k] + c) * e;
-      u32x16 q;
+      const f32n v = vec::load<f32n>(src[k] + c) * e;
+      u32n q;
       if (SR) {
-        const u32x16 rel = at + static_cast<uint32_t>(k), lo = lo0 + (rel >> 2u);
-        q = e2m1_stochastic<f32x16, u32x16, i32x16>(v, random_byte(word_mix(lo, vec::select(lo < lo0, hk1, hk0)), rel & 3u));
+        const u32n rel = at + static_cast<uint32_t>(k), lo = lo0 + (rel >> 2u);
+        q = e2m1_stochastic<f32n, u32n, i32n>(v, random_byte(word_mix(lo, vec::select(lo < lo0, hk1, hk0)), rel & 3u));
       } else {
-        q = e2m1_rne<f32x16, u32x16, i32x16>(v);
+        q = e2m1_rne<f32n, u32n, i32n>(v);
       }
       words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
     }
-    alignas(64) uint64_t column_words[16];
-    vec::store(column_words, __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 0, 1, 2, 3, 4, 5, 6, 7), u64x8) |
-                             (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 0, 1, 2, 3, 4, 5, 6, 7), u64x8)
-                              << 32u));
-    vec::store(column_words + 8,
-           __builtin_convertvector(__builtin_shufflevector(words[0], words[0], 8, 9, 10, 11, 12, 13, 14, 15), u64x8) |
-               (__builtin_convertvector(__builtin_shufflevector(words[1], words[1], 8, 9, 10, 11, 12, 13, 14, 15), u64x8)
-                << 32u));
+    }
+    alignas(64) uint64_t column_words[kN];  // column l: rows 0..7 in the low half, 8..15 in the high half
+    vec::store(column_words, interleave_lo(words[0], words[1]));
+    vec::store(column_words + kN / 2, interleave_hi(words[0], words[1]));
     if (band) {
       std::memcpy(band->lines + strip * band->line_ld + b.c0 + c, column_words, sizeof column_words);
       continue;
     }
-    const int64_t n = b.w - c < 16 ? b.w - c : 16;
+    const int64_t n = b.w - c < kN ? b.w - c : kN;
     if (bytes == 8) {  // little endian: byte i holds elements 2i, 2i + 1
       for (int64_t l = 0; l < n; ++l) std::memcpy(out + (c + l) * mp, column_words + l, 8);
     } else {

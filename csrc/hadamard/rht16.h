@@ -3,7 +3,8 @@
 //   y[k] = bf16(sum_{i=0..15} x_i * H[i][k]),  H = diag(s) * H16 / 4,
 // computed as q_i = x_i * (s_i / 4) (exact: a power of 2 and a sign; -(x * 0.25) is x * -0.25, signed zeros
 // included), then the fast Walsh-Hadamard butterflies in stages h = 1, 2, 4, 8, then the bf16 rounding (RNE,
-// NaN -> the canonical quiet NaN). Each lane of a vector is one column (16 tokens of it).
+// NaN -> the canonical quiet NaN). Each lane of a vector is one column (16 tokens of it); vectors are the
+// level's native width (vec::f32n: nothing for the compiler to split).
 // Include only from a `*_kernels.cpp` (after isa_begin.h): everything is in the variant's namespace.
 #pragma once
 
@@ -12,6 +13,10 @@
 namespace engine_native {
 namespace ENGINE_ISA_NS {
 namespace hadamard {
+
+// |v| and the NaN lanes of native-width vectors.
+ENGINE_VEC_INLINE vec::f32n abs_n(vec::f32n v) { return vec::bits<vec::f32n>(vec::bits<vec::u32n>(v) & 0x7FFFFFFFu); }
+ENGINE_VEC_INLINE vec::i32n is_nan_n(vec::f32n v) { return v != v; }
 
 // TE's sign vector s.
 constexpr int kRhtSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
@@ -44,27 +49,27 @@ ENGINE_VEC_INLINE void rht16(V* v) {
 // v[0..15]: 0.25 * 1.01 * sum_i |x_i| + 2^-140. The 4 butterfly stages add a relative error below 2^-19, the fp32
 // sum of the |x_i| is low by at most 2^-19, and x_i * 0.25 rounds up by at most 2^-150; an inf or NaN token gives
 // inf or NaN (no bound).
-ENGINE_VEC_INLINE vec::f32x16 abs_bound(const vec::f32x16* v) {
-  vec::f32x16 sum = {};
+ENGINE_VEC_INLINE vec::f32n abs_bound(const vec::f32n* v) {
+  vec::f32n sum = {};
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) sum = sum + vec::abs(v[i]);
+  for (int i = 0; i < 16; ++i) sum = sum + abs_n(v[i]);
   return sum * (0.25f * 1.01f) + 0x1p-140f;
 }
 
 // fp32 -> the nearest bf16 (ties to even) as fp32; NaN -> 0x7FC00000.
-ENGINE_VEC_INLINE vec::f32x16 bf16_round(vec::f32x16 v) {
-  const vec::u32x16 u = vec::bits<vec::u32x16>(v);
-  const vec::u32x16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return vec::bits<vec::f32x16>(vec::select(vec::is_nan(v), vec::splat<vec::u32x16>(0x7FC00000u), r));
+ENGINE_VEC_INLINE vec::f32n bf16_round(vec::f32n v) {
+  const vec::u32n u = vec::bits<vec::u32n>(v);
+  const vec::u32n r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return vec::bits<vec::f32n>(vec::select(is_nan_n(v), vec::splat<vec::u32n>(0x7FC00000u), r));
 }
 
-// y[k][c] = the RHT output of the 16 tokens t[0..15][c] of each column c < cols (cols a multiple of 16), rows
-// ld floats apart.
+// y[k][c] = the RHT output of the 16 tokens t[0..15][c] of each column c < cols (cols a multiple of
+// vec::kNativeLanes), rows ld floats apart.
 inline void rht_rows(const float* __restrict t, float* __restrict y, int64_t ld, int64_t cols) {
-  for (int64_t c = 0; c < cols; c += 16) {
-    vec::f32x16 v[16];
+  for (int64_t c = 0; c < cols; c += vec::kNativeLanes) {
+    vec::f32n v[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) v[i] = vec::load<vec::f32x16>(t + i * ld + c);
+    for (int i = 0; i < 16; ++i) v[i] = vec::load<vec::f32n>(t + i * ld + c);
     rht16(v);
 #pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) vec::store(y + k * ld + c, bf16_round(v[k]));
