@@ -38,6 +38,8 @@ __all__ = ["BUFFER_FIELDS", "QuantizedTensorBase", "check_dequantize_dtype", "co
 NO_BUFFERS = dict.fromkeys(BUFFER_FIELDS + AMAX_FIELDS)
 #: the rowwise fields of a scheme without / with a tensor-level scale (`Scheme.usage_fields(False)`, which
 #: `without_rowwise` would otherwise build for every saved operand), each as a dict of Nones
+#: `Scheme.fields` of a scheme without / with a tensor-level scale, read without the property's tuple sum
+FIELDS = {tensor_scale: BUFFER_FIELDS + (AMAX_FIELDS if tensor_scale else ()) for tensor_scale in (False, True)}
 NO_ROWWISE = {tensor_scale: dict.fromkeys(f for f in BUFFER_FIELDS + (AMAX_FIELDS if tensor_scale else ())
                                           if f.startswith("rowwise") or f.endswith("rowwise"))
               for tensor_scale in (False, True)}
@@ -319,14 +321,14 @@ class QuantizedTensorBase:
     # ------------------------------------------------------------------ saving for backward
     def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedTensorBase]:
         """Hand the buffers to autograd's saved tensors and empty self. Returns (buffers, self)."""
-        fields = self.scheme.fields
+        fields = FIELDS[bool(self.scheme.tensor_scale)]
         tensors = [getattr(self, name) for name in fields]
         self.__dict__.update(dict.fromkeys(fields))
         return tensors, self
 
     def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Take back this storage's buffers (`scheme.fields`) from the front of `tensors`; return the rest."""
-        fields = self.scheme.fields
+        fields = FIELDS[bool(self.scheme.tensor_scale)]
         if len(tensors) < len(fields):
             raise ValueError(f"restore_from_saved: expected at least {len(fields)} tensors for a {self.scheme.name} "
                              f"storage, got {len(tensors)}")
