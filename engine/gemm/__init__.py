@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from engine.gemm import block_scaled, cpu, cuda, mixed
-from engine.gemm.operand import GemmOperand, as_matrix, gemm_operand, is_high_precision
+from engine.gemm.operand import GemmOperand, as_matrix, gemm_operand
 from engine.tensors.quantized import QuantizedTensor
 from engine.tensors.storage import QuantizedTensorBase
 
@@ -54,7 +54,7 @@ Operand = QuantizedTensor | QuantizedTensorBase | torch.Tensor
 def pairing(a: GemmOperand, b: GemmOperand) -> Impl:
     """The implementation for this pair on its device (the CPU emulation where the device has none)."""
     device = a.data.device.type
-    impl = PAIRINGS.get((a.kind, b.kind, device))
+    impl = PAIRINGS.get(("tensor" if a.per_tensor else a.kind, "tensor" if b.per_tensor else b.kind, device))
     if impl is None:
         impl = PAIRINGS.get((a.kind, b.kind, "cpu"))
         if impl is None:
@@ -65,11 +65,13 @@ def pairing(a: GemmOperand, b: GemmOperand) -> Impl:
 
 
 def _check_pair(a: GemmOperand, b: GemmOperand) -> None:
-    if a.k != b.k:
+    if a.data.shape[1] != b.data.shape[1]:  # a.k, b.k
         raise ValueError(f"general_gemm: inner dims differ: A is [{a.rows}, {a.k}], B is [{b.rows}, {b.k}]")
-    if not (a.per_tensor or b.per_tensor) and a.tile_rows > 1 and b.tile_rows > 1:
+    if a.per_tensor or b.per_tensor:
+        return
+    if a.tile_rows > 1 and b.tile_rows > 1:
         raise ValueError("general_gemm: 2D x 2D block-scaled GEMMs are not supported (one operand must be 1x128)")
-    if not (a.per_tensor or b.per_tensor) and a.tile_cols != b.tile_cols:
+    if a.tile_cols != b.tile_cols:
         raise TypeError(f"general_gemm: cannot pair tiles of {a.tile_cols} and {b.tile_cols} along K")
 
 
@@ -99,7 +101,9 @@ def general_gemm(
     """out[M, N] = op(a)[M, K] @ op(b)[N, K]^T (+ bias[N]); with `accumulate`, added into `out` (fp32)."""
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
-    if is_high_precision(a) or is_high_precision(b):
+    # is_high_precision(a) or is_high_precision(b), without two calls (a bare storage is no torch.Tensor)
+    if (isinstance(a, torch.Tensor) and not isinstance(a, QuantizedTensor)) or \
+            (isinstance(b, torch.Tensor) and not isinstance(b, QuantizedTensor)):
         result = _high_precision(a, b, a_transposed, b_transposed, bias)
     else:
         lhs = gemm_operand(a, transposed=a_transposed, name="a")

@@ -101,6 +101,9 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
+    if scheme.rowwise_block.is_tensor and data.dim() == 2 and not scheme.tensor_scale and \
+            (scheme.columnwise_transposed or not transposed) and not scheme.coded:
+        return GemmOperand(data, scale_inv, True, scheme.scale)  # per-tensor FP8, 2D: what every step reads
     nvfp4 = scheme.tensor_scale  # two scale levels: the block scales times the usage amax / (6 * 448)
     codes = None
     if nvfp4:  # NVFP4 codes: columnwise data is [K, M] (packed along M); exact bf16 values

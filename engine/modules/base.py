@@ -177,7 +177,9 @@ class FP8Module(torch.nn.Module):
         """A weight `engine.quantize_` swapped (a QuantizedWeight, which says `inference_only`) runs its own GEMM,
         on the high-precision path only."""
         for name in self.weight_names:
-            weight = getattr(self, name, None)
+            weight = self._parameters.get(name)  # where a registered weight is (getattr: Module.__getattr__)
+            if weight is None:
+                weight = getattr(self, name, None)
             if getattr(type(weight), "inference_only", False) is True:
                 raise TypeError(f"{type(self).__name__}.{name}: a {type(weight).__name__} ({weight.config!r}) from "
                                 f"engine.quantize_ is for inference outside fp8_autocast; got a forward {where} "

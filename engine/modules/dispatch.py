@@ -3,12 +3,14 @@ torch.compile traces, or (for DTensors) the tensor-parallel path that engine.dis
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from engine import autocast
 from engine.dtensor import any_dtensor
 from engine.hooks import Hook
-from engine.modules.linear_function import LinearArgs, LinearFunction
+from engine.modules.linear_function import LinearArgs, LinearFunction, torch_autocast_on
 
 #: y = x W^T + b when any of them is a DTensor (tensor parallel): engine.distributed.dtensor_linear, above this
 #: layer, registers it
@@ -23,7 +25,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
     the same math runs as custom ops (`linear_op`), which Dynamo traces without breaks.
     """
     device_type = inp.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if torch_autocast_on(device_type):
         inp = inp.to(torch.get_autocast_dtype(device_type))
         with torch.autocast(device_type, enabled=False):
             return _linear(inp, weight, bias, args)
@@ -31,7 +33,8 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
 
 
 def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
-    if any_dtensor(inp, weight, bias):  # tensor parallel: the GEMMs run on this rank's shards
+    # no DTensor can exist before torch.distributed.tensor is imported (engine.dtensor): skip the three checks
+    if "torch.distributed.tensor" in sys.modules and any_dtensor(inp, weight, bias):  # tensor parallel
         return DTENSOR_LINEAR(inp, weight, bias, args)
     if torch.compiler.is_compiling():
         from engine.modules.linear_op import compiled_linear

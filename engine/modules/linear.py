@@ -95,13 +95,13 @@ class Linear(FP8Module):
         self.register_parameter("bias", b)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch,
-                    weight=self.weight)
+        weight, bias = self.weight, self.bias  # each read is a Module.__getattr__ call: once per step
+        check_input(inp, self.in_features, type(self).__name__, is_first_microbatch, weight=weight)
         (args,) = self._prepare(inp.device, is_first_microbatch)
-        self._calibrate(args, inp, self.weight)
-        bias = None if self.return_bias else self.bias
-        out = linear(inp, self.weight, bias, args)
-        return (out, self.bias) if self.return_bias else out
+        if not args.fp8:
+            self._calibrate(args, inp, weight)
+        out = linear(inp, weight, None if self.return_bias else bias, args)
+        return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

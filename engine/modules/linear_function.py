@@ -46,6 +46,14 @@ class LinearArgs:
     grad_enabled: bool = True  # grad mode at the call (inside forward it is always off)
 
 
+def torch_autocast_on(device_type: str) -> bool:
+    """torch.autocast is on for `device_type` (False where torch has no autocast for it). A CPU tensor asks
+    torch's flag directly (`torch.amp.is_autocast_available` is a Python call more, twice per layer step)."""
+    if device_type == "cpu":
+        return torch.is_autocast_enabled("cpu")
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """t [M, K] with zero rows appended up to `rows` rows."""
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
@@ -62,7 +70,9 @@ def quantize_uses(
     meet each other's zeros in the wgrad GEMM. The rowwise use is always quantized from t itself (first, so stochastic
     rounding draws the same bits as in one call for both usages), so fprop and dgrad never see the padding."""
     q_row, q_col = state.uses(role, gemm)
-    if columnwise and role is not Role.WEIGHT and q_col is not None and t.shape[0] % q_col.columnwise_row_multiple:
+    # (a scheme without a columnwise transform takes any row count: its `columnwise_row_multiple` is 1)
+    if columnwise and role is not Role.WEIGHT and q_col is not None and q_col.scheme.columnwise_transform is not None \
+            and t.shape[0] % q_col.columnwise_row_multiple:
         row_use = quantize_uses(t, state, role, gemm, rowwise=rowwise, columnwise=False)[0]
         multiple = q_col.columnwise_row_multiple
         q_col.set_usage(rowwise=False, columnwise=True)
@@ -217,7 +227,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         device_type = grad_out.device.type
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):  # backward called inside torch.autocast: compute as forward did
+        if torch_autocast_on(device_type):  # backward called inside torch.autocast: compute as forward did
             with torch.autocast(device_type, enabled=False):
                 return LinearFunction._backward(ctx, grad_out)
         return LinearFunction._backward(ctx, grad_out)

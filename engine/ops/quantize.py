@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Iterable
 from typing import Optional
 
@@ -309,7 +310,9 @@ def delayed_update_state(amax_history: torch.Tensor, scale: torch.Tensor, fp8_ma
     """`delayed_update` of a DelayedScalingState's own tensors, checked when the state was built: the same
     kernel, without checking the arguments again at every update (~10 us a call, three calls a step)."""
     if scale.is_cpu and backend.forced_backend() in (None, "native") and not torch.compiler.is_compiling():
-        from engine.ops import native
+        native = sys.modules.get("engine.ops.native")  # loaded by now (an import statement costs ~1 us a call)
+        if native is None:
+            from engine.ops import native
 
         if native.available():
             native.delayed_update_unchecked(amax_history, scale, fp8_max, margin, algo == "most_recent")

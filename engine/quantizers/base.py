@@ -136,7 +136,16 @@ class Quantizer:
     def quantize_storage(self, x: torch.Tensor) -> QuantizedTensorBase:
         """x quantized, as a bare storage."""
         buffers = self._checked_buffers(x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
-        return QuantizedTensorBase.made(self.scheme, x.shape, x.dtype, self, buffers)
+        return QuantizedTensorBase.made(self.scheme, x.shape, x.dtype, self, buffers, self._storage_class())
+
+    def _storage_class(self) -> type[QuantizedTensorBase]:
+        """`QuantizedTensorBase.class_for(self.scheme)`, looked up again only when the scheme or the set of
+        storage classes changes (the lookup hashes the scheme's dataclass: ~1 us per quantization)."""
+        known = self.__dict__.get("_storage_class_of")
+        named = len(QuantizedTensorBase._named)
+        if known is None or known[0] is not self.scheme or known[1] != named:
+            known = self._storage_class_of = (self.scheme, named, QuantizedTensorBase.class_for(self.scheme))
+        return known[2]
 
     def quantize(
         self, x: torch.Tensor, *, out: QuantizedTensor | QuantizedTensorBase | None = None

@@ -36,6 +36,13 @@ REBUILD_STORAGE: Hook = Hook("QuantizedTensorBase.__reduce__", "engine.tensors.s
 
 __all__ = ["BUFFER_FIELDS", "QuantizedTensorBase", "check_dequantize_dtype", "compact", "dims_2d"]
 NO_BUFFERS = dict.fromkeys(BUFFER_FIELDS + AMAX_FIELDS)
+#: the rowwise fields of a scheme without / with a tensor-level scale (`Scheme.usage_fields(False)`, which
+#: `without_rowwise` would otherwise build for every saved operand), each as a dict of Nones
+#: `Scheme.fields` of a scheme without / with a tensor-level scale, read without the property's tuple sum
+FIELDS = {tensor_scale: BUFFER_FIELDS + (AMAX_FIELDS if tensor_scale else ()) for tensor_scale in (False, True)}
+NO_ROWWISE = {tensor_scale: dict.fromkeys(f for f in BUFFER_FIELDS + (AMAX_FIELDS if tensor_scale else ())
+                                          if f.startswith("rowwise") or f.endswith("rowwise"))
+              for tensor_scale in (False, True)}
 
 
 def _usage_fields(parts: dict[str, torch.Tensor | None], columnwise: bool) -> dict[str, torch.Tensor | None]:
@@ -184,11 +191,12 @@ class QuantizedTensorBase:
 
     @classmethod
     def made(cls, scheme: Scheme, shape: torch.Size, nominal_dtype: torch.dtype, quantizer: Any,
-             buffers: dict[str, torch.Tensor | None]) -> QuantizedTensorBase:
+             buffers: dict[str, torch.Tensor | None], kind: type[QuantizedTensorBase] | None = None
+             ) -> QuantizedTensorBase:
         """A storage of buffers a quantizer has just made for `scheme` (so the constructor's argument checks are
-        skipped: this runs for every quantized operand). `shape` must be a torch.Size."""
-        cls = QuantizedTensorBase.class_for(scheme)
-        storage = object.__new__(cls)
+        skipped: this runs for every quantized operand). `shape` must be a torch.Size; `kind`, if given, is
+        `class_for(scheme)` (looked up once by the caller: hashing a scheme costs ~1 us)."""
+        storage = object.__new__(QuantizedTensorBase.class_for(scheme) if kind is None else kind)
         fields = storage.__dict__
         fields.update(scheme=scheme, shape=shape, nominal_dtype=nominal_dtype, quantizer=quantizer)
         fields.update(NO_BUFFERS)
@@ -197,8 +205,12 @@ class QuantizedTensorBase:
 
     def without_rowwise(self) -> QuantizedTensorBase:
         """A new storage without this one's rowwise data and scales (what backward reads of fprop's operands)."""
-        return QuantizedTensorBase.made(self.scheme, self.shape, self.nominal_dtype, self.quantizer,
-                                        {**self.buffers(), **dict.fromkeys(self.scheme.usage_fields(False))})
+        storage = object.__new__(QuantizedTensorBase.class_for(self.scheme))
+        mine, fields = self.__dict__, storage.__dict__
+        fields.update(scheme=self.scheme, shape=self.shape, nominal_dtype=self.nominal_dtype, quantizer=self.quantizer)
+        fields.update({name: mine.get(name) for name in NO_BUFFERS})
+        fields.update(NO_ROWWISE[bool(self.scheme.tensor_scale)])
+        return storage
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (a buffer shared by both usages counts once)."""
@@ -309,14 +321,14 @@ class QuantizedTensorBase:
     # ------------------------------------------------------------------ saving for backward
     def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedTensorBase]:
         """Hand the buffers to autograd's saved tensors and empty self. Returns (buffers, self)."""
-        fields = self.scheme.fields
+        fields = FIELDS[bool(self.scheme.tensor_scale)]
         tensors = [getattr(self, name) for name in fields]
         self.__dict__.update(dict.fromkeys(fields))
         return tensors, self
 
     def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Take back this storage's buffers (`scheme.fields`) from the front of `tensors`; return the rest."""
-        fields = self.scheme.fields
+        fields = FIELDS[bool(self.scheme.tensor_scale)]
         if len(tensors) < len(fields):
             raise ValueError(f"restore_from_saved: expected at least {len(fields)} tensors for a {self.scheme.name} "
                              f"storage, got {len(tensors)}")
