@@ -80,10 +80,9 @@ def _check_recipe_or_map(recipe: Any) -> Recipe | RecipeMap:
     if isinstance(recipe, (RecipeMap, dict)):  # an "inherit" default: the enclosing autocast's recipe
         around = _STATE.recipe if _STATE.depth > 0 and _STATE.recipe is not None else DelayedScaling()
         return as_recipe_map(recipe, "recipe").inheriting(around.default if isinstance(around, RecipeMap) else around)
-    if recipe is None or isinstance(recipe, Recipe):
-        return _check_recipe(recipe)
-    raise TypeError(f"recipe: expected an engine.recipes.Recipe, a RecipeMap (or a dict of module-name patterns to "
-                    f"recipes or None) or None, got {type(recipe).__name__}")
+    if recipe is None:
+        return DelayedScaling()
+    return check_instance(recipe, Recipe, "recipe", "an engine.recipes.Recipe, a RecipeMap or None")
 
 
 @contextlib.contextmanager
