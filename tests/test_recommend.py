@@ -111,3 +111,17 @@ def test_bad_arguments_are_refused_naming_them(kwargs, error, message):
 def test_a_model_without_engine_layers_is_refused():
     with pytest.raises(ValueError, match="model: expected a model with engine layers"):
         engine.recommend(torch.nn.Linear(4, 4), [torch.zeros(2, 4)], candidates=[NVFP4])
+
+
+def test_the_demo_applies_a_recipe_map_to_its_recipe_runs_only():
+    from engine.recipes import RecipeMap
+    from engine.train.model import GPTConfig
+    from engine.train.run import RunConfig, build_model
+
+    plain = RecipeMap(rules=[("blocks.0.mlp", None), ("blocks.1.*", MXFP8)]).to_plain()
+    shape = GPTConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+    model = build_model(RunConfig(recipe="nvfp4", model=shape, recipe_map=plain), NVFP4)
+    got = engine.recipe_map_of(model)
+    assert got.recipe_for("blocks.0.mlp") is None and got.recipe_for("blocks.1.attn.qkv") == MXFP8
+    assert len(got.rules) == 4  # blocks.0.attn.* inherit: no pick
+    assert engine.recipe_map_of(build_model(RunConfig(recipe="bf16", model=shape, recipe_map=plain), None)) is None
