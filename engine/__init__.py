@@ -10,7 +10,7 @@ from engine.device import (
     get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available,
 )
 from engine.recompute import checkpoint, checkpoint_context
-from engine.numerics import inspect  # engine.inspect(model, every=N, out=DIR, what_if=None)
+from engine.numerics import inspect, recommend  # engine.inspect(model, every=N, out=DIR, what_if=None)
 from engine.inference import (
     Float8DynamicActivationFloat8Weight, Float8WeightOnly, Int4WeightOnly, Int8DynamicActivationInt8Weight,
     Int8WeightOnly, MXWeightOnly, NVFP4WeightOnly, QuantizedWeight, quantize_,
@@ -36,7 +36,7 @@ __all__ = [
     "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",
     "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available", "quantized_model_init", "recipes",
     "unconvert",
-    "checkpoint", "checkpoint_context", "inspect",
+    "checkpoint", "checkpoint_context", "inspect", "recommend",
     "plain_state_dict", "recipe_map_of", "set_recipe_map",
     "Float8DynamicActivationFloat8Weight", "Float8WeightOnly", "Int4WeightOnly", "Int8DynamicActivationInt8Weight",
     "Int8WeightOnly", "MXWeightOnly", "NVFP4WeightOnly", "QuantizedWeight", "quantize_",

@@ -26,6 +26,7 @@ from engine.parameters import make_parameter
 from engine.recipes import Recipe, RecipeMap, RecipeState, Role, recipe_from_plain, recipe_to_plain
 from engine.recipes.recipe_map import choice_from_plain, choice_to_plain
 from engine.recipes.base import SLOTS_PER_GEMM
+from engine.recipes.debug_state import DebugState
 from engine.tensors import QuantizedTensor
 from engine.tensors.serialization import COMPONENT_SUFFIXES, META_SUFFIX, has_components, pop_components, to_components
 
@@ -116,6 +117,9 @@ class FP8Module(torch.nn.Module):
         who = {"module": type(self).__name__, "gemm_names": self.gemm_names}  # what a CustomRecipe's factory is told
         self._fwd_state = recipe.make_state(forward=True, num_gemms=self.num_gemms, device=device, **who)
         self._bwd_state = recipe.make_state(forward=False, num_gemms=self.num_gemms, device=device, **who)
+        for state in (self._fwd_state, self._bwd_state):
+            if isinstance(state, DebugState):  # names its dump files
+                state.layer = self.name
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
         if old_fwd is not None:  # keep what stateful scaling learned under the previous settings
             self._fwd_state.carry_from(old_fwd)

@@ -244,6 +244,8 @@ def recipe_to_plain(recipe: Recipe) -> dict[str, Any]:
             continue  # a field added after checkpoints of its class were saved: those records stay byte for byte
         if isinstance(value, Enum):
             value = value.value
+        elif isinstance(value, Recipe):  # a recipe wrapping another (Debug)
+            value = recipe_to_plain(value)
         elif isinstance(value, dict):  # OperandRecipe: operand name -> spec as plain data
             value = {k: None if v is None else v.to_plain() for k, v in value.items()}
         elif callable(value):

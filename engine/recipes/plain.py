@@ -13,6 +13,7 @@ from engine.recipes.base import Recipe, recipe_to_plain
 from engine.recipes.block import Float8BlockScaling
 from engine.recipes.current import Float8CurrentScaling
 from engine.recipes.custom import OperandRecipe
+from engine.recipes.debug import Debug
 from engine.recipes.delayed import DelayedScaling
 from engine.recipes.factory import CustomRecipe
 from engine.recipes.mx_small import MXFP4BlockScaling, MXFP4MixedBlockScaling, MXFP6BlockScaling
@@ -29,7 +30,8 @@ RECIPES: dict[str, type[Recipe]] = {
                               NVFP4BlockScaling)
 }
 #: every recipe a checkpoint can name
-SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: OperandRecipe, CustomRecipe.name: CustomRecipe}
+SAVED_RECIPES: dict[str, type[Recipe]] = {**RECIPES, OperandRecipe.name: OperandRecipe, CustomRecipe.name: CustomRecipe,
+                                          Debug.name: Debug}
 
 
 def recipe_from_plain(plain: Any) -> Recipe:
@@ -40,6 +42,9 @@ def recipe_from_plain(plain: Any) -> Recipe:
     cls = SAVED_RECIPES[plain["name"]]
     fields = dict(plain["fields"])
     for key, value in list(fields.items()):
+        if isinstance(value, dict) and set(value) == {"name", "fields"}:  # a wrapped recipe (Debug's)
+            fields[key] = recipe_from_plain(value)
+            continue
         if isinstance(value, str) and value.startswith("<callable "):
             restored = cls.restore_callable(key, value)
             if restored is not None:

@@ -81,6 +81,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) in the recipe runs: FSDP2 all-gathers their FP8 bytes (those "
                         "it cannot cut into whole scale blocks stay whole on every rank)")
+    p.add_argument("--recipe-map", default=None, metavar="JSON",
+                   help="a file holding a RecipeMap's plain form (engine.recommend(...).to_plain()): the recipe runs' "
+                        "layers take its picks")
     p.set_defaults(run=run)
 
 
@@ -116,7 +119,8 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     common = {"model": model, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
               "eval_every": args.eval_every, "seed": seed, "out_dir": str(out_dir),
               "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile,
-              "tp": args.tp, "fp8_weights": args.fp8_weights, "dtype": baseline_of(runs)}
+              "tp": args.tp, "fp8_weights": args.fp8_weights, "dtype": baseline_of(runs),
+              "recipe_map": None if args.recipe_map is None else json.loads(Path(args.recipe_map).read_text())}
     nproc = _processes(args)
     if nproc > 1:
         check_layout(nproc, args.tp, model)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import engine
 from engine.ops.exact_gemm import native_bf16_gemm
-from engine.recipes import RECIPES, Recipe
+from engine.recipes import RECIPES, Recipe, RecipeMap
 from engine.train.checkpoint import RESUME_KEYS, load_run_checkpoint, saved_model_config
 from engine.train.data import Corpus, batch_at
 from engine.train.model import GPT, GPTConfig
@@ -76,6 +76,7 @@ class RunConfig(BaseModel):
     compile: bool = False  # torch.compile(model.loss, fullgraph=True)
     tp: int = Field(1, ge=1)  # tensor-parallel degree when several processes train (engine.train.parallel)
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) for the recipe runs
+    recipe_map: dict | None = None  # a RecipeMap's plain form (e.g. engine.recommend's) for the recipe runs' layers
 
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
@@ -175,11 +176,14 @@ def activation_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def build_model(cfg: RunConfig, recipe: Recipe | None) -> GPT:
-    """The run's GPT, with FP8 primary weights if asked and the last block in high precision if the run name says
-    so."""
+    """The run's GPT, with FP8 primary weights if asked, the last block in high precision if the run name says
+    so, and the per-layer map if given."""
     with engine.fp8_model_init(enabled=cfg.fp8_weights and recipe is not None, recipe=recipe):
-        return GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]),
-                   activation_dtype=activation_dtype(cfg))
+        model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]),
+                    activation_dtype=activation_dtype(cfg))
+    if cfg.recipe_map is not None and recipe is not None:
+        engine.set_recipe_map(model, RecipeMap.from_plain(cfg.recipe_map))
+    return model
 
 
 def describe_replicated(run: str, replicated: dict[str, str]) -> str:

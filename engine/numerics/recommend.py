@@ -1,0 +1,176 @@
+"""engine.recommend: a per-layer RecipeMap picked from the inspector's measurements.
+
+    recipe_map = engine.recommend(model, batches, candidates=[NVFP4BlockScaling(), MXFP8BlockScaling()],
+                                  budget=0.2, threshold=0.15)
+    engine.set_recipe_map(model, recipe_map)
+
+The model runs each batch in high precision (forward and backward, gradients restored afterwards) under
+`engine.inspect(model, what_if=candidate)`, once per candidate. A layer's error under a candidate is the
+largest relative error ||out - ref|| / ||ref|| of its GEMMs (fprop, dgrad, wgrad; both GEMMs of a
+LayerNormMLP) against the same GEMMs in high precision, over the batches (the inspector's `rel_error`;
+for wgrad, 1 / the grad-to-noise ratio). Candidates go from the lowest precision up; each layer gets the
+first one whose error is under `threshold`, else None (high precision). Then the budget: the share of
+GEMM FLOPs not in the first candidate (a later one or None) may be at most `budget`: going from the largest
+error under the first candidate down, a promoted layer keeps its promotion if its FLOPs still fit, else
+goes back to the first candidate. The table it decided from is printed (`show=False`: not).
+
+Not done: switching to higher precision late in training (NVFP4 paper, appendix D): the map is one
+per-layer choice for the whole run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine import autocast
+from engine.modules import FP8Module
+from engine.numerics.session import inspect
+from engine.recipes import Recipe, RecipeMap
+
+
+@dataclass(frozen=True)
+class Row:
+    """One layer of the decision: its share of GEMM FLOPs, its error per candidate, its pick and why."""
+
+    layer: str
+    flop_share: float
+    errors: tuple[float, ...]
+    pick: Recipe | None
+    reason: str
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """A scalar to backpropagate: the output itself if it is one, else the mean square of the output."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output.float().square().mean()
+    raise TypeError(f"loss_fn: the model returned a {type(output).__name__}; pass loss_fn(model, batch) -> a "
+                    "scalar tensor")
+
+
+def _call(model: torch.nn.Module, batch: Any) -> Any:
+    return model(*batch) if isinstance(batch, tuple) else model(batch)
+
+
+def _checked(model: Any, batches: Any, candidates: Any, budget: Any, threshold: Any) -> tuple[list, list]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Module)]
+    if not modules:
+        raise ValueError("model: expected a model with engine layers (engine.Linear, ...; see engine.convert), "
+                         "it has none")
+    if isinstance(batches, (torch.Tensor, str)) or not isinstance(batches, Iterable):
+        raise TypeError(f"batches: expected an iterable of batches (a list of inputs), got {type(batches).__name__}")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("batches: expected at least one batch, got none")
+    if not isinstance(candidates, (list, tuple)) or not candidates:
+        raise ValueError(f"candidates: expected a non-empty list of engine recipes, lowest precision first, got "
+                         f"{candidates!r:.200}")
+    for i, c in enumerate(candidates):
+        if not isinstance(c, Recipe):
+            raise TypeError(f"candidates[{i}]: expected an engine recipe (None, high precision, is always the last "
+                            f"choice), got {type(c).__name__}")
+    if len(set(candidates)) != len(candidates):
+        raise ValueError("candidates: a recipe is listed twice")
+    for value, name, low, high in ((budget, "budget", 0.0, 1.0), (threshold, "threshold", 0.0, math.inf)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high \
+                or math.isinf(value) or (name == "threshold" and value == 0):
+            want = "a share of GEMM FLOPs in [0, 1]" if name == "budget" else "a finite relative error > 0"
+            raise ValueError(f"{name}: expected {want}, got {value!r}")
+    return modules, batches
+
+
+def _measure(model: torch.nn.Module, batches: list, candidate: Recipe, loss_fn: Callable) -> list[dict]:
+    """The inspector's records of every batch run in high precision with `candidate` as the what-if."""
+    saved = {p: p.grad for p in model.parameters()}
+    try:
+        with inspect(model, what_if=candidate) as inspector, autocast.fp8_autocast(enabled=False):
+            for batch in batches:
+                for p in saved:
+                    p.grad = None
+                loss_fn(model, batch).backward()
+    finally:
+        for p, grad in saved.items():
+            p.grad = grad
+    return inspector.records
+
+
+def _gemm_flops(model: torch.nn.Module, modules: list, records: list[dict]) -> dict[str, float]:
+    """Each module's GEMM FLOPs over the batches: 3 GEMMs x 2 M N K per call, M K from its fprop input's numel."""
+    label_of = {}
+    for name, m in modules:
+        for gemm, weight_name in enumerate(m.weight_names):
+            label = name if m.num_gemms == 1 else f"{name}.{m.gemm_names[gemm]}"
+            label_of[label] = (name, getattr(m, weight_name).shape[0])
+    flops = {name: 0.0 for name, _ in modules}
+    for r in records:
+        if r["kind"] == "operand" and r.get("operand") == "fprop_input" and r.get("usage") == "rowwise":
+            name, n = label_of[r["layer"]]
+            flops[name] += 6.0 * r["numel"] * n
+    return flops
+
+
+def _errors(modules: list, records: list[dict]) -> dict[str, float]:
+    """Each module's largest what-if relative GEMM error (over its GEMMs and the batches)."""
+    names = [name for name, _ in modules]
+    worst = {name: 0.0 for name in names}
+    for r in records:
+        if r["kind"] != "gemm" or r["source"] != "what_if":
+            continue
+        layer = r["layer"]
+        name = layer if layer in worst else layer.rsplit(".", 1)[0]
+        worst[name] = max(worst[name], r["rel_error"]) if not math.isnan(r["rel_error"]) else math.inf
+    return worst
+
+
+def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[Recipe], *, budget: float = 0.2,
+              threshold: float = 0.15, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+              show: bool = True) -> RecipeMap:
+    """A RecipeMap with one rule per engine module of `model` (module docstring). `batches`: inputs for
+    `model(batch)` (`model(*batch)` for a tuple); `loss_fn(model, batch)`: the scalar to backpropagate (default:
+    the output if scalar, else its mean square). `show`: print the table."""
+    modules, batches = _checked(model, batches, candidates, budget, threshold)
+    loss_fn = loss_fn or (lambda m, b: default_loss(_call(m, b)))
+    measured = [_measure(model, batches, c, loss_fn) for c in candidates]
+    flops = _gemm_flops(model, modules, measured[0])
+    total = sum(flops.values()) or 1.0
+    per_candidate = [_errors(modules, records) for records in measured]
+    errors = {name: tuple(found[name] for found in per_candidate) for name, _ in modules}
+    picks: dict[str, Recipe | None] = {}
+    reasons: dict[str, str] = {}
+    for name, _ in modules:
+        under = [i for i, e in enumerate(errors[name]) if e < threshold]
+        picks[name] = candidates[under[0]] if under else None
+        reasons[name] = "under threshold" if under and under[0] == 0 else (
+            f"{candidates[0].name} over threshold" if under else "every candidate over threshold")
+    spent = 0.0  # the budget: the largest excesses keep their promotion while their FLOPs fit
+    for _, name in sorted(((-errors[n][0], n) for n in picks if picks[n] is not candidates[0])):
+        if spent + flops[name] / total <= budget * (1 + 1e-9):
+            spent += flops[name] / total
+        else:
+            picks[name], reasons[name] = candidates[0], "over threshold, over the FLOP budget"
+
+    rows = [Row(name, flops[name] / total, errors[name], picks[name], reasons[name]) for name, _ in modules]
+    if show:
+        print(format_table(rows, candidates, threshold, budget, spent))
+    return RecipeMap(rules=[(row.layer, row.pick) for row in rows])
+
+
+def format_table(rows: list[Row], candidates: list[Recipe], threshold: float, budget: float, spent: float) -> str:
+    """The decision as text: one line per layer."""
+    heads = ["layer", "GEMM FLOPs %", *[f"err {c.name}" for c in candidates], "pick", "why"]
+    lines = [[r.layer, f"{100 * r.flop_share:.1f}", *[f"{e:.4f}" for e in r.errors],
+              "high precision" if r.pick is None else r.pick.name, r.reason] for r in rows]
+    widths = [max(len(x) for x in column) for column in zip(heads, *lines)]
+    text = ["  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [heads, *lines]]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([f"engine.recommend: max relative GEMM error (fprop, dgrad, wgrad) per layer; threshold "
+                      f"{threshold}; {100 * spent:.1f}% of GEMM FLOPs above {candidates[0].name} (budget "
+                      f"{100 * budget:.1f}%)", *text])
