@@ -15,7 +15,9 @@ import torch
 from engine.ops import native
 from engine.ops import reference as ref
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the C++ kernels did not build here")
+# a failed build is a failure in tests/test_native.py; these tests are of the kernels themselves
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"the C++ kernels did not build here: {native.why_unavailable()}")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: the levels at which exact_gemm runs the kernel (fp32 and fp16 outputs up to K = 512; csrc/gemm/exact_gemm_glue.cpp)
