@@ -30,7 +30,7 @@ from engine.modules.base import FP8Module
 from engine.modules.dispatch import linear
 from engine.modules.grouped_function import grouped_linear
 from engine.modules.linear import InitMethod, check_features, check_input, check_layer_flags, init_linear
-from engine.modules.linear_function import WeightCache
+from engine.modules.linear_function import LinearArgs, WeightCache
 
 
 def check_m_splits(m_splits: object, num_gemms: int, tokens: int, owner: str) -> list[int]:
@@ -54,6 +54,16 @@ def check_m_splits(m_splits: object, num_gemms: int, tokens: int, owner: str) ->
         raise ValueError(f"{owner}: m_splits must sum to the number of tokens in inp ({tokens}), got "
                          f"sum({list(m_splits)!r:.200}) = {sum(m_splits)}")
     return list(m_splits)
+
+
+def run_grouped(module: FP8Module, inp2d: torch.Tensor, m_splits: list[int], weights: Sequence[torch.Tensor],
+                biases: Sequence[torch.Tensor | None], args: Sequence[LinearArgs]) -> torch.Tensor:
+    """`module`'s experts (GEMM indices of `args`) over the token groups of inp2d [T, K]; while calibrating, each
+    expert's input and weight amaxes are recorded first."""
+    if not args[0].fp8 and args[0].fwd is not None:  # calibrating: high precision, amaxes recorded per expert
+        for a, x, w in zip(args, torch.split(inp2d, m_splits), weights):
+            module._calibrate(a, x, w)
+    return grouped_linear(inp2d, m_splits, weights, biases, args, per_expert=linear)
 
 
 def check_num_gemms(value: object) -> int:
@@ -117,12 +127,8 @@ class GroupedLinear(FP8Module):
         tokens = inp.numel() // self.in_features
         splits = check_m_splits(m_splits, self.num_gemms, tokens, owner)
         args = self._prepare(inp.device, is_first_microbatch)
-        inp2d = inp.reshape(tokens, self.in_features)
-        if not args[0].fp8 and autocast.is_calibrating() and args[0].fwd is not None:
-            for a, x, w in zip(args, torch.split(inp2d, splits), weights):
-                self._calibrate(a, x, w)
-        out = grouped_linear(inp2d, splits, weights, [None] * self.num_gemms if self.return_bias else biases,
-                             args, per_expert=linear)
+        out = run_grouped(self, inp.reshape(tokens, self.in_features), splits, weights,
+                          [None] * self.num_gemms if self.return_bias else biases, args)
         out = out.view(*inp.shape[:-1], self.out_features)
         return (out, self._returned_bias(biases)) if self.return_bias else out
 
