@@ -190,9 +190,53 @@ def test_fp8_model_init(case: Case):
     assert_bits(dx, dx_ref, "dx")
 
 
-def test_stacked_refuses_fp8_model_init():
+def test_stacked_refuses_fp8_model_init_and_fused_wgrad():
     with engine.fp8_model_init(recipe=DelayedScaling()), pytest.raises(TypeError, match="GroupedLinear"):
         engine.StackedGroupedLinear(E, K, N)
+    with pytest.raises(ValueError, match="main_grad per expert"):
+        engine.StackedGroupedLinear(E, K, N, fuse_wgrad_accumulation=True)
+
+
+def test_fuse_wgrad_accumulation_and_torch_autocast():
+    """Per-expert main_grad accumulation, and torch.autocast(bf16) around the forward: as per-expert Linears."""
+    torch.manual_seed(8)
+    recipe = MXFP8BlockScaling()
+    module = engine.GroupedLinear(E, K, N, fuse_wgrad_accumulation=True)
+    refs = []
+    for weight, bias in expert_weights(module):
+        ref = engine.Linear(K, N, fuse_wgrad_accumulation=True)
+        ref.load_state_dict({"weight": weight, "bias": bias})
+        refs.append(ref)
+    for p in [*(w for w, _ in expert_weights(module)), *(r.weight for r in refs)]:
+        p.main_grad = torch.zeros(N, K)
+    splits = SPLITS["zero_and_one"]
+    x, dy = torch.randn(sum(splits), K), torch.randn(sum(splits), N, dtype=torch.bfloat16)
+    outs = []
+    for run in (lambda t: module(t, splits), lambda t: torch.cat([r(te) for r, te in zip(refs, torch.split(t, splits))])):
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), engine.fp8_autocast(recipe=recipe):
+            y = run(xr)
+        y.backward(dy)
+        outs.append((y, xr.grad))
+    assert_bits(outs[0][0], outs[1][0], "out")
+    assert_bits(outs[0][1], outs[1][1], "dx")
+    for e, ((w, _), ref) in enumerate(zip(expert_weights(module), refs)):
+        assert_bits(w.main_grad, ref.weight.main_grad, f"main_grad {e}")
+        assert w.main_grad.abs().sum() > 0 or splits[e] == 0
+
+
+def test_torch_autocast_on_the_grouped_path():
+    """torch.autocast(bf16) with a recipe the grouped path takes (MXFP8): bf16 output, the per-expert Linears' bits."""
+    torch.manual_seed(9)
+    module = engine.GroupedLinear(E, K, N)
+    refs = reference_linears(module)
+    splits = SPLITS["zero_and_one"]
+    x = torch.randn(sum(splits), K)
+    with torch.autocast("cpu", dtype=torch.bfloat16), engine.fp8_autocast(recipe=MXFP8BlockScaling()):
+        y = module(x, splits)
+        want = torch.cat([r(xe) for r, xe in zip(refs, torch.split(x, splits))])
+    assert y.dtype == torch.bfloat16
+    assert_bits(y, want, "out")
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), engine.recipes.NVFP4BlockScaling()], ids=lambda r: r.name)

@@ -143,10 +143,15 @@ class GroupedLinear(FP8Module):
 class StackedGroupedLinear(GroupedLinear):
     """GroupedLinear over one stacked `weight` [E, N, K] (and `bias` [E, N]), the layout of Hugging Face
     transformers 5.x and torchtitan experts. Expert e reads `weight[e]`; its gradient lands in `weight.grad[e]`.
-    FP8 primary weights (fp8_model_init) are not supported for this layout (a TypeError says so)."""
+    FP8 primary weights (fp8_model_init) and fuse_wgrad_accumulation are not supported for this layout (an error
+    says so and names GroupedLinear)."""
 
     def _make_parameters(self, dtype: torch.dtype, device: torch.device | str | None,
                          init_method: InitMethod | None) -> None:
+        if self.fuse_wgrad_accumulation:
+            raise ValueError("StackedGroupedLinear: fuse_wgrad_accumulation=True needs a main_grad per expert weight; "
+                             "use engine.GroupedLinear (weight0..weight{E-1}, each with its own main_grad), or "
+                             "fuse_wgrad_accumulation=False")
         if autocast.is_fp8_model_init():
             raise TypeError("StackedGroupedLinear: fp8_model_init is not supported for a stacked [E, N, K] weight "
                             "(a quantized tensor is 2-D); use engine.GroupedLinear (weight0..weight{E-1}) for FP8 "
