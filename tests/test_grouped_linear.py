@@ -316,3 +316,24 @@ def test_bad_input_and_arguments():
         engine.GroupedLinear(0, K, N)
     with pytest.raises(TypeError, match="params_dtype"):
         engine.StackedGroupedLinear(E, K, N, params_dtype=torch.int8)
+
+
+def test_inspect_names_each_expert():
+    """engine.inspect watches each expert's GEMMs (the per-expert path), named `<module>.expert<e>`."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = engine.GroupedLinear(E, K, N)
+
+        def forward(self, x):
+            return self.experts(x, [3, 0, 6, 1])
+
+    model = Model()
+    with engine.inspect(model) as inspector:
+        with engine.fp8_autocast(recipe=MXFP8BlockScaling()):
+            y = model(torch.randn(10, K, requires_grad=True))
+        y.sum().backward()
+    names = {r["layer"] for r in inspector.records}
+    assert names == {f"experts.expert{e}" for e in range(E)}
+    assert {r["gemm"] for r in inspector.records if r["kind"] == "gemm"} == {"fprop", "dgrad", "wgrad"}

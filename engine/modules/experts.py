@@ -43,7 +43,7 @@ class GroupedExperts(FP8Module):
         self.fuse_wgrad_accumulation = False
         self.num_gemms = 2 * self.num_experts
         self.weight_names = ("gate_up_proj", "down_proj")
-        self.gemm_names = ("fc1",) * self.num_experts + ("fc2",) * self.num_experts
+        self.gemm_names = tuple(f"{proj}.expert{e}" for proj in ("gate_up_proj", "down_proj") for e in range(num_experts))
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
         dtype = check_params_dtype(params_dtype)
         gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)

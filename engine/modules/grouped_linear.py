@@ -100,7 +100,8 @@ class GroupedLinear(FP8Module):
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.use_bias = bias
-        self.gemm_names = ("",) * self.num_gemms  # each expert is one Linear to a CustomRecipe's factory
+        # each expert's name for a CustomRecipe's factory (QuantizerRole.name), engine.inspect and Debug's dumps
+        self.gemm_names = tuple(f"expert{e}" for e in range(self.num_gemms))
         self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
         self._make_parameters(check_params_dtype(params_dtype), device, init_method)
 
