@@ -184,6 +184,8 @@ def test_grouped_experts_bad_input():
         experts(torch.randn(5, 31), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))
     with pytest.raises(ValueError, match="sum to the number of tokens"):
         experts.grouped(x, [1, 1, 1, 1])
+    with engine.fp8_model_init(recipe=engine.recipes.DelayedScaling()), pytest.raises(TypeError, match="2-D"):
+        engine.GroupedExperts(4, 32, 16)
 
 
 def test_grouped_experts_drops_out_of_range_slots():

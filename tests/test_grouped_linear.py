@@ -342,3 +342,19 @@ def test_inspect_names_each_expert():
     names = {r["layer"] for r in inspector.records}
     assert names == {f"experts.expert{e}" for e in range(E)}
     assert {r["gemm"] for r in inspector.records if r["kind"] == "gemm"} == {"fprop", "dgrad", "wgrad"}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_return_bias(layout: str):
+    """return_bias: the output without the biases, and the biases (TE: a list; stacked: the [E, N] parameter)."""
+    torch.manual_seed(10)
+    module = LAYOUTS[layout](E, K, N, return_bias=True)
+    splits = SPLITS["zero_and_one"]
+    x = torch.randn(sum(splits), K)
+    with torch.no_grad():
+        out, biases = module(x, splits)
+        want = torch.cat([torch.nn.functional.linear(xe, w) for xe, (w, _) in zip(torch.split(x, splits),
+                                                                                    expert_weights(module))])
+    assert_bits(out, want, "out without bias")
+    assert [b.data_ptr() for b in (biases if layout == "weights" else biases.unbind(0))] == \
+        [b.data_ptr() for _, b in expert_weights(module)]

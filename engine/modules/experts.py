@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from engine import autocast
 from engine.checks import check_params_dtype
 from engine.modules.base import FP8Module
 from engine.modules.grouped_linear import check_m_splits, check_num_gemms, run_grouped
@@ -39,6 +40,10 @@ class GroupedExperts(FP8Module):
         self.intermediate_dim = check_features(intermediate_size, "intermediate_size")
         if act_fn is not None and not callable(act_fn):
             raise TypeError(f"act_fn: expected a module or callable (the gate's activation), got {type(act_fn).__name__}")
+        if autocast.is_fp8_model_init():
+            raise TypeError("GroupedExperts: fp8_model_init is not supported for stacked [E, N, K] expert weights (a "
+                            "quantized tensor is 2-D); build it outside fp8_model_init (its GEMMs are quantized "
+                            "inside fp8_autocast either way)")
         self.act_fn = torch.nn.SiLU() if act_fn is None else act_fn
         self.fuse_wgrad_accumulation = False
         self.num_gemms = 2 * self.num_experts

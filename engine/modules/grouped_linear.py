@@ -77,7 +77,7 @@ class GroupedLinear(FP8Module):
 
     `forward(inp, m_splits, is_first_microbatch=None)`, as Transformer Engine's GroupedLinear: `inp` [..., K]
     viewed as [T, K], `m_splits` the tokens per expert (sum T; zeros allowed); out [..., N].
-    `return_bias` returns (out, [bias_e]) with the biases not added.
+    `return_bias` returns (out, [bias_e]) with the biases not added (StackedGroupedLinear: (out, bias [E, N])).
     """
 
     def __init__(
