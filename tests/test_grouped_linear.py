@@ -358,3 +358,50 @@ def test_return_bias(layout: str):
     assert_bits(out, want, "out without bias")
     assert [b.data_ptr() for b in (biases if layout == "weights" else biases.unbind(0))] == \
         [b.data_ptr() for _, b in expert_weights(module)]
+
+
+@pytest.mark.parametrize("case", DEFAULTS, ids=str)
+def test_grouped_experts_bit_exact_to_per_expert_linears(case: Case):
+    """engine.GroupedExperts.grouped: per expert, gate_up and down as two engine.Linear modules (GEMM indices e
+    and E + e of its states), the gate's SiLU times up between; two steps, forward and every gradient."""
+    recipe = case.recipe()
+    torch.manual_seed(11)
+    hidden, inter = 32, 32
+    experts = engine.GroupedExperts(E, hidden, inter)
+    fc1 = [engine.Linear(hidden, 2 * inter, bias=False) for _ in range(E)]
+    fc2 = [engine.Linear(inter, hidden, bias=False) for _ in range(E)]
+    with torch.no_grad():
+        for e in range(E):
+            fc1[e].weight.copy_(experts.gate_up_proj[e])
+            fc2[e].weight.copy_(experts.down_proj[e])
+    experts._build_states(recipe, torch.device("cpu"))
+    for refs, offset in ((fc1, 0), (fc2, E)):  # the references get the streams of their GEMM index
+        for e, ref in enumerate(refs):
+            ref._build_states(recipe, torch.device("cpu"))
+            for mine, theirs in ((experts._fwd_state, ref._fwd_state), (experts._bwd_state, ref._bwd_state)):
+                for op in OPERANDS:
+                    if op[1].is_forward != (mine is experts._fwd_state):
+                        continue
+                    q = mine.operand(op, offset + e)
+                    if q is not None and getattr(q.rule, "rng_counter", None) is not None:
+                        theirs.operand(op, 0).rule.rng_counter.copy_(q.rule.rng_counter)
+    splits = SPLITS["zero_and_one"]
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, dy = torch.randn(sum(splits), hidden, generator=g), torch.randn(sum(splits), hidden, generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with engine.fp8_autocast(recipe=recipe):
+            y = experts.grouped(xa, splits)
+            outs = []
+            for e, xe in enumerate(torch.split(xb, splits)):
+                gate, up = fc1[e](xe).chunk(2, dim=-1)
+                outs.append(fc2[e](torch.nn.functional.silu(gate) * up))
+            want = torch.cat(outs)
+        y.backward(dy)
+        want.backward(dy)
+        assert_bits(y.detach(), want.detach(), f"out step {step}")
+        assert_bits(xa.grad, xb.grad, f"dx step {step}")
+    for e in range(E):
+        for got, ref, what in ((experts.gate_up_proj.grad[e], fc1[e], "gate_up"), (experts.down_proj.grad[e], fc2[e], "down")):
+            want = ref.weight.grad if ref.weight.grad is not None else torch.zeros_like(ref.weight)
+            assert_bits(got, want, f"{what} grad {e}")

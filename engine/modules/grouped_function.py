@@ -5,11 +5,11 @@ Two paths, the same bits (tests/test_grouped_linear.py checks both against per-e
 - per expert: `linear()` (the function engine.Linear runs: eager, compiled, DTensor, inspect) once per expert on its
   rows; always correct, and what torch.compile, tensor parallel, engine.inspect, calibration and
   `fuse_wgrad_accumulation` take.
-- grouped (eager, quantized, every recipe): one autograd node for all experts. Where the recipe's rowwise quantizer of the input
-  (fprop) or of the output gradient (dgrad) scales each row on its own (MX 1x32, NVFP4-free 1x128 blocks, torchao's
-  rowwise: no per-tensor scale, no state, no stochastic rounding, the same quantizer config for every expert), that
-  operand is quantized in ONE pass over all tokens and each expert reads its rows as a slice (the bits of a per-expert
-  quantization: no scale block spans two tokens). Per-tensor scaling (delayed, current) and NVFP4 (a per-tensor amax)
+- grouped (eager, quantized, every recipe): one autograd node for all experts. Where the recipe's rowwise
+  quantizer of the input (fprop) or of the output gradient (dgrad) scales each row on its own (MX 1x32, block
+  scaling's 1x128, torchao's rowwise: no per-tensor scale, no state, no stochastic rounding, the same quantizer
+  config for every expert), that operand is quantized in ONE pass over all tokens and each expert reads its rows
+  as a slice (the bits of a per-expert quantization: no scale block spans two tokens). Per-tensor scaling (delayed, current) and NVFP4 (a per-tensor amax)
   need one scale per expert: those operands are quantized per expert. The GEMMs run per expert (torch's CPU
   `_grouped_mm` is itself a loop over the groups, and no faster), without an autograd node, a split and a cat each.
 """
@@ -63,10 +63,10 @@ def _groupable(inp2d: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     return True
 
 
-def row_local(state: RecipeState, role: Role, num_experts: int) -> bool:
-    """Whether `role`'s rowwise quantizer scales each row by itself, the same for every expert: then one pass over
-    all tokens gives every expert's bits."""
-    first = state.uses(role, 0)[0]
+def row_local(state: RecipeState, role: Role, gemms: Sequence[int]) -> bool:
+    """Whether `role`'s rowwise quantizer scales each row by itself, the same for every GEMM of `gemms` (the
+    experts' indices in the recipe state): then one pass over all tokens gives every expert's bits."""
+    first = state.uses(role, gemms[0])[0]
     if first is None:
         return False
     scheme, rule = first.scheme, first.rule
@@ -76,7 +76,7 @@ def row_local(state: RecipeState, role: Role, num_experts: int) -> bool:
     if any(entry.stateful and isinstance(rule, entry.rule) for entry in RULE_ENTRIES.values()):
         return False  # delayed scaling: a scale and an amax record per expert
     config = first.config()
-    return all((q := state.uses(role, e)[0]) is not None and q.config() == config for e in range(1, num_experts))
+    return all((q := state.uses(role, g)[0]) is not None and q.config() == config for g in gemms[1:])
 
 
 def _offsets(m_splits: Sequence[int]) -> list[int]:
@@ -86,10 +86,11 @@ def _offsets(m_splits: Sequence[int]) -> list[int]:
     return out
 
 
-def rowwise_slices(t: torch.Tensor, state: RecipeState, role: Role, m_splits: Sequence[int]) -> list[GemmInput]:
-    """t [T, K] quantized rowwise in one pass by expert 0's quantizer (row-local: `row_local`), cut into each
-    expert's rows (views)."""
-    quantizer = state.uses(role, 0)[0]
+def rowwise_slices(t: torch.Tensor, state: RecipeState, role: Role, gemm: int,
+                   m_splits: Sequence[int]) -> list[GemmInput]:
+    """t [T, K] quantized rowwise in one pass by GEMM `gemm`'s quantizer (row-local: `row_local`, so any expert's
+    gives the same bits), cut into each expert's rows (views)."""
+    quantizer = state.uses(role, gemm)[0]
     quantizer.set_usage(rowwise=True, columnwise=False)
     storage = quantizer.quantize_storage(t)
     bounds = _offsets(m_splits)
@@ -111,16 +112,20 @@ class GroupedLinearFunction(torch.autograd.Function):
         need_dgrad = grad and ctx.needs_input_grad[0]
         need_wgrads = [grad and ctx.needs_input_grad[3 + e] for e in range(n)]
         fwd = args[0].fwd
-        x_rows = rowwise_slices(inp2d, fwd, Role.INPUT, m_splits) if row_local(fwd, Role.INPUT, n) else None
+        gemms = [a.gemm for a in args]  # the experts' GEMM indices in the module's states
+        x_rows = rowwise_slices(inp2d, fwd, Role.INPUT, gemms[0], m_splits) \
+            if row_local(fwd, Role.INPUT, gemms) else None
         bounds = _offsets(m_splits)
         outs, saved, hows = [], [], []
         for e in range(n):
             x_e = inp2d[bounds[e]:bounds[e + 1]]
             if x_rows is not None:
                 x_fprop = x_rows[e]
-                x_wgrad = quantize_uses(x_e, fwd, Role.INPUT, e, rowwise=False, columnwise=need_wgrads[e])[1]
+                x_wgrad = quantize_uses(x_e, fwd, Role.INPUT, gemms[e], rowwise=False,
+                                        columnwise=need_wgrads[e])[1]
             else:
-                x_fprop, x_wgrad = quantize_uses(x_e, fwd, Role.INPUT, e, rowwise=True, columnwise=need_wgrads[e])
+                x_fprop, x_wgrad = quantize_uses(x_e, fwd, Role.INPUT, gemms[e], rowwise=True,
+                                                 columnwise=need_wgrads[e])
             w_fprop, w_dgrad = weight_uses(weights[e], args[e], need_dgrad)
             if not isinstance(w_fprop, QuantizedTensorBase):
                 w_fprop = w_fprop.to(inp2d.dtype)
@@ -154,8 +159,9 @@ class GroupedLinearFunction(torch.autograd.Function):
         for how, count in ctx.hows:
             operands.append(restore(saved[:count], how)[0])
             saved = saved[count:]
-        dy_rows = rowwise_slices(dy, bwd, Role.GRAD_OUTPUT, m_splits) \
-            if need_dgrad and row_local(bwd, Role.GRAD_OUTPUT, n) else None
+        gemms = [a.gemm for a in args]
+        dy_rows = rowwise_slices(dy, bwd, Role.GRAD_OUTPUT, gemms[0], m_splits) \
+            if need_dgrad and row_local(bwd, Role.GRAD_OUTPUT, gemms) else None
         bounds = _offsets(m_splits)
         dxs, dws, dbs = [], [], []
         for e in range(n):
@@ -163,9 +169,10 @@ class GroupedLinearFunction(torch.autograd.Function):
             x_wgrad, w_dgrad = operands[2 * e], operands[2 * e + 1]
             if dy_rows is not None:
                 dy_dgrad = dy_rows[e]
-                dy_wgrad = quantize_uses(dy_e, bwd, Role.GRAD_OUTPUT, e, rowwise=False, columnwise=need_wgrads[e])[1]
+                dy_wgrad = quantize_uses(dy_e, bwd, Role.GRAD_OUTPUT, gemms[e], rowwise=False,
+                                         columnwise=need_wgrads[e])[1]
             else:
-                dy_dgrad, dy_wgrad = quantize_uses(dy_e, bwd, Role.GRAD_OUTPUT, e, rowwise=need_dgrad,
+                dy_dgrad, dy_wgrad = quantize_uses(dy_e, bwd, Role.GRAD_OUTPUT, gemms[e], rowwise=need_dgrad,
                                                    columnwise=need_wgrads[e])
             if need_dgrad:
                 dxs.append(general_gemm(dy_dgrad, w_dgrad, b_transposed=True, out_dtype=ctx.inp_dtype))
