@@ -3,7 +3,7 @@
 from engine import formats, memory, recipes
 from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  # engine.autocast: the module, callable as TE 2.x's autocast
 from engine.conversion import convert, unconvert
-from engine.modules import LayerNormLinear, LayerNormMLP, Linear
+from engine.modules import GroupedExperts, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, StackedGroupedLinear
 from engine.modules.recipe_maps import recipe_map_of, set_recipe_map
 from engine.modules.saving import plain_state_dict
 from engine.device import (
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Float8BlockQuantizer", "Float8BlockwiseTensor", "Float8CurrentScalingQuantizer", "Float8Quantizer",
-    "Float8Tensor", "LayerNormLinear", "LayerNormMLP", "Linear", "MXFP8Quantizer", "MXFP8Tensor", "MXQuantizer", "MXTensor",
+    "Float8Tensor", "GroupedExperts", "GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Linear", "StackedGroupedLinear", "MXFP8Quantizer", "MXFP8Tensor", "MXQuantizer", "MXTensor",
     "NVFP4Quantizer", "NVFP4Tensor",
     "QuantizedTensor", "QuantizedTensorBase", "Quantizer",
     "autocast", "convert", "fp8_autocast", "fp8_model_init", "formats", "get_device_info", "is_fp8_available",

@@ -21,7 +21,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = {"quantize": "bench_quantize", "gemm": "bench_gemm", "linear": "bench_linear",
-              "compile": "bench_compile", "mx": "bench_mx_small", "nvfp4": "bench_nvfp4", "inference": "bench_inference"}
+              "compile": "bench_compile", "mx": "bench_mx_small", "nvfp4": "bench_nvfp4", "inference": "bench_inference",
+              "moe": "bench_moe"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "how each recipe runs here")
     info.set_defaults(run=_info)
     bench = commands.add_parser("bench", help="print benchmark tables (quantize GB/s, GEMM GFLOP/s, Linear step)")
-    quick = [name for name in BENCHMARKS if name not in ("compile", "mx", "nvfp4", "inference")]  # minutes; by name
+    quick = [name for name in BENCHMARKS if name not in ("compile", "mx", "nvfp4", "inference", "moe")]  # minutes; by name
     bench.add_argument("which", nargs="?", type=_bench_list, default=quick,
                        help=f"benchmarks to run, comma separated, of {','.join(BENCHMARKS)} (default: {','.join(quick)})")
     bench.add_argument("extra", nargs=argparse.REMAINDER,

@@ -23,10 +23,12 @@ from torch import nn
 
 from engine.checks import check_bool, check_instance
 from engine.modules import FP8Module, LayerNormLinear, Linear
+from engine.modules.experts import GroupedExperts
 from engine.modules.recipe_maps import saved_recipe_map, set_recipe_map
 from engine.ops.reference import HIGH_PRECISION_DTYPES
 from engine.recipes import DelayedScaling, Recipe, RecipeMap
 from engine.recipes.recipe_map import as_recipe_map
+from engine import conversion_experts as experts
 from engine import conversion_layers as layers
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -43,7 +45,9 @@ def convert(
     fuse_norms: bool = False,
     recipe_map: RecipeMap | dict | None = None,
 ) -> nn.Module:
-    """Replace the model's nn.Linear and Conv1D layers with engine.Linear, in place; returns the model.
+    """Replace the model's nn.Linear and Conv1D layers with engine.Linear, and the experts of Hugging Face
+    mixture-of-experts models (Qwen2-MoE, Mixtral, Qwen3-MoE, OLMoE) with engine.GroupedExperts, in place;
+    returns the model. Their routers stay in high precision.
 
     Each converted layer keeps its Parameter objects (values bit for bit, dtype, device,
     `requires_grad`, `main_grad`, ties) and its training mode, and state_dict keys stay the
@@ -105,8 +109,12 @@ def convert(
             kinds[id(module)] = (module, _kind_to_convert(fqn, module))
         return kinds[id(module)][1]
 
+    moe = any(experts.is_hf_experts(m) for m in model.modules())
+
     def _kind_to_convert(fqn: str, module: nn.Module) -> str | None:
         if not layers.is_linear_like(module) or module is head:
+            return None
+        if moe and fqn.rsplit(".", 1)[-1] in experts.ROUTER_NAMES:  # a mixture of experts' router: high precision
             return None
         if module_filter is not None and not _filter_says(module_filter, fqn, module):
             return None
@@ -123,8 +131,19 @@ def convert(
         return fp8_recipe
 
     def replacement(fqn: str, module: nn.Module) -> nn.Module | None:
+        if experts.is_hf_experts(module):
+            return experts_replacement(fqn, module)
         kind = chosen(fqn, module)
         return None if kind is None else layers.to_engine_linear(module, kind, weight_recipe(fqn, module))
+
+    def experts_replacement(fqn: str, module: nn.Module) -> nn.Module | None:
+        if module_filter is not None and not _filter_says(module_filter, fqn, module):
+            return None
+        reason = experts.why_not_experts(module, fp8_weights)
+        if reason is not None:
+            skipped[fqn] = reason
+            return None
+        return experts.to_grouped_experts(module)
 
     if fuse_norms and not _fuse_sequential_norms(model, chosen, weight_recipe):
         warnings.warn("engine.convert: fuse_norms found no LayerNorm/RMSNorm directly followed by a converted "
@@ -160,6 +179,8 @@ def unconvert(model: nn.Module) -> nn.Module:
     skipped: list[str] = []
 
     def replacement(fqn: str, module: nn.Module) -> nn.Module | None:
+        if isinstance(module, GroupedExperts):
+            return experts.to_hf_experts(module)
         if type(module) is not Linear:
             return None
         if module.return_bias or module.fuse_wgrad_accumulation:

@@ -37,7 +37,7 @@ LAYERS: tuple[str, ...] = (
     "engine.recompute | engine.parameters",  # engine.checkpoint replays autocast; FP8 primary weights
     "engine.modules",
     "engine.distributed | engine.inference | engine.numerics",  # numerics: engine.inspect
-    "engine.conversion, engine.conversion_layers",  # convert / unconvert also move quantize_'s weights (Conv1D)
+    "engine.conversion, engine.conversion_layers, engine.conversion_experts",  # convert / unconvert also move quantize_'s weights (Conv1D)
     "engine",
     "engine.train",  # the demo: training, and the eval / generate commands over its model
     "engine.cli, engine.__main__",
