@@ -73,7 +73,8 @@ class MoEMLP(torch.nn.Module):
                 raise TypeError(f"experts: {type(fc).__name__} cannot drop experts (no keep(first, stop)); build "
                                 "MoEMLP with experts=engine.moe.ExpertLinears, or give the experts module keep()")
             fc.keep(first, stop)
-        self.group, self.local_experts = group, (first, stop)
+        self.group = dist.group.WORLD if group is None else group
+        self.local_experts = (first, stop)
 
     def capacity(self, tokens: int) -> int | None:
         """Rows an expert keeps at most for `tokens` tokens (None: all)."""
