@@ -58,3 +58,8 @@ def test_the_loss_adds_the_load_balancing_losses_and_dense_stays_the_default() -
 def test_top_k_above_the_experts_is_refused_naming_the_flags(tmp_path):
     with pytest.raises(SystemExit, match="--top-k, --moe: moe_top_k \\(5\\) must be at most moe_experts \\(4\\)"):
         main(["train", "--moe", "4", "--top-k", "5", "--steps", "1", "--out", str(tmp_path), *TINY])
+
+
+def test_tensor_parallel_is_refused_with_moe(tmp_path):
+    with pytest.raises(SystemExit, match="--tp 2: not with --moe"):
+        main(["train", "--moe", "4", "--nproc", "2", "--tp", "2", "--steps", "1", "--out", str(tmp_path), *TINY])
