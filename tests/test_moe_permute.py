@@ -124,6 +124,12 @@ def test_gradients_match_autograd_through_the_reference(case: str) -> None:
     torch.testing.assert_close(gp, torch.zeros_like(gp) if wp is None else wp)
 
 
+def test_num_out_tokens_minus_one_keeps_every_row_as_te_does() -> None:
+    x, indices = torch.randn(4, 8), torch.tensor([[0, 1], [1, -1], [1, 0], [-1, -1]])
+    rows, _, m_splits = permute(x, indices, -1, num_experts=2)
+    assert m_splits == [2, 3] and torch.equal(rows, x[[0, 2, 0, 1, 2]])
+
+
 def test_a_token_with_every_slot_dropped_gets_zeros_and_no_gradient() -> None:
     x = torch.randn(3, 4, requires_grad=True)
     indices = torch.tensor([[1, -1], [-1, -1], [0, 1]])

@@ -45,7 +45,8 @@ class MoEMLP(torch.nn.Module):
         if top_k > num_experts:
             raise ValueError(f"top_k: expected at most num_experts ({num_experts}), got {top_k}")
         if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
-            raise ValueError(f"capacity_factor: expected None (no token dropped) or a number > 0, got {capacity_factor!r}")
+            raise ValueError(f"capacity_factor: expected None (no token dropped) or a number > 0, "
+                             f"got {capacity_factor!r}")
         self.activation = check_activation(activation)
         self.normalize_top_k = normalize_top_k
         self.capacity_factor = capacity_factor

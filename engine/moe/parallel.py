@@ -65,7 +65,10 @@ def exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: Any
     return out
 
 
-def run_experts_parallel(rows: torch.Tensor, m_splits: list[int], experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+Experts = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def run_experts_parallel(rows: torch.Tensor, m_splits: list[int], experts: Experts,
                          group: dist.ProcessGroup | None) -> torch.Tensor:
     """`experts` (this rank's E/W) on the rows every rank routed to them; each row's output back where it came from.
 

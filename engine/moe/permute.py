@@ -65,7 +65,8 @@ class _Unpermute(torch.autograd.Function):
         token_grad = grad.index_select(0, route.source_rows).float()
         grad_rows = grad_probs = None
         if ctx.needs_input_grad[0]:
-            scaled = token_grad if probs is None else token_grad * probs.reshape(-1)[route.row_slots].float().unsqueeze(1)
+            weights = None if probs is None else probs.reshape(-1)[route.row_slots].float().unsqueeze(1)
+            scaled = token_grad if weights is None else token_grad * weights
             grad_rows = scaled.to(rows.dtype)
         if probs is not None and ctx.needs_input_grad[2]:
             flat = torch.zeros(probs.numel(), dtype=torch.float32, device=probs.device)
@@ -91,10 +92,12 @@ def permute(tokens: torch.Tensor, routing_map_or_indices: torch.Tensor, num_out_
 
     `routing_map_or_indices`: [T, K] int expert indices (-1: a dropped slot; then `num_experts` is needed) or a
     [T, E] bool routing map. `capacity`: rows an expert keeps at most (its earliest tokens). `num_out_tokens`: rows
-    kept at most (the last in expert order dropped). `tokens` may be a row-quantized QuantizedTensor (or storage):
-    its rowwise data and scales move, unchanged.
+    kept at most (the last in expert order dropped; None or -1, TE's default: all). `tokens` may be a
+    row-quantized QuantizedTensor (or storage): its rowwise data and scales move, unchanged.
     """
     _check_tokens(tokens)
+    if num_out_tokens == -1 and not isinstance(num_out_tokens, bool):  # TE's default: every kept row
+        num_out_tokens = None
     tokens_count = tokens.shape[0]
     if routing_map_or_indices.dim() >= 1 and routing_map_or_indices.shape[0] != tokens_count:
         raise ValueError(f"routing_map_or_indices: expected one row per token ({tokens_count}), got shape "
