@@ -63,3 +63,9 @@ def test_top_k_above_the_experts_is_refused_naming_the_flags(tmp_path):
 def test_tensor_parallel_is_refused_with_moe(tmp_path):
     with pytest.raises(SystemExit, match="--tp 2: not with --moe"):
         main(["train", "--moe", "4", "--nproc", "2", "--tp", "2", "--steps", "1", "--out", str(tmp_path), *TINY])
+
+
+def test_generate_runs_an_moe_checkpoint_cast_to_bf16_and_quantized(moe_run):
+    """`engine generate` casts the blocks to bf16 and quantize_s every linear layer, the router included."""
+    assert main(["generate", "--checkpoint", str(moe_run / "mxfp8.pt"), "--quantize", "bf16,int8wo",
+                 "--max-new-tokens", "2", "--repeats", "1", "--prompt", "def "]) == 0

@@ -91,7 +91,8 @@ class MoEMLP(torch.nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [..., {self.hidden_size}] (hidden_size last), got {got}")
         tokens = x.reshape(-1, self.hidden_size)
-        probs = torch.softmax(self.router(tokens.float()), dim=-1)
+        # fp32 as built; a router cast (engine generate casts blocks to bf16) or quantized for inference runs as such
+        probs = torch.softmax(self.router(tokens.to(self.router.weight.dtype)).float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         if self.normalize_top_k:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)

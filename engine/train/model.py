@@ -105,7 +105,9 @@ class MoEFeedForward(torch.nn.Module):
                                      activation="gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(self.norm(x.float()).to(x.dtype))
+        norm = self.norm  # in fp32 even when the block was cast to bf16 (as `engine generate` casts it)
+        normed = F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+        return self.moe(normed.to(x.dtype))
 
 
 class Block(torch.nn.Module):
