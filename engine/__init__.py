@@ -23,6 +23,7 @@ from engine.tensors import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, NVFP4Tensor, QuantizedTensor, QuantizedTensorBase,
 )
 from engine import distributed  # the layer above modules: registers the hooks the layers below call (engine.hooks)
+from engine import moe  # mixtures of experts: engine.moe.permute / unpermute, MoEMLP, expert parallel
 
 memory.tune_malloc()  # opt-in (ENGINE_MALLOC_TUNING=1): large CPU tensors reuse freed memory, not fresh pages
 

@@ -14,7 +14,8 @@ import torch
 
 from engine.cli import main
 
-SIZE = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "ffn_mult": 4}  # none of them the default
+SIZE = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "ffn_mult": 4,  # the shape flags: not defaults
+        "moe_experts": 0, "moe_top_k": 2}  # dense (the MoE fields, saved since --moe)
 FLAGS = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16"]
 QUICK = ["--batch-size", "4", "--eval-every", "10", "--no-progress"]
 

@@ -18,6 +18,8 @@ from engine.train.model import GPTConfig
 
 #: the GPTConfig fields `engine train` sets from flags
 SHAPE_FLAGS = {"d_model": "--d-model", "n_layers": "--layers", "n_heads": "--heads", "seq_len": "--seq-len"}
+#: the GPTConfig fields of the MoE flags: a checkpoint without model_config was dense (their defaults)
+MOE_FLAGS = {"moe_experts": "--moe", "moe_top_k": "--top-k"}
 #: what `train` reads from a checkpoint to resume
 RESUME_KEYS = ("model", "optimizer", "step")
 
@@ -61,7 +63,7 @@ def model_config_for_resume(checkpoint: dict[str, Any], path: str, given: dict[s
                              f"pass the run's {', '.join(missing)} (its model's shape)")
         config = GPTConfig(**{field: given[field] for field in SHAPE_FLAGS})
     else:
-        for field, flag in SHAPE_FLAGS.items():
+        for field, flag in {**SHAPE_FLAGS, **MOE_FLAGS}.items():
             value, kept = given.get(field), getattr(saved, field)
             if value is not None and value != kept:
                 raise ValueError(f"{flag} {value}: {path} holds a model with {flag} {kept}, and a resumed run keeps "

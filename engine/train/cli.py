@@ -14,7 +14,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from engine.cli_types import finite_positive, whole_number
-from engine.train.checkpoint import RESUME_KEYS, SHAPE_FLAGS, load_run_checkpoint, model_config_for_resume
+from engine.train.checkpoint import MOE_FLAGS, RESUME_KEYS, SHAPE_FLAGS, load_run_checkpoint, model_config_for_resume
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
@@ -56,6 +56,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=_positive, default=None, help=f"attention heads (default 4{shape})")
     p.add_argument("--seq-len", type=whole_number(_MIN_SEQ_LEN), default=None,
                    help=f"tokens (bytes) per sequence (default 128{shape})")
+    p.add_argument("--moe", type=whole_number(0), default=None, metavar="EXPERTS",
+                   help=f"mixture-of-experts MLPs with this many experts (engine.moe.MoEMLP; default 0: dense{shape})")
+    p.add_argument("--top-k", type=_positive, default=None,
+                   help=f"with --moe: experts per token (default 2{shape})")
     p.add_argument("--batch-size", type=_positive, default=16, help="sequences per step (default 16)")
     p.add_argument("--lr", type=finite_positive, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--eval-every", type=_positive, default=50, help="steps between validation passes (default 50)")
@@ -88,7 +92,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 #: the argparse destination of each shape flag (engine.train.checkpoint.SHAPE_FLAGS)
-_SHAPE_DESTS = {"d_model": "d_model", "n_layers": "layers", "n_heads": "heads", "seq_len": "seq_len"}
+_SHAPE_DESTS = {"d_model": "d_model", "n_layers": "layers", "n_heads": "heads", "seq_len": "seq_len",
+                "moe_experts": "moe", "moe_top_k": "top_k"}
 
 
 def _model_config(args: argparse.Namespace, checkpoint: dict | None) -> GPTConfig:
@@ -99,7 +104,9 @@ def _model_config(args: argparse.Namespace, checkpoint: dict | None) -> GPTConfi
     try:
         return GPTConfig(**{field: value for field, value in given.items() if value is not None})
     except ValidationError as err:
-        flags = [SHAPE_FLAGS[str(e["loc"][0])] for e in err.errors() if e["loc"]] or ["--d-model", "--heads"]
+        named = {**SHAPE_FLAGS, **MOE_FLAGS}
+        flags = [named[str(e["loc"][0])] for e in err.errors() if e["loc"]] or \
+            (["--top-k", "--moe"] if "moe_top_k" in str(err) else ["--d-model", "--heads"])
         raise ValueError(f"{', '.join(flags)}: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 

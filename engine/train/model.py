@@ -1,7 +1,8 @@
 """A small byte-level GPT built from engine modules - the whole model in one page.
 
 Each block is attention (LayerNormLinear for QKV, torch's scaled_dot_product_attention,
-Linear for the output projection) and an MLP (LayerNormMLP), both with residuals. The
+Linear for the output projection) and an MLP (LayerNormMLP; with `moe_experts`, a LayerNorm and an
+engine.moe.MoEMLP of that many experts, `moe_top_k` per token), both with residuals. The
 embeddings, final norm and LM head stay in high precision, as is usual for FP8 training.
 Parameters are fp32 (master weights); activations run in bf16 or fp32 (`activation_dtype`: the demo picks
 the one the machine's GEMMs are fast at). For decoding, `forward`
@@ -28,11 +29,15 @@ class GPTConfig(BaseModel):
     n_heads: int = Field(4, ge=1)
     seq_len: int = Field(128, ge=2)
     ffn_mult: int = Field(4, ge=1)
+    moe_experts: int = Field(0, ge=0)  # 0: dense MLPs; else experts per MoE MLP
+    moe_top_k: int = Field(2, ge=1)  # experts per token
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) must be at most moe_experts ({self.moe_experts})")
         return self
 
 
@@ -90,11 +95,27 @@ class Attention(torch.nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class MoEFeedForward(torch.nn.Module):
+    """LayerNorm (fp32) then a mixture of experts (engine.moe.MoEMLP: fp32 router, experts of engine.Linear)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(cfg.d_model)
+        self.moe = engine.moe.MoEMLP(cfg.d_model, cfg.ffn_mult * cfg.d_model, cfg.moe_experts, cfg.moe_top_k,
+                                     activation="gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm  # in fp32 even when the block was cast to bf16 (as `engine generate` casts it)
+        normed = F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps)
+        return self.moe(normed.to(x.dtype))
+
+
 class Block(torch.nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.attn = Attention(cfg)
-        self.mlp = engine.LayerNormMLP(cfg.d_model, cfg.ffn_mult * cfg.d_model, activation="gelu")
+        self.mlp = MoEFeedForward(cfg) if cfg.moe_experts else \
+            engine.LayerNormMLP(cfg.d_model, cfg.ffn_mult * cfg.d_model, activation="gelu")
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None, start: int = 0) -> torch.Tensor:
         x = x + self.attn(x, kv, start)
@@ -143,6 +164,10 @@ class GPT(torch.nn.Module):
         return self.head(self.norm(x.float()))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-byte cross-entropy over a [batch, seq + 1] window."""
+        """Next-byte cross-entropy over a [batch, seq + 1] window (plus the MoE blocks' load-balancing losses)."""
         logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), tokens[:, 1:].reshape(-1))
+        for block in self.blocks:
+            if isinstance(block.mlp, MoEFeedForward):
+                loss = loss + block.mlp.moe.aux_loss
+        return loss

@@ -40,6 +40,9 @@ def check_layout(nproc: int, tp: int, model: GPTConfig) -> None:
     """Refuse, naming the argument, a tensor-parallel degree that does not divide the ranks or the model."""
     if nproc % tp:
         raise ValueError(f"--tp: must divide the number of processes ({nproc}), got {tp}")
+    if model.moe_experts and tp > 1:
+        raise ValueError(f"--tp {tp}: not with --moe (the tensor-parallel plan splits dense MLPs); MoE runs shard "
+                         "with FSDP2 only: leave --tp out")
     if model.n_heads % tp:
         raise ValueError(f"--tp: must divide --heads ({model.n_heads}) so each rank holds whole heads, got {tp}")
     if model.ffn_mult * model.d_model % tp:
