@@ -145,6 +145,65 @@ def test_random_data_within_the_exact_gemm_bound(results, case_id, split):
         assert out["launches"] == 2
 
 
+def compile_for_gpus(path: str) -> None:
+    """The kernel compiled for sm_80 and sm_90 (no GPU needed) in each configuration the launcher uses; a report of
+    each: cubin size, FP8 conversion instructions, fp32 ops (to `path`, JSON)."""
+    import json
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.ops.triton import grouped_gemm as module
+
+    fn = module._grouped_gemm_kernel
+    pointers = ("a_ptr", "b_ptr", "tile_group_ptr", "tile_row_ptr", "group_end_ptr")
+    report = []
+    for tiled, e8m0, fmt_b in ((False, False, (2, 5, 15, True)), (True, True, (3, 4, 7, False)),
+                               (True, False, (3, 4, 7, False))):
+        consts = dict(zip(("A_MAN", "A_EXP", "A_BIAS", "A_IEEE"), (3, 4, 7, False)),
+                      **dict(zip(("B_MAN", "B_EXP", "B_BIAS", "B_IEEE"), fmt_b)), TILED=tiled, E8M0=e8m0,
+                      A_TILE_ROWS=1, B_TILE_ROWS=128 if tiled and not e8m0 else 1, TILE_COLS=32 if e8m0 else 128,
+                      HAS_BIAS=True, BLOCK_M=module.BLOCK_M, BLOCK_N=module.BLOCK_N, BLOCK_K=module.BLOCK_K)
+        types = {name: ("*u8" if name in pointers[:2] else "*i32") if name in pointers else
+                 ("*u8" if name in ("a_scale_ptr", "b_scale_ptr") and e8m0 else "*fp32") if name.endswith("_ptr")
+                 else "i32" for name in fn.arg_names}
+        sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
+        for arch in (80, 90):
+            entry = {"arch": arch, "tiled": tiled, "e8m0": e8m0}
+            try:
+                k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                                   options={"num_warps": module.NUM_WARPS, **module.LAUNCH_OPTIONS})
+                ptx = k.asm["ptx"]
+                entry.update(cubin_bytes=len(k.asm["cubin"]),
+                             fp8_cvt=sorted(set(re.findall(r"\bcvt\.[a-z0-9.]*e[45]m[23][a-z0-9.]*", ptx))),
+                             ftz=sorted(set(re.findall(r"\b[a-z]+\.[a-z.]*ftz[a-z.]*f32\b", ptx))))
+            except Exception as exc:  # reported; the test fails on it
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+            report.append(entry)
+    with open(path, "w") as f:
+        json.dump(report, f)
+
+
+def test_the_kernel_compiles_for_gpus(tmp_path):
+    """sm_80 and sm_90 cubins for per-tensor, E8M0-tile and fp32-tile operands: no FP8 conversion instruction (codes
+    are decoded by integer ops), no flush-to-zero."""
+    import json
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, __file__, "--compile", str(tmp_path / "report.json")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report) == 6
+    for entry in report:
+        assert "error" not in entry, entry
+        assert entry["cubin_bytes"] > 0 and entry["fp8_cvt"] == [] and entry["ftz"] == [], entry
+
+
 def test_grouped_gemms_go_to_triton_on_cuda(monkeypatch):
     from engine.gemm.grouped import uses_triton
 
@@ -159,3 +218,5 @@ def test_grouped_gemms_go_to_triton_on_cuda(monkeypatch):
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--compile":
+        compile_for_gpus(sys.argv[2])
