@@ -35,26 +35,26 @@ def _data(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor
     return torch.randn(shape, generator=g)
 
 
-def _run_case(case, data: str, splits: list[int]) -> dict:
+def _run_case(case, data: str, splits: list[int], dtype: torch.dtype = torch.float32) -> dict:
     import engine
     from test_grouped_linear import share_streams
 
     g = torch.Generator().manual_seed(0)
-    module = engine.GroupedLinear(E, K, N)
+    module = engine.GroupedLinear(E, K, N, params_dtype=dtype)
     with torch.no_grad():
         for e in range(E):
             getattr(module, f"weight{e}").copy_(_data(data, (N, K), g))
             getattr(module, f"bias{e}").copy_(_data(data, (N,), g))
     refs = []
     for e in range(E):
-        ref = engine.Linear(K, N)
+        ref = engine.Linear(K, N, params_dtype=dtype)
         with torch.no_grad():
             ref.weight.copy_(getattr(module, f"weight{e}"))
             ref.bias.copy_(getattr(module, f"bias{e}"))
         refs.append(ref)
     recipe = case.recipe()
     share_streams(module, refs, recipe)  # stochastic rounding: reference e gets expert e's counters
-    x, dy = _data(data, (sum(splits), K), g), _data(data, (sum(splits), N), g)
+    x, dy = _data(data, (sum(splits), K), g).to(dtype), _data(data, (sum(splits), N), g).to(dtype)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     with engine.fp8_autocast(recipe=recipe):
         y = module(xa, splits)
@@ -93,6 +93,11 @@ def worker(path: str) -> None:
                 out = _run_case(case, data, splits)
                 out["launches"] = launches[0]
                 results[(case.id, data, name)] = out
+        if case.id in KERNEL_RECIPES:  # bf16 activations and outputs: the kernel's fp32 result rounded once
+            launches[0] = 0
+            out = _run_case(case, "integer", SPLITS["zero_and_one"], torch.bfloat16)
+            out["launches"] = launches[0]
+            results[(case.id, "integer-bf16", "zero_and_one")] = out
     torch.save(results, path)
 
 
@@ -123,6 +128,14 @@ def test_integer_data_bitwise(results, case_id, split):
         assert out["launches"] == 2, "fprop and dgrad each one grouped launch"
     for got, want in (("y", "y_ref"), ("dx", "dx_ref"), ("dw", "dw_ref")):
         assert torch.equal(out[got].view(torch.int32), out[want].view(torch.int32)), got
+
+
+@pytest.mark.parametrize("case_id", sorted(KERNEL_RECIPES))
+def test_bf16_integer_data_bitwise(results, case_id):
+    out = results[(case_id, "integer-bf16", "zero_and_one")]
+    assert out["launches"] == 2 and out["y"].dtype == torch.bfloat16
+    for got, want in (("y", "y_ref"), ("dx", "dx_ref"), ("dw", "dw_ref")):
+        assert torch.equal(out[got].view(torch.int16), out[want].view(torch.int16)), got
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
@@ -205,6 +218,7 @@ def test_the_kernel_compiles_for_gpus(tmp_path):
 
 
 def test_grouped_gemms_go_to_triton_on_cuda(monkeypatch):
+    from engine.gemm import grouped
     from engine.gemm.grouped import uses_triton
 
     monkeypatch.delenv("ENGINE_BACKEND", raising=False)
@@ -212,6 +226,9 @@ def test_grouped_gemms_go_to_triton_on_cuda(monkeypatch):
     monkeypatch.setenv("ENGINE_BACKEND", "triton")
     assert uses_triton(torch.device("cpu"))
     monkeypatch.setenv("ENGINE_BACKEND", "native")
+    assert not uses_triton(torch.device("cuda"))
+    monkeypatch.delenv("ENGINE_BACKEND")
+    monkeypatch.setattr(grouped, "triton_installed", lambda: False)  # no Triton: the per-expert GEMMs
     assert not uses_triton(torch.device("cuda"))
 
 

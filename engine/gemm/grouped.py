@@ -12,6 +12,8 @@ fp32 sum in an unspecified order, the scale product and bias in fp32, one roundi
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Sequence
 
 import torch
@@ -26,10 +28,16 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 TILE_COLS_MULTIPLE = 32  # the kernel's BLOCK_K
 
 
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def uses_triton(device: torch.device) -> bool:
-    """Whether grouped GEMMs on `device` run the Triton kernel: CUDA tensors, or ENGINE_BACKEND=triton."""
+    """Whether grouped GEMMs on `device` run the Triton kernel: CUDA tensors (where Triton is installed; else the
+    per-group GEMMs, torch._scaled_mm on CUDA), or ENGINE_BACKEND=triton."""
     forced = ops_backend.forced_backend()
-    return forced == "triton" or (device.type == "cuda" and forced in (None, "triton"))
+    return forced == "triton" or (device.type == "cuda" and forced is None and triton_installed())
 
 
 def _fp8(op: GemmOperand) -> bool:
