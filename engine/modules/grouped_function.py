@@ -24,6 +24,7 @@ import torch
 from engine import autocast
 from engine.dtensor import any_dtensor
 from engine.gemm import general_gemm
+from engine.gemm.grouped import grouped_gemm, uses_triton
 from engine.modules.linear_function import (
     GemmInput, LinearArgs, quantize_uses, restore, same_rows, save_for_backward, torch_autocast_on, weight_uses,
 )
@@ -97,6 +98,24 @@ def rowwise_slices(t: torch.Tensor, state: RecipeState, role: Role, gemm: int,
     return [slice_rows(storage, bounds[e], bounds[e + 1]) for e in range(len(m_splits))]
 
 
+def _grouped_gemms(a: list[GemmInput], b: list[GemmInput], m_splits: Sequence[int], b_transposed: bool,
+                   out_dtype: torch.dtype, biases: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+    """Row group e of the output = a[e] @ op(b[e])^T (+ biases[e]): on CUDA (or ENGINE_BACKEND=triton) one Triton
+    launch where it covers the pair (engine.gemm.grouped), else one general_gemm per group."""
+    if uses_triton(a[0].device if isinstance(a[0], torch.Tensor) else _device_of(a[0])):
+        out = grouped_gemm(a, b, m_splits, b_transposed=b_transposed, out_dtype=out_dtype, biases=biases)
+        if out is not None:
+            return out
+    outs = [general_gemm(a_e, b_e, b_transposed=b_transposed, out_dtype=out_dtype,
+                         bias=None if biases is None else biases[e]) for e, (a_e, b_e) in enumerate(zip(a, b))]
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _device_of(t: QuantizedTensorBase) -> torch.device:
+    data = t.rowwise_data if t.rowwise_data is not None else t.columnwise_data
+    return data.device
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     """Every expert's y_e = x_e W_e^T + b_e as one autograd node, on quantized operands (see the module docstring)."""
 
@@ -116,7 +135,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         x_rows = rowwise_slices(inp2d, fwd, Role.INPUT, gemms[0], m_splits) \
             if row_local(fwd, Role.INPUT, gemms) else None
         bounds = _offsets(m_splits)
-        outs, saved, hows = [], [], []
+        x_fprops, w_fprops, saved, hows = [], [], [], []
         for e in range(n):
             x_e = inp2d[bounds[e]:bounds[e + 1]]
             if x_rows is not None:
@@ -129,16 +148,16 @@ class GroupedLinearFunction(torch.autograd.Function):
             w_fprop, w_dgrad = weight_uses(weights[e], args[e], need_dgrad)
             if not isinstance(w_fprop, QuantizedTensorBase):
                 w_fprop = w_fprop.to(inp2d.dtype)
-            bias = biases[e]
-            outs.append(general_gemm(x_fprop, w_fprop, out_dtype=inp2d.dtype,
-                                     bias=None if bias is None else bias.to(inp2d.dtype)))
+            x_fprops.append(x_fprop)
+            w_fprops.append(w_fprop)
             for operand in (x_wgrad, w_dgrad):
                 tensors, how = save_for_backward(operand)
                 saved += tensors
                 hows.append((how, len(tensors)))
         ctx.hows = hows
         ctx.save_for_backward(*saved)
-        return torch.cat(outs) if n > 1 else outs[0]
+        return _grouped_gemms(x_fprops, w_fprops, m_splits, False, inp2d.dtype,
+                              [None if b is None else b.to(inp2d.dtype) for b in biases])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -163,7 +182,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         dy_rows = rowwise_slices(dy, bwd, Role.GRAD_OUTPUT, gemms[0], m_splits) \
             if need_dgrad and row_local(bwd, Role.GRAD_OUTPUT, gemms) else None
         bounds = _offsets(m_splits)
-        dxs, dws, dbs = [], [], []
+        dy_dgrads, w_dgrads, dws, dbs = [], [], [], []
         for e in range(n):
             dy_e = dy[bounds[e]:bounds[e + 1]]
             x_wgrad, w_dgrad = operands[2 * e], operands[2 * e + 1]
@@ -175,7 +194,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                 dy_dgrad, dy_wgrad = quantize_uses(dy_e, bwd, Role.GRAD_OUTPUT, gemms[e], rowwise=need_dgrad,
                                                    columnwise=need_wgrads[e])
             if need_dgrad:
-                dxs.append(general_gemm(dy_dgrad, w_dgrad, b_transposed=True, out_dtype=ctx.inp_dtype))
+                dy_dgrads.append(dy_dgrad)
+                w_dgrads.append(w_dgrad)
             dw = None
             if need_wgrads[e]:
                 a, b = same_rows(dy_wgrad, x_wgrad)
@@ -185,5 +205,5 @@ class GroupedLinearFunction(torch.autograd.Function):
             bias_dtype = ctx.bias_dtypes[e]
             dbs.append(dy_e.sum(0).to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[3 + n + e]
                        else None)
-        dx = (torch.cat(dxs) if n > 1 else dxs[0]) if need_dgrad else None
+        dx = _grouped_gemms(dy_dgrads, w_dgrads, m_splits, True, ctx.inp_dtype, None) if need_dgrad else None
         return (dx, None, None, *dws, *dbs)
