@@ -405,3 +405,25 @@ def test_grouped_experts_bit_exact_to_per_expert_linears(case: Case):
         for got, ref, what in ((experts.gate_up_proj.grad[e], fc1[e], "gate_up"), (experts.down_proj.grad[e], fc2[e], "down")):
             want = ref.weight.grad if ref.weight.grad is not None else torch.zeros_like(ref.weight)
             assert_bits(got, want, f"{what} grad {e}")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_keep_holds_a_share_of_the_experts(layout: str):
+    """keep(first, stop) (expert parallel: a rank's share): experts first..stop-1 renumbered from 0, the same bits."""
+    torch.manual_seed(0)
+    whole = LAYOUTS[layout](4, 32, 16)
+    share = LAYOUTS[layout](4, 32, 16)
+    share.load_state_dict(whole.state_dict())
+    share.keep(1, 3)
+    assert share.num_gemms == 2 and len(share.expert_parameters()[0]) == 2
+    x = torch.randn(7, 32, dtype=torch.bfloat16)
+    recipe = engine.recipes.Float8CurrentScaling()
+    with engine.fp8_autocast(recipe=recipe):
+        want = whole(x, [0, 3, 4, 0])
+    with engine.fp8_autocast(recipe=recipe):
+        got = share(x, [3, 4])
+    assert_bits(got, want, "output")
+    with pytest.raises(RuntimeError, match="before the first step"):
+        whole.keep(0, 2)
+    with pytest.raises(ValueError, match="first < stop"):
+        share.keep(1, 1)

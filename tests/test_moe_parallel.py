@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import checkpoint_specs as specs
 import engine
-from engine.moe import MoEMLP, expert_parallel
+from engine.moe import ExpertLinears, MoEMLP, expert_parallel
 
 D, FFN, EXPERTS, TOKENS, STEPS, LR = 32, 32, 8, 12, 2, 0.1
 CASES = [None] + [c.__name__ for c in specs.exported_recipe_classes()]
@@ -49,7 +49,7 @@ class TinyMoE(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(D, D)
         self.norm = torch.nn.LayerNorm(D)
-        self.moe = MoEMLP(D, FFN, EXPERTS, top_k=2, aux_loss_coef=0.0)
+        self.moe = MoEMLP(D, FFN, EXPERTS, top_k=2, aux_loss_coef=0.0, experts=ExpertLinears)  # names per expert
         self.out = torch.nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

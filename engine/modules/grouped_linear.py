@@ -121,6 +121,36 @@ class GroupedLinear(FP8Module):
         return ([params[f"weight{e}"] for e in range(self.num_gemms)],
                 [params[f"bias{e}"] for e in range(self.num_gemms)])
 
+    def keep(self, first: int, stop: int) -> None:
+        """Hold only experts first..stop-1, renumbered from 0 (expert parallel: this rank's share of the experts).
+
+        Before the first step: the recipe states (an amax history per expert) are made for the experts held."""
+        if isinstance(first, bool) or isinstance(stop, bool) or not isinstance(first, int) \
+                or not isinstance(stop, int) or not 0 <= first < stop <= self.num_gemms:
+            raise ValueError(f"keep: expected 0 <= first < stop <= num_gemms ({self.num_gemms}), got "
+                             f"first={first!r}, stop={stop!r}")
+        if self._fwd_state is not None or self._pending_extra_state is not None:
+            raise RuntimeError(f"{type(self).__name__}.keep: call it before the first step and before loading a "
+                               "state dict (the experts' scaling state is per expert); build the model, call "
+                               "expert_parallel / keep, then load or train")
+        weights, biases = self.expert_parameters()
+        self._drop_parameters()
+        self.num_gemms = stop - first
+        self.gemm_names = tuple(f"expert{e}" for e in range(self.num_gemms))
+        self._weight_caches = [WeightCache() for _ in range(self.num_gemms)]
+        self._hold(weights[first:stop], biases[first:stop])
+
+    def _drop_parameters(self) -> None:
+        for name in list(self._parameters):
+            del self._parameters[name]
+
+    def _hold(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
+        """Register `weights` / `biases` (this module's own Parameters) as experts 0.. of this layout."""
+        self.weight_names = tuple(f"weight{e}" for e in range(len(weights)))
+        for e, (weight, b) in enumerate(zip(weights, biases)):
+            self.register_parameter(f"weight{e}", weight)
+            self.register_parameter(f"bias{e}", b)
+
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None):
         weights, biases = self.expert_parameters()
         owner = type(self).__name__
@@ -171,3 +201,7 @@ class StackedGroupedLinear(GroupedLinear):
 
     def _returned_bias(self, biases: list[torch.Tensor | None]):
         return self._parameters["bias"]
+
+    def _hold(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
+        self.weight = torch.nn.Parameter(torch.stack([w.detach() for w in weights]))
+        self.bias = None if biases[0] is None else torch.nn.Parameter(torch.stack([b.detach() for b in biases]))

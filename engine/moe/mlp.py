@@ -4,7 +4,7 @@ The router is a torch.nn.Linear in fp32 (high precision, as Transformer Engine a
 picks `top_k` experts per token (probabilities renormalised over them if `normalize_top_k`). Tokens are permuted into
 rows grouped by expert (`engine.moe.permute`, an expert keeping at most capacity_factor * T * k / E rows when
 `capacity_factor` is set), run through the experts' fc1, the activation and fc2 (grouped modules: `experts`, by
-default a loop of engine.Linear), and merged back weighted by their probabilities (`unpermute`). After each forward,
+engine.GroupedLinear by default; engine.moe.ExpertLinears is the per-expert loop it is measured against), and merged back weighted by their probabilities (`unpermute`). After each forward,
 `aux_loss` holds the load-balancing loss times `aux_loss_coef` (add it to the training loss). With `expert_parallel`
 (engine.moe.parallel), this rank holds E / world of the experts and exchanges rows with the others.
 """
@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from engine.modules.activations import ACTIVATIONS, GATED, check_activation
+from engine.modules.grouped_linear import GroupedLinear
 from engine.moe.aux_loss import load_balancing_loss
-from engine.moe.experts import ExpertLinears, ExpertsFactory
+from engine.moe.experts import ExpertsFactory
 from engine.moe.parallel import expert_range, run_experts_parallel
 from engine.moe.permute import permute, unpermute
 
@@ -37,7 +38,7 @@ class MoEMLP(torch.nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2, *,
                  activation: str = "gelu", bias: bool = False, normalize_top_k: bool = True,
                  capacity_factor: float | None = None, aux_loss_coef: float = 0.01,
-                 experts: ExpertsFactory = ExpertLinears, params_dtype: torch.dtype | None = None) -> None:
+                 experts: ExpertsFactory = GroupedLinear, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.hidden_size = _check_positive(hidden_size, "hidden_size")
         self.num_experts = _check_positive(num_experts, "num_experts")
@@ -72,7 +73,7 @@ class MoEMLP(torch.nn.Module):
         for fc in (self.fc1, self.fc2):
             if not callable(getattr(fc, "keep", None)):
                 raise TypeError(f"experts: {type(fc).__name__} cannot drop experts (no keep(first, stop)); build "
-                                "MoEMLP with experts=engine.moe.ExpertLinears, or give the experts module keep()")
+                                "MoEMLP with experts=engine.GroupedLinear (the default) or engine.moe.ExpertLinears, or give the experts module keep()")
             fc.keep(first, stop)
         self.group = dist.group.WORLD if group is None else group
         self.local_experts = (first, stop)
