@@ -16,11 +16,12 @@ from engine.recipes.plain import RECIPES, SAVED_RECIPES, recipe_from_plain, reci
 from engine.recipes.recipe_map import RecipeMap
 from engine.recipes.role import QuantizerRole
 from engine.recipes.rowwise import Float8RowwiseScaling
+from engine.recipes.schedule import RecipeSchedule
 
 __all__ = [
     "BACKWARD_ROLES", "CustomRecipe", "CustomRecipeState", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES",
     "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format", "Gemm", "MXFP4BlockScaling",
     "MXFP4MixedBlockScaling", "MXFP6BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "OPERANDS",
-    "OperandRecipe", "QuantizerRole", "QuantizerSpec", "RECIPES", "Recipe", "RecipeMap", "SAVED_RECIPES", "RecipeState", "Role",
+    "OperandRecipe", "QuantizerRole", "QuantizerSpec", "RECIPES", "Recipe", "RecipeMap", "RecipeSchedule", "SAVED_RECIPES", "RecipeState", "Role",
     "recipe_from_plain", "recipe_to_plain",
 ]
