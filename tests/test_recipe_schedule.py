@@ -148,3 +148,16 @@ def test_bad_switch_options_get_a_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--recipes", "nvfp4", "--steps", "1", *argv, *RUN])
     assert message in capsys.readouterr().err
+
+
+def test_train_takes_a_schedule_file_and_refuses_a_second_switch(tmp_path):
+    """`--recipe-map` takes what `engine.recommend(..., switch_at=)` returns, as plain data (recommend_demo's file)."""
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(RecipeSchedule(recipe_map=RecipeMap(rules=[("blocks.0.mlp", None)]),
+                                              switch_at=0.5).to_plain()))
+    with pytest.raises(SystemExit, match=r"--switch-at: .* already holds a schedule \(switch_at 0.5\)"):
+        main(["train", "--recipes", "nvfp4", "--steps", "2", "--recipe-map", str(path), "--switch-at", "0.9", *RUN])
+    assert main(["train", "--recipes", "nvfp4", "--steps", "2", "--recipe-map", str(path), "--out",
+                 str(tmp_path / "run"), *RUN]) == 0
+    (result,) = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (result["switch_step"], result["four_bit_flop_share"]) == (1, pytest.approx(0.5 * (1 - 8 / 24)))
