@@ -4,7 +4,7 @@ from engine import formats, memory, recipes
 from engine.autocast import fp8_autocast, fp8_model_init, quantized_model_init  # engine.autocast: the module, callable as TE 2.x's autocast
 from engine.conversion import convert, unconvert
 from engine.modules import GroupedExperts, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, StackedGroupedLinear
-from engine.modules.recipe_maps import recipe_map_of, set_recipe_map
+from engine.modules.recipe_maps import four_bit_flop_share, recipe_map_of, set_recipe_map
 from engine.modules.saving import plain_state_dict
 from engine.device import (
     get_device_info, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available,
@@ -38,7 +38,7 @@ __all__ = [
     "is_fp8_block_scaling_available", "is_mxfp8_available", "is_nvfp4_available", "quantized_model_init", "recipes",
     "unconvert",
     "checkpoint", "checkpoint_context", "inspect", "recommend",
-    "plain_state_dict", "recipe_map_of", "set_recipe_map",
+    "four_bit_flop_share", "plain_state_dict", "recipe_map_of", "set_recipe_map",
     "Float8DynamicActivationFloat8Weight", "Float8WeightOnly", "Int4WeightOnly", "Int8DynamicActivationInt8Weight",
     "Int8WeightOnly", "MXWeightOnly", "NVFP4WeightOnly", "QuantizedWeight", "quantize_",
 ]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from engine.checks import check_bool, check_instance
 from engine.collectives import all_reduce_max, group_size
 from engine.recipes import DelayedScaling, Recipe, RecipeMap, RecipeState
+from engine.recipes.debug import Debug
 from engine.recipes.recipe_map import as_recipe_map
 
 
@@ -186,6 +187,7 @@ def fp8_model_init(
     check_bool(enabled, "enabled")
     check_bool(preserve_high_precision_init_val, "preserve_high_precision_init_val")
     recipe = _check_recipe(recipe)
+    _check_model_init_recipe(recipe)
     saved = (_STATE.model_init_enabled, _STATE.model_init_recipe, _STATE.preserve_high_precision_init_val)
     _STATE.model_init_enabled, _STATE.model_init_recipe = enabled, recipe
     _STATE.preserve_high_precision_init_val = preserve_high_precision_init_val
@@ -193,6 +195,17 @@ def fp8_model_init(
         yield
     finally:
         (_STATE.model_init_enabled, _STATE.model_init_recipe, _STATE.preserve_high_precision_init_val) = saved
+
+
+def _check_model_init_recipe(recipe: Recipe | None) -> None:
+    """A Debug recipe that switches a GEMM reading the weight to current scaling cannot read FP8 primary weights:
+    they are stored in the wrapped recipe's format, which the switched GEMM's other operand does not pair with."""
+    switched = [g for g in getattr(recipe, "current_scaling", ()) if g in ("fprop", "dgrad")]
+    if isinstance(recipe, Debug) and switched:
+        raise ValueError(f"recipe: fp8_model_init stores the weights in {recipe.recipe.name}'s format, which the "
+                         f"{'/'.join(switched)} GEMM Debug(current_scaling=...) switches to per-tensor FP8 cannot "
+                         "read; build the weights under the wrapped recipe (fp8_model_init(recipe=recipe.recipe)) "
+                         "or in high precision, or switch only wgrad")
 
 
 def is_fp8_model_init() -> bool:

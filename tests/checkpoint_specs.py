@@ -62,6 +62,7 @@ def custom_qfactory(role: engine.recipes.QuantizerRole) -> Any:
 #: default factory)
 RECIPE_FIELDS: dict[str, Callable[[], dict[str, Any]]] = {
     "CustomRecipe": lambda: {"qfactory": custom_qfactory},
+    "Debug": lambda: {"recipe": engine.recipes.NVFP4BlockScaling(), "high_precision": ("wgrad",)},
     "DelayedScaling": lambda: {"amax_history_len": 4},
     "OperandRecipe": lambda: {"operands": {
         "fprop_input": QuantizerSpec(layout="tensor", element="e4m3"),

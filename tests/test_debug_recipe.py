@@ -165,3 +165,41 @@ def test_debug_of_debug_or_of_no_recipe_is_refused():
         Debug(Debug(MXFP8BlockScaling()))
     with pytest.raises(ValueError, match="engine recipe"):
         Debug("mxfp8")
+
+
+def compiled_run(recipe):
+    """run()'s (y, dx, dW) with the layer compiled whole (aot_eager: Dynamo and AOTAutograd, eager kernels)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    m = layer()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=g).requires_grad_()
+    dy = torch.randn(M, N, generator=g)
+    with engine.fp8_autocast(recipe=recipe):
+        y = compiled(x)
+    y.backward(dy)
+    return y.detach(), x.grad, m.weight.grad
+
+
+@pytest.mark.parametrize("switches", [{"current_scaling": ("dgrad",)}, {"high_precision": ("fprop",)}])
+def test_spec_switches_compile_with_eager_bits(switches):
+    recipe = Debug(NVFP4BlockScaling(), **switches)
+    for got, want in zip(compiled_run(recipe), run(recipe)[:3]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("switches, which", [({"fake_quantize": ("fprop",)}, "fake_quantize"),
+                                             ({"dump_step": 0, "dump_dir": "unused"}, "dump_step")])
+def test_fake_quantize_and_dumps_refuse_to_compile(switches, which):
+    with pytest.raises(Exception, match=f"torch.compile: engine.recipes.Debug with {which} runs eagerly only"):
+        compiled_run(Debug(MXFP8BlockScaling(), **switches))
+
+
+def test_fp8_weights_refuse_current_scaling_of_a_gemm_reading_them():
+    with pytest.raises(ValueError, match="recipe: fp8_model_init stores the weights in nvfp4's format"):
+        with engine.fp8_model_init(recipe=Debug(NVFP4BlockScaling(), current_scaling=("fprop",))):
+            pass
+    with engine.fp8_model_init(recipe=Debug(NVFP4BlockScaling(), current_scaling=("wgrad",))):
+        assert isinstance(engine.Linear(K, N).weight, engine.QuantizedTensor)

@@ -3,7 +3,9 @@ tensor and sequence parallel plans.
 
 FSDP2 needs no engine call: `torch.distributed.fsdp.fully_shard` shards engine quantized weights as
 quantized tensors and all-gathers their FP8 bytes (`engine.distributed.fsdp`), and their state-dict
-components are DTensors that `torch.distributed.checkpoint` reshards (`engine.distributed.state_dict`).
+components are DTensors that `torch.distributed.checkpoint` reshards (`engine.distributed.state_dict`);
+`load_model_state_dict` loads such a checkpoint with every module's `_extra_state` as saved, also into modules
+that have not run (`engine.distributed.dcp_load`).
 Weights it cannot cut into whole scale blocks are kept whole on every rank instead
 (`engine.distributed.fsdp.replicated_weights` and `average_gradients`).
 The parallel styles (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, `LayerNormMLPParallel`) import
@@ -18,6 +20,7 @@ from typing import Any
 
 from engine.collectives import all_reduce_max, group_size
 from engine.distributed import fsdp, state_dict
+from engine.distributed.dcp_load import load_model_state_dict
 from engine.distributed.dtensor_linear import dtensor_linear
 from engine.distributed.state_dict import is_sharded_quantized
 from engine.modules import base, dispatch
@@ -30,7 +33,7 @@ base.LOAD_SHARDED_COMPONENTS.register(state_dict.load_sharded_components)
 dispatch.DTENSOR_LINEAR.register(dtensor_linear)
 
 __all__ = ["ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel", "SequenceParallel", "all_reduce_max",
-           "group_size", "is_sharded_quantized"]
+           "group_size", "is_sharded_quantized", "load_model_state_dict"]
 
 _STYLES = ("ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel", "SequenceParallel")
 

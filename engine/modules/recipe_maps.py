@@ -5,7 +5,8 @@ the map's pick for that name; under any fp8_autocast without a map of its own th
 under its pick. Its `_extra_state` carries the pick, so a state dict (torch.save, safetensors) brings
 the per-layer recipes back with the weights; a Hugging Face model's config carries the map too
 (`config.engine_recipe_map`, written by `save_pretrained`), and `engine.convert` of a model loaded with
-`from_pretrained` applies it. `recipe_map_of(model)` reads the picks back as a map of exact names.
+`from_pretrained` applies it. `recipe_map_of(model)` reads the picks back as a map of exact names; `four_bit_flop_share(model, recipe)`
+counts the share of the GEMM FLOPs the picks leave in 4-bit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.checks import check_instance
 from engine.modules.base import FP8Module
 from engine.recipes import Recipe, RecipeMap
 from engine.recipes.recipe_map import INHERIT, as_recipe_map
+from engine.recipes.schedule import four_bit_gemms
 
 #: the attribute of a Hugging Face config (saved in config.json) that holds the map, as plain data
 CONFIG_ATTRIBUTE = "engine_recipe_map"
@@ -76,3 +78,29 @@ def recipe_map_of(model: nn.Module) -> RecipeMap | None:
         (name, m._recipe_choice[0]) for name, m in model.named_modules()
         if isinstance(m, FP8Module) and m._recipe_choice is not None]
     return RecipeMap(rules=rules) if rules else None
+
+
+def four_bit_flop_share(model: nn.Module, recipe: Recipe | None, unquantized: tuple[str, ...] = ()) -> float:
+    """The share of the engine modules' GEMM FLOPs (fprop, dgrad, wgrad) that run on 4-bit operands when
+    `model` runs under `fp8_autocast(recipe=recipe)` (None: disabled) with its modules' picks; modules whose name
+    starts with a prefix of `unquantized` run under a disabled fp8_autocast (e.g. the demo GPT's last blocks).
+
+    Every GEMM of a module counts 2 M N K FLOPs with the same M (tokens) for every module, as in a transformer's
+    linear layers: a GEMM weighs its weight's numel."""
+    check_instance(model, nn.Module, "model", "a torch.nn.Module")
+    four_bit = total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, FP8Module):
+            continue
+        in_force = recipe if module._recipe_choice is None else module._recipe_choice[0]
+        if any(name == p or name.startswith(p + ".") for p in unquantized):
+            in_force = None
+        gemms = four_bit_gemms(in_force)
+        for weight_name in module.weight_names:
+            numel = getattr(module, weight_name).numel()
+            total += len(gemms) * numel
+            four_bit += sum(gemms.values()) * numel
+    if total == 0:
+        raise ValueError("model: expected a model with engine layers (engine.Linear, ...; see engine.convert), "
+                         "it has none")
+    return four_bit / total

@@ -14,8 +14,10 @@ GEMM FLOPs not in the first candidate (a later one or None) may be at most `budg
 error under the first candidate down, a promoted layer keeps its promotion if its FLOPs still fit, else
 goes back to the first candidate. The table it decided from is printed (`show=False`: not).
 
-Not done: switching to higher precision late in training (NVFP4 paper, appendix D): the map is one
-per-layer choice for the whole run.
+With `switch_at=F` it returns a `RecipeSchedule` instead: the map for the first F of the run's steps, then
+`switch_to` (default None, high precision) for every layer the map does not already keep in high precision,
+the late switch of the NVFP4 paper (arXiv 2509.25149, appendix D). The table then says which share of the
+run's GEMM FLOPs stays in 4-bit.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 from engine import autocast
 from engine.modules import FP8Module
 from engine.numerics.session import inspect
-from engine.recipes import Recipe, RecipeMap
+from engine.recipes import Recipe, RecipeMap, RecipeSchedule
+from engine.recipes.schedule import four_bit_gemms
 
 
 @dataclass(frozen=True)
@@ -132,11 +135,14 @@ def _errors(modules: list, records: list[dict]) -> dict[str, float]:
 
 def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[Recipe], *, budget: float = 0.2,
               threshold: float = 0.15, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-              show: bool = True) -> RecipeMap:
+              show: bool = True, switch_at: float | None = None,
+              switch_to: Recipe | None = None) -> RecipeMap | RecipeSchedule:
     """A RecipeMap with one rule per engine module of `model` (module docstring). `batches`: inputs for
     `model(batch)` (`model(*batch)` for a tuple); `loss_fn(model, batch)`: the scalar to backpropagate (default:
-    the output if scalar, else its mean square). `show`: print the table."""
+    the output if scalar, else its mean square). `show`: print the table. `switch_at`: a fraction in (0, 1] of
+    the run's steps; the map then comes in a RecipeSchedule that switches to `switch_to` there."""
     modules, batches = _checked(model, batches, candidates, budget, threshold)
+    _check_switch(switch_at, switch_to)
     loss_fn = loss_fn or (lambda m, b: default_loss(_call(m, b)))
     measured = [_measure(model, batches, c, loss_fn) for c in candidates]
     flops = _gemm_flops(model, modules, measured[0])
@@ -158,9 +164,41 @@ def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[R
             picks[name], reasons[name] = candidates[0], "over threshold, over the FLOP budget"
 
     rows = [Row(name, flops[name] / total, errors[name], picks[name], reasons[name]) for name, _ in modules]
+    recipe_map = RecipeMap(rules=[(row.layer, row.pick) for row in rows])
+    schedule = None if switch_at is None else RecipeSchedule(recipe_map=recipe_map, switch_at=switch_at,
+                                                              switch_to=switch_to)
     if show:
         print(format_table(rows, candidates, threshold, budget, spent))
-    return RecipeMap(rules=[(row.layer, row.pick) for row in rows])
+        if schedule is not None:
+            print(describe_switch(rows, schedule))
+    return recipe_map if schedule is None else schedule
+
+
+def _check_switch(switch_at: Any, switch_to: Any) -> None:
+    if switch_at is not None and (isinstance(switch_at, bool) or not isinstance(switch_at, (int, float))
+                                  or not 0 < switch_at <= 1):
+        raise ValueError(f"switch_at: expected None or a fraction in (0, 1] of the run's steps (e.g. 0.9: the last "
+                         f"10% in higher precision), got {switch_at!r}")
+    if switch_to is not None and not isinstance(switch_to, Recipe):
+        raise TypeError(f"switch_to: expected an engine recipe or None (high precision), got {type(switch_to).__name__}")
+    if switch_to is not None and switch_at is None:
+        raise ValueError("switch_to: given without switch_at; pass switch_at=F (a fraction of the run's steps)")
+
+
+def four_bit_share(rows: list[Row], picks: dict[str, Recipe | None]) -> float:
+    """The share of the rows' GEMM FLOPs (3 alike GEMMs a call) on 4-bit operands under `picks`."""
+    return sum(r.flop_share * sum(four_bit_gemms(picks[r.layer]).values()) / 3 for r in rows)
+
+
+def describe_switch(rows: list[Row], schedule: RecipeSchedule) -> str:
+    """One line: the switch, and the share of the run's GEMM FLOPs in 4-bit before, after and over the run."""
+    before = four_bit_share(rows, {r.layer: r.pick for r in rows})
+    late = schedule.late_map()
+    after = four_bit_share(rows, {r.layer: late.recipe_for(r.layer) for r in rows})
+    to = "high precision" if schedule.switch_to is None else schedule.switch_to.name
+    run = schedule.switch_at * before + (1 - schedule.switch_at) * after
+    return (f"late switch: at {100 * schedule.switch_at:g}% of the steps to {to}; GEMM FLOPs in 4-bit: "
+            f"{100 * before:.1f}% before, {100 * after:.1f}% after, {100 * run:.1f}% over the run")
 
 
 def format_table(rows: list[Row], candidates: list[Recipe], threshold: float, budget: float, spent: float) -> str:

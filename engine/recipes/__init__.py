@@ -4,7 +4,7 @@ from engine.recipes.base import Recipe, RecipeState
 from engine.recipes.block import Float8BlockScaling
 from engine.recipes.current import Float8CurrentScaling
 from engine.recipes.custom import OperandRecipe
-from engine.recipes.debug import Debug  # noqa: F401  (a wrapper, not a format: kept out of __all__, which the every-recipe tests walk)
+from engine.recipes.debug import Debug
 from engine.recipes.delayed import DelayedScaling, DelayedScalingState
 from engine.recipes.factory import CustomRecipe, CustomRecipeState
 from engine.recipes.format import Format
@@ -16,11 +16,12 @@ from engine.recipes.plain import RECIPES, SAVED_RECIPES, recipe_from_plain, reci
 from engine.recipes.recipe_map import RecipeMap
 from engine.recipes.role import QuantizerRole
 from engine.recipes.rowwise import Float8RowwiseScaling
+from engine.recipes.schedule import RecipeSchedule
 
 __all__ = [
-    "BACKWARD_ROLES", "CustomRecipe", "CustomRecipeState", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES",
+    "BACKWARD_ROLES", "CustomRecipe", "CustomRecipeState", "Debug", "DelayedScaling", "DelayedScalingState", "FORWARD_ROLES",
     "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format", "Gemm", "MXFP4BlockScaling",
     "MXFP4MixedBlockScaling", "MXFP6BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "OPERANDS",
-    "OperandRecipe", "QuantizerRole", "QuantizerSpec", "RECIPES", "Recipe", "RecipeMap", "SAVED_RECIPES", "RecipeState", "Role",
+    "OperandRecipe", "QuantizerRole", "QuantizerSpec", "RECIPES", "Recipe", "RecipeMap", "RecipeSchedule", "SAVED_RECIPES", "RecipeState", "Role",
     "recipe_from_plain", "recipe_to_plain",
 ]

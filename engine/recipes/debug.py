@@ -20,8 +20,9 @@ rule takes it like any recipe, so the switches are set per layer pattern and sav
   dequantized value of each usage the quantizer made ("rowwise", "columnwise"). An operand a switch keeps in
   high precision has no quantization, so no file. `<layer>` is the module's name (`engine.set_recipe_map`).
 
-Not supported: torch.compile (a layer under Debug raises, as under CustomRecipe); with fake_quantize, FP8
-primary weights (fp8_model_init) are read as stored and `engine.inspect` sees no quantized operand.
+Under torch.compile: high_precision and current_scaling (the compiled ops rebuild the switched specs from the
+recipe key); fake_quantize and dumps run eagerly only (a clear error). With fake_quantize, FP8 primary weights
+(fp8_model_init) are read as stored and `engine.inspect` sees no quantized operand.
 """
 
 from __future__ import annotations
@@ -139,5 +140,25 @@ class Debug(Recipe):
     def check_saved_state(self, part: Any, where: str, slots: int) -> None:
         self.recipe.check_saved_state(part, where, slots)  # the scaling state is the wrapped recipe's
 
+    @property
+    def compile_refusal(self) -> str | None:
+        """Why the compiled layers cannot run this recipe (None: they can). high_precision and current_scaling
+        only change operand specs, which the compiled ops take from the recipe key; fake quantization hands the
+        GEMM dequantized values and dumps count calls and write files, which the ops (made once per key,
+        shared by every module) cannot do per module."""
+        if self.fake_quantize or self.dump_step is not None:
+            which = "fake_quantize" if self.fake_quantize else "dump_step"
+            return (f"torch.compile: engine.recipes.Debug with {which} runs eagerly only; compile with "
+                    "high_precision / current_scaling alone, or run the model eagerly")
+        return None
+
     def op_state(self, *, forward: bool, num_gemms: int, tensors: list[torch.Tensor]) -> Any:
-        raise RuntimeError("torch.compile: engine.recipes.Debug runs eagerly only")
+        from engine.recipes.debug_state import DebugState
+
+        if self.compile_refusal is not None:
+            raise RuntimeError(self.compile_refusal)
+        inner, records = self.recipe.op_state(forward=forward, num_gemms=num_gemms, tensors=tensors)
+        return DebugState(self, inner, ()), records
+
+    def merge_records(self, tensors: list[torch.Tensor], records: list[torch.Tensor]) -> None:
+        self.recipe.merge_records(tensors, records)  # the scaling state is the wrapped recipe's

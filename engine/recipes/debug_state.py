@@ -87,7 +87,7 @@ class DebugState(RecipeState):
             quantizers[op, gemm] = q
         super().__init__(recipe, inner.forward, inner.num_gemms, quantizers)
         self.rng_counters = inner.rng_counters
-        self.compile_refusal = "torch.compile: engine.recipes.Debug runs eagerly only"
+        self.compile_refusal = recipe.compile_refusal
 
     # ------------------------------------------------------------------ the wrapped state's scaling state
     def op_tensors(self) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -14,12 +15,13 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from engine.cli_types import finite_positive, whole_number
+from engine.recipes import RecipeMap, RecipeSchedule
 from engine.train.checkpoint import MOE_FLAGS, RESUME_KEYS, SHAPE_FLAGS, load_run_checkpoint, model_config_for_resume
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
 from engine.train.report import baseline_note, format_table, write_outputs
-from engine.train.run import (RUN_NAMES, RunConfig, baseline_of, default_runs, make_recipe, train,
+from engine.train.run import (RUN_NAMES, RunConfig, baseline_of, default_runs, make_recipe, recipe_plan, train,
                               train_to_file)
 from engine.train.speed import interleaved_step_seconds
 
@@ -87,8 +89,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "it cannot cut into whole scale blocks stay whole on every rank)")
     p.add_argument("--recipe-map", default=None, metavar="JSON",
                    help="a file holding a RecipeMap's plain form (engine.recommend(...).to_plain()): the recipe runs' "
-                        "layers take its picks")
+                        "layers take its picks (or a RecipeSchedule's: the map, then a late switch)")
+    p.add_argument("--switch-at", type=_fraction, default=None, metavar="F",
+                   help="switch the recipe runs to --switch-to for the last part of training, from step round(F x "
+                        "steps) on (NVFP4 paper, appendix D; layers the map keeps in high precision stay there; the "
+                        "checkpoint carries the switch, a --resume continues it)")
+    p.add_argument("--switch-to", default="bf16", choices=RUN_NAMES,
+                   help="with --switch-at: the recipe after the switch (bf16 or fp32: high precision; default bf16)")
     p.set_defaults(run=run)
+
+
+def _fraction(text: str) -> float:
+    """A fraction in (0, 1] of the run's steps."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the run's steps in (0, 1], e.g. 0.9, got {text!r}")
+    return value
 
 
 #: the argparse destination of each shape flag (engine.train.checkpoint.SHAPE_FLAGS)
@@ -127,7 +146,7 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
               "eval_every": args.eval_every, "seed": seed, "out_dir": str(out_dir),
               "progress": not args.no_progress, "warmup_steps": min(30, args.steps // 10), "compile": args.compile,
               "tp": args.tp, "fp8_weights": args.fp8_weights, "dtype": baseline_of(runs),
-              "recipe_map": None if args.recipe_map is None else json.loads(Path(args.recipe_map).read_text())}
+              "recipe_map": _recipe_plan(args)}
     nproc = _processes(args)
     if nproc > 1:
         check_layout(nproc, args.tp, model)
@@ -143,6 +162,20 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
     if args.resume is not None:
         return [RunConfig(recipe=args.recipe, resume=args.resume, **common)]
     return [RunConfig(recipe=name, **common) for name in runs]
+
+
+def _recipe_plan(args: argparse.Namespace) -> dict | None:
+    """The plain form of the recipe runs' map (--recipe-map), made a RecipeSchedule by --switch-at."""
+    plain = None if args.recipe_map is None else json.loads(Path(args.recipe_map).read_text())
+    if args.switch_at is None:
+        return plain
+    plan = recipe_plan(plain)
+    if isinstance(plan, RecipeSchedule):
+        raise ValueError(f"--switch-at: {args.recipe_map} already holds a schedule (switch_at {plan.switch_at}); "
+                         "leave --switch-at out, or pass a plain map")
+    schedule = RecipeSchedule(recipe_map=plan or RecipeMap(), switch_at=args.switch_at,
+                              switch_to=make_recipe(args.switch_to))
+    return schedule.to_plain()
 
 
 def _under_torchrun() -> bool:

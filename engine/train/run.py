@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 import engine
 from engine.ops.exact_gemm import native_bf16_gemm
-from engine.recipes import RECIPES, Recipe, RecipeMap
+from engine.modules.recipe_maps import four_bit_flop_share
+from engine.recipes import RECIPES, Recipe, RecipeMap, RecipeSchedule
 from engine.train.checkpoint import RESUME_KEYS, load_run_checkpoint, saved_model_config
 from engine.train.data import Corpus, batch_at
 from engine.train.model import GPT, GPTConfig
@@ -76,7 +77,9 @@ class RunConfig(BaseModel):
     compile: bool = False  # torch.compile(model.loss, fullgraph=True)
     tp: int = Field(1, ge=1)  # tensor-parallel degree when several processes train (engine.train.parallel)
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) for the recipe runs
-    recipe_map: dict | None = None  # a RecipeMap's plain form (e.g. engine.recommend's) for the recipe runs' layers
+    #: a RecipeMap's plain form (e.g. engine.recommend's) for the recipe runs' layers, or a RecipeSchedule's (the
+    #: map, then a late switch to higher precision); a resumed run without one continues its checkpoint's schedule
+    recipe_map: dict | None = None
 
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
@@ -175,15 +178,41 @@ def activation_dtype(cfg: RunConfig) -> torch.dtype:
     return HIGH_PRECISION[base if base in HIGH_PRECISION else cfg.dtype]
 
 
+def recipe_plan(plain: dict | None) -> RecipeMap | RecipeSchedule | None:
+    """A run's per-layer plan from its plain form: a RecipeSchedule's (it has `switch_at`) or a RecipeMap's."""
+    if plain is None:
+        return None
+    return RecipeSchedule.from_plain(plain) if "switch_at" in plain else RecipeMap.from_plain(plain)
+
+
 def build_model(cfg: RunConfig, recipe: Recipe | None) -> GPT:
     """The run's GPT, with FP8 primary weights if asked, the last block in high precision if the run name says
-    so, and the per-layer map if given."""
+    so, and the per-layer map if given (a schedule's map before its switch)."""
     with engine.fp8_model_init(enabled=cfg.fp8_weights and recipe is not None, recipe=recipe):
         model = GPT(cfg.model, high_precision_last_blocks=int(LAST_BLOCK_BF16 in split_run_name(cfg.recipe)[1]),
                     activation_dtype=activation_dtype(cfg))
-    if cfg.recipe_map is not None and recipe is not None:
-        engine.set_recipe_map(model, RecipeMap.from_plain(cfg.recipe_map))
+    plan = recipe_plan(cfg.recipe_map) if recipe is not None else None
+    if plan is not None:
+        engine.set_recipe_map(model, plan.recipe_map if isinstance(plan, RecipeSchedule) else plan)
     return model
+
+
+def four_bit_share(model: GPT, recipe: Recipe | None) -> float:
+    """The share of the model's engine GEMM FLOPs in 4-bit under `recipe` and the modules' picks now."""
+    first_bf16 = len(model.blocks) - model.high_precision_last_blocks
+    return four_bit_flop_share(model, recipe, tuple(f"blocks.{i}" for i in range(first_bf16, len(model.blocks))))
+
+
+def late_switch(cfg: RunConfig, recipe: Recipe | None, checkpoint: dict | None,
+                end: int) -> tuple[RecipeSchedule | None, int]:
+    """The run's schedule and its switch step (0-based, counted from the first run's step 0): the config's (its
+    fraction of `end` steps), else a resumed checkpoint's (the step it saved)."""
+    plan = recipe_plan(cfg.recipe_map) if recipe is not None else None
+    if isinstance(plan, RecipeSchedule):
+        return plan, plan.switch_step(end)
+    if plan is None and recipe is not None and checkpoint is not None and "recipe_schedule" in checkpoint:
+        return RecipeSchedule.from_plain(checkpoint["recipe_schedule"]), int(checkpoint["switch_step"])
+    return None, end
 
 
 def describe_replicated(run: str, replicated: dict[str, str]) -> str:
@@ -214,6 +243,8 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
             raise ValueError(f"resume: {cfg.resume} holds a model {saved.model_dump()}, not {cfg.model.model_dump()}")
         model.load_state_dict(checkpoint["model"])
         start = int(checkpoint["step"])
+    end = start + cfg.steps
+    schedule, switch_step = late_switch(cfg, recipe, checkpoint, end)
     dp_rank, dp_size, replicated = parallelize(model, cfg.tp)
     if replicated and rank == 0:
         print(describe_replicated(cfg.recipe, replicated), flush=True)
@@ -222,16 +253,20 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if checkpoint is not None:
         set_optimizer_state_dict(model, optimizer, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
-    end = start + cfg.steps
     loss_fn = torch.compile(model.loss, fullgraph=True) if cfg.compile else model.loss
     tokens_per_step = cfg.batch_size * cfg.model.seq_len
     train_losses, val_losses, step_times = [], [], []
+    share, four_bit_steps = four_bit_share(model, recipe), 0.0
     bar = tqdm(range(start, end), desc=f"{cfg.recipe:>7}", disable=not cfg.progress or rank > 0, dynamic_ncols=True)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step, end)
         tokens = batch_at(corpus.train, step, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
         tokens = tokens.chunk(dp_size)[dp_rank]
+        if schedule is not None and step == max(switch_step, start):  # the late switch (a resumed run: at once)
+            engine.set_recipe_map(model, schedule.late_map())
+            share = four_bit_share(model, recipe)
+        four_bit_steps += share
         began = time.perf_counter()
         loss = train_step(model, optimizer, loss_fn, recipe, tokens)
         step_times.append(time.perf_counter() - began)
@@ -251,8 +286,9 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
              "optimizer": get_optimizer_state_dict(model, optimizer, options=full)}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
+        carried = {} if schedule is None else {"recipe_schedule": schedule.to_plain(), "switch_step": switch_step}
         torch.save({**state, "step": end, "model_config": cfg.model.model_dump(), "recipe": cfg.recipe,
-                    "seed": cfg.seed}, checkpoint_path)
+                    "seed": cfg.seed, **carried}, checkpoint_path)
     last = train_losses[-min(10, len(train_losses)):]
     return {
         "recipe": cfg.recipe,
@@ -263,6 +299,8 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         "val_losses": val_losses,
         "final_train_loss": sum(last) / len(last),
         "final_val_loss": val_losses[-1][1],
+        "four_bit_flop_share": four_bit_steps / cfg.steps,  # of the engine layers' GEMM FLOPs, over this run's steps
+        "switch_step": None if schedule is None else switch_step,
         "tokens_per_second": tokens_per_step * len(timed) / sum(timed),  # of all ranks together
         "ranks": ranks,
         "tensor_parallel": cfg.tp if ranks > 1 else 1,

@@ -63,13 +63,16 @@ def rounds_stochastically(recipe: Recipe) -> bool:
 
 def without_stochastic_rounding(recipe: Recipe) -> Recipe:
     """The recipe with stochastic rounding off: NVFP4BlockScaling(disable_stochastic_rounding=True), and a
-    CustomRecipe whose factory's specs drop `stochastic_rounding`. Another recipe that rounds stochastically is a
+    CustomRecipe whose factory's specs drop `stochastic_rounding`, a Debug of such a recipe. Another recipe that rounds stochastically is a
     ValueError, so that a new one is taught here rather than compared with another recipe's numbers."""
     if "disable_stochastic_rounding" in type(recipe).model_fields:
         fields = {name: getattr(recipe, name) for name in type(recipe).model_fields}
         out = type(recipe)(**{**fields, "disable_stochastic_rounding": True})
     elif isinstance(recipe, engine.recipes.CustomRecipe):
         out = engine.recipes.CustomRecipe(qfactory=_deterministic(recipe.qfactory))
+    elif isinstance(recipe, engine.recipes.Debug):  # the wrapped recipe's rounding
+        fields = {name: getattr(recipe, name) for name in type(recipe).model_fields}
+        out = type(recipe)(**{**fields, "recipe": without_stochastic_rounding(recipe.recipe)})
     else:
         out = recipe
     if rounds_stochastically(out):
