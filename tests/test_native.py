@@ -572,6 +572,22 @@ def test_both_usages_in_one_call_match_the_reference(isa, rowwise, columnwise):
         assert_same(g_t, w_t, f"mxfp8 {isa} {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(33, 1100), (64, 544)])
+def test_mxfp8_both_usages_across_column_chunks(isa, dtype, shape):
+    """Both MXFP8 usages from one read of x (work units of 32 rows x 512 columns): the reference's bits where the
+    columns span several units and the last one is partial, rows past a whole block, NaN, inf and signed zeros."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g).float())).to(dtype)
+    x[0, 500:505] = torch.tensor([float("nan"), INF, -INF, -0.0, 0.0]).to(dtype)
+    x[-1, -1] = float("nan")
+    for fp8 in (E4M3, E5M2):
+        got = native.quantize_mxfp8_usages(x, fp8, rowwise=True, columnwise=True)
+        want = ref.quantize_mxfp8(x, fp8) + ref.quantize_mxfp8(x, fp8, columnwise=True)
+        for g_t, w_t, name in zip(got, want, ("row data", "row codes", "col data", "col codes")):
+            assert_same(g_t, w_t, f"mxfp8 {isa} {dtype} {fp8} {shape} {name}")
+
+
 def check_block_usages(x2d: torch.Tensor, tile: tuple[int, int], rowwise: bool, columnwise: bool, isa: str) -> None:
     got = native.quantize_block_usages(x2d, E4M3, tile_rows=tile[0], tile_cols=tile[1], rowwise=rowwise,
                                        columnwise=columnwise)

@@ -87,6 +87,12 @@ struct Kernels {
 
   // dst[c * rows + r] = src[r * cols + c] for the rows [r0, r1) of the row-major rows x cols bytes `src`.
   void (*transpose_bytes)(const uint8_t* src, int64_t rows, int64_t cols, int64_t r0, int64_t r1, uint8_t* dst);
+
+  // MXFP8 both usages from one read of x: mx_rowwise's data and codes for the rows of the block-rows [br0, br1)
+  // and the columns [c0, c1), and mx_colwise's for the same region (c0 a multiple of 32, at most 512 columns;
+  // c1 < K a multiple of 32). nullptr in a table that has no such kernel (the glue then makes the two passes).
+  void (*mx_both)(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t br0, int64_t br1, int64_t c0,
+                  int64_t c1, uint8_t* out_row, uint8_t* codes_row, uint8_t* out_col, uint8_t* codes_col);
 };
 
 // fp8_kernels() in every variant namespace, and fp8_kernels(Isa) that picks one.

@@ -355,6 +355,39 @@ UsageBuffers quantize_block_usages(const Tensor& x2d, int64_t kind, int64_t tile
 UsageBuffers quantize_mxfp8_usages(const Tensor& x2d, int64_t kind, bool rceil, bool rowwise, bool columnwise,
                                    const optional<Tensor>& out_row_data, const optional<Tensor>& out_col_data) {
   UsageBuffers r;
+  const Kernels& k = kernels();
+  if (rowwise && columnwise && k.mx_both != nullptr) {
+    // one read of x for both (the kernel's table has mx_both): quantize_mxfp8's checks and outputs, twice
+    NoPythonDispatch no_python;
+    check_plain(x2d, "x");
+    in_type(x2d, "x");
+    TORCH_CHECK_VALUE(x2d.dim() == 2, "x: expected the 2D view, got ", x2d.dim(), " dims");
+    const Fp8Kind kd = fp8_kind(kind);
+    const int64_t M = x2d.size(0), K = x2d.size(1);
+    constexpr int64_t kBlock = 32, kChunk = 512;  // kChunk: columns per work unit, as the columnwise pass
+    const int64_t block_rows = (M + kBlock - 1) / kBlock;
+    Tensor row_data = output(out_row_data, {M, K}, fp8_dtype(kd), "out_row_data");
+    Tensor col_data = output(out_col_data, {M, K}, fp8_dtype(kd), "out_col_data");
+    Tensor row_codes = at::empty({M, (K + kBlock - 1) / kBlock}, x2d.options().dtype(at::kByte));
+    Tensor col_codes = at::empty({block_rows, K}, x2d.options().dtype(at::kByte));
+    check_all_disjoint({{&x2d, "x"}, {&row_data, "out_row_data"}, {&col_data, "out_col_data"}});
+    if (M * K > 0) {
+      DefaultFpEnv env;
+      Tensor x = row_major(x2d).has_value() ? x2d : x2d.contiguous();
+      const Src src = *row_major(x);
+      uint8_t *orow = bytes(row_data), *ocol = bytes(col_data), *crow = bytes(row_codes), *ccol = bytes(col_codes);
+      const int64_t chunks = (K + kChunk - 1) / kChunk;
+      parallel_chunks(block_rows * chunks, std::max<int64_t>(1, kElemGrain / (kBlock * kChunk)),
+                      [&](int64_t b, int64_t e, int) {
+                        for (int64_t u = b; u < e; ++u) {
+                          const int64_t br = u / chunks, c0 = (u % chunks) * kChunk;
+                          k.mx_both(src, M, K, kd, rceil, br, br + 1, c0, std::min(K, c0 + kChunk), orow, crow, ocol,
+                                    ccol);
+                        }
+                      });
+    }
+    return {row_data, row_codes, col_data, col_codes};
+  }
   if (rowwise) {
     std::tie(std::get<0>(r), std::get<1>(r)) = quantize_mxfp8(x2d, kind, rceil, false, out_row_data, c10::nullopt);
   }

@@ -175,7 +175,7 @@ constexpr int64_t kGroup = 4 * kL;
 template <InType T>
 using keyv = std::conditional_t<T == InType::F32, vec::u32n, vec::u16n>;
 template <InType T>
-constexpr int kKeyVecs = T == InType::F32 ? 4 : 2;
+constexpr int kKeyVecs = T == InType::F32 ? 4 : 1;
 
 // The first element of v[j] within its group (v[j] then covers elements of [that, that + 2 kL) at most).
 template <InType T>
@@ -183,20 +183,20 @@ constexpr int64_t lane_first(int j) {
   return T == InType::F32 ? j * kL : (j / 2) * 2 * kL;
 }
 
-// FP8 codes (fp8_code) of p, one per 32-bit lane.
+// The code of p without its sign, for p = |x| * |s| (sign bit clear, or NaN of either sign): fp8_code's rule on
+// magnitudes, below 0x80, or at least 0x400000 for NaN (a quiet NaN's bit 22, which the saturating narrowing turns
+// into 0xFF). c = min(max, p) keeps a NaN p (vminps); E' << 23 = max(c's exponent bits, the smallest normal's);
+// M = (E' << 23) + (E' << kMant) + const, fp8_code's M. The sign goes on separately: 9 operations a vector
+// against 16 for fp8_code's form with the sign and the NaN select inside.
 template <Fp8Kind K>
-FP8_LANE vec::u32n codes_of(vec::f32n p) {
+FP8_LANE vec::u32n magnitude_codes(vec::f32n p) {
   using C = Fp8Lane<K>;
   using vec::u32n;
-  constexpr uint32_t kBase = ((23u - C::kMant) << 23) - (C::kMinExpField << C::kMant);
-  const u32n u = vec::bits<u32n>(p);
-  const u32n mag = u & 0x7FFFFFFFu;
-  const u32n c = vec::min(mag, vec::splat<u32n>(C::kMaxBits));
-  const u32n field = vec::max(c >> 23, vec::splat<u32n>(C::kMinExpField));
-  const u32n m = (field << 23) + (field << C::kMant) + kBase;
-  const u32n sum = vec::bits<u32n>(vec::bits<vec::f32n>(c) + vec::bits<vec::f32n>(m));
-  const u32n code = (sum & 0x7Fu) | ((u >> 24) & 0x80u);  // the code is below 0x80: bits 7..22 of sum are 0
-  return vec::select(vec::bits<vec::i32n>(mag) > 0x7F800000, vec::splat<u32n>(0x7Fu), code);  // NaN
+  constexpr uint32_t kC = ((23u - C::kMant) << 23) - (C::kMinExpField << C::kMant);
+  const vec::f32n c = vec::min_keep_nan(vec::splat<vec::f32n>(K == Fp8Kind::E4M3 ? 448.0f : 57344.0f), p);
+  const u32n e = vec::max(vec::bits<u32n>(c) & 0x7F800000u, vec::splat<u32n>(C::kMinExpField << 23));
+  const u32n m = e + (e >> (23 - C::kMant)) + kC;
+  return vec::bits<u32n>(c + vec::bits<vec::f32n>(m)) & 0x7FFFFFu;
 }
 
 // f16_value lane-wise (h in the low 16 bits of each lane).
@@ -211,50 +211,83 @@ FP8_LANE vec::f32n f16_values(vec::u32n h) {
   return vec::bits<vec::f32n>(r | ((h & 0x8000u) << 16));
 }
 
-// The values of the group at x into v, and max(k, their keys) into k.
+// The magnitudes |x| of the group at x into v, the sign of each as 0x80 / 0 into sg (v's lanes) flipped where
+// flip = 0x80, and max(k, their keys) into k.
 template <InType T>
-FP8_LANE void load_group(const raw_t<T>* x, vec::f32n v[4], keyv<T> k[]) {
+FP8_LANE void load_group(const raw_t<T>* x, uint32_t flip, vec::f32n v[4], vec::u32n sg[4], keyv<T> k[]) {
   using vec::u32n;
   if constexpr (T == InType::F32) {
     for (int j = 0; j < 4; ++j) {
       const u32n u = vec::load<u32n>(x + j * kL);
-      k[j] = vec::max(k[j], u & 0x7FFFFFFFu);
-      v[j] = vec::bits<vec::f32n>(u);
+      const u32n mag = u & 0x7FFFFFFFu;
+      k[j] = vec::max(k[j], mag);
+      v[j] = vec::bits<vec::f32n>(mag);
+      sg[j] = ((u ^ (flip << 24)) >> 24) & 0x80u;
     }
   } else {
+    u32n m[2];
     for (int h = 0; h < 2; ++h) {
-      const u32n w = vec::load<u32n>(x + h * 2 * kL);
-      k[h] = vec::max(k[h], vec::bits<vec::u16n>(w) & static_cast<uint16_t>(0x7FFF));
+      const u32n w = vec::load<u32n>(x + h * 2 * kL) ^ (flip * 0x01000100u);  // the flip on both words' signs
+      m[h] = w & 0x7FFF7FFFu;
       if constexpr (T == InType::BF16) {
-        v[2 * h] = vec::bits<vec::f32n>(w << 16);
-        v[2 * h + 1] = vec::bits<vec::f32n>(w & 0xFFFF0000u);
+        v[2 * h] = vec::bits<vec::f32n>(m[h] << 16);
+        v[2 * h + 1] = vec::bits<vec::f32n>(m[h] & 0xFFFF0000u);
       } else {
-        v[2 * h] = f16_values(w & 0xFFFFu);
-        v[2 * h + 1] = f16_values(w >> 16);
+        v[2 * h] = f16_values(m[h] & 0xFFFFu);
+        v[2 * h + 1] = f16_values(m[h] >> 16);
       }
+      sg[2 * h] = (w >> 8) & 0x80u;
+      sg[2 * h + 1] = (w >> 24) & 0x80u;
     }
+    k[0] = vec::max(k[0], vec::bits<vec::u16n>(vec::max(vec::bits<vec::u16n>(m[0]), vec::bits<vec::u16n>(m[1]))));
   }
 }
 
-// The group's codes q[0..3] as bytes in element order.
+// The group's lane values q[0..3] (each < 2^31) as bytes min(q, 255) in element order.
 template <InType T>
 FP8_LANE vec::u8n pack_group(const vec::u32n q[4]) {
-  if constexpr (T == InType::F32) {
-    return vec::narrow_lo(vec::narrow_lo(q[0], q[1]), vec::narrow_lo(q[2], q[3]));
-  } else {
-    return vec::narrow_lo(vec::bits<vec::u16n>(q[0] | (q[1] << 16)), vec::bits<vec::u16n>(q[2] | (q[3] << 16)));
+#if ENGINE_VEC_NARROW_SAT_BY_HALVES
+  // byte 16h + 4i + l of narrow_sat is lane 4h + l of q[i]; these masks pick element e's byte
+  static_assert(kL == 8, "AVX2 halves");
+  const vec::u8n b = vec::narrow_sat(q[0], q[1], q[2], q[3]);
+  if constexpr (T == InType::F32) {  // q[i] lane L = element 8i + L
+    const vec::u8n order = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
+                            8,  9,  10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    return __builtin_shuffle(b, order);
+  } else {  // q[i] lane L = element 16 (i / 2) + 2L + i % 2
+    const vec::u8n order = {0, 4,  1, 5,  2, 6,  3, 7,  16, 20, 17, 21, 18, 22, 19, 23,
+                            8, 12, 9, 13, 10, 14, 11, 15, 24, 28, 25, 29, 26, 30, 27, 31};
+    return __builtin_shuffle(b, order);
   }
+#else
+  if constexpr (T == InType::F32) {
+    return vec::narrow_sat(q[0], q[1], q[2], q[3]);
+  } else {
+    const vec::u32n m = vec::splat<vec::u32n>(255u);
+    return vec::narrow_lo(vec::bits<vec::u16n>(vec::min(q[0], m) | (vec::min(q[1], m) << 16)),
+                          vec::bits<vec::u16n>(vec::min(q[2], m) | (vec::min(q[3], m) << 16)));
+  }
+#endif
 }
 
-// out[0, kGroup) = the codes of the group at x times s[j] (lane-wise, v[j]'s scales); keys into k.
+// out[0, kGroup) = the codes of the group at x times s[j] (lane-wise, v[j]'s scales, each with its sign bit clear:
+// a NaN of either sign, or +0 .. +inf) with the signs flipped where flip = 0x80 (a negative scale); keys into k.
+// The codes' magnitudes and signs merge in 32-bit lanes; every NaN saturates to 0xFF and becomes 0x7F (no
+// finite or infinite product has the 7-bit code 0x7F: 0xFF can only be a NaN).
 template <InType T, Fp8Kind K>
-FP8_LANE void cast_group(const raw_t<T>* x, const vec::f32n s[4], uint8_t* out, keyv<T> k[]) {
+FP8_LANE void cast_group(const raw_t<T>* x, const vec::f32n s[4], uint32_t flip, uint8_t* out, keyv<T> k[]) {
   vec::f32n v[4];
-  load_group<T>(x, v, k);
+  vec::u32n sg[4];
+  load_group<T>(x, flip, v, sg, k);
   vec::u32n q[4];
-  for (int j = 0; j < 4; ++j) q[j] = codes_of<K>(v[j] * s[j]);
-  vec::store(out, pack_group<T>(q));
+  for (int j = 0; j < 4; ++j) q[j] = magnitude_codes<K>(v[j] * s[j]) | sg[j];
+  const vec::u8n b = pack_group<T>(q);
+  vec::store(out, b ^ (vec::bits<vec::u8n>(b == 0xFF) & 0x80));
 }
+
+// A scale as (|s|, 0x80 where s's sign bit is set): x * s = +-(|x| * |s|), the sign x's flipped.
+FP8_LANE float abs_scale(float s) { return float_of(bits_of(s) & 0x7FFFFFFFu); }
+FP8_LANE uint32_t scale_flip(float s) { return (bits_of(s) >> 24) & 0x80u; }
 
 // The max key of the key vectors k and the scalar key `key`.
 template <InType T>
@@ -270,10 +303,11 @@ template <InType T, Fp8Kind K>
 FP8_LANE raw_t<T> cast_keyed_g(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out,
                                raw_t<T> key = 0) {
   keyv<T> k[4] = {};
-  const vec::f32n sv = vec::splat<vec::f32n>(s);
+  const vec::f32n sv = vec::splat<vec::f32n>(abs_scale(s));
   const vec::f32n sc[4] = {sv, sv, sv, sv};
+  const uint32_t flip = scale_flip(s);
   int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) cast_group<T, K>(x + i, sc, out + i, k);
+  for (; i + kGroup <= n; i += kGroup) cast_group<T, K>(x + i, sc, flip, out + i, k);
   if (i < n) {
     const raw_t<T> t = cast_keyed<T, K>(x + i, n - i, s, out + i);
     key = t > key ? t : key;
@@ -285,17 +319,22 @@ FP8_LANE raw_t<T> cast_keyed_g(const raw_t<T>* __restrict x, int64_t n, float s,
 template <InType T, Fp8Kind K>
 FP8_LANE void cast_run_g(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out) {
   keyv<T> k[4] = {};
-  const vec::f32n sv = vec::splat<vec::f32n>(s);
+  const vec::f32n sv = vec::splat<vec::f32n>(abs_scale(s));
   const vec::f32n sc[4] = {sv, sv, sv, sv};
+  const uint32_t flip = scale_flip(s);
   int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) cast_group<T, K>(x + i, sc, out + i, k);
+  for (; i + kGroup <= n; i += kGroup) cast_group<T, K>(x + i, sc, flip, out + i, k);
   if (i < n) cast_run<T, K>(x + i, n - i, s, out + i);
 }
 
 // s[0, n) in group lane order (arranged[g + j kL + l] = the scale of v[j] lane l of the group at g) for the
-// whole groups; the tail as is.
+// whole groups; the tail as is. Returns whether cast_scaled_g may use them: no scale below zero (-0 included; a NaN
+// of either sign is fine, its magnitude is arranged).
 template <InType T>
-FP8_LANE void arrange_scales(const float* __restrict s, int64_t n, float* __restrict arranged) {
+FP8_LANE bool arrange_scales(const float* __restrict s, int64_t n, float* __restrict arranged) {
+  uint32_t negative = 0;
+  for (int64_t i = 0; i < n; ++i) negative |= static_cast<uint32_t>(bits_of(s[i]) >= 0x80000000u && s[i] == s[i]);
+  if (negative) return false;
   int64_t g = 0;
   for (; g + kGroup <= n; g += kGroup) {
     for (int j = 0; j < 4; ++j) {
@@ -305,18 +344,21 @@ FP8_LANE void arrange_scales(const float* __restrict s, int64_t n, float* __rest
     }
   }
   for (; g < n; ++g) arranged[g] = s[g];
+  for (int64_t i = 0; i < n; ++i) arranged[i] = abs_scale(arranged[i]);
+  return true;
 }
 
-// cast_scaled in groups, the scales of the whole groups from `arranged` (arrange_scales of s).
+// cast_scaled in groups, the scales of the whole groups from `arranged` (arrange_scales of s; nullptr where it
+// returned false: then all one by one).
 template <InType T, Fp8Kind K>
 FP8_LANE void cast_scaled_g(const raw_t<T>* __restrict x, int64_t n, const float* __restrict s,
                             const float* __restrict arranged, uint8_t* __restrict out) {
   keyv<T> k[4] = {};
   int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) {
+  for (; arranged && i + kGroup <= n; i += kGroup) {
     vec::f32n sc[4];
     for (int j = 0; j < 4; ++j) sc[j] = vec::load<vec::f32n>(arranged + i + j * kL);
-    cast_group<T, K>(x + i, sc, out + i, k);
+    cast_group<T, K>(x + i, sc, 0, out + i, k);
   }
   if (i < n) cast_scaled<T, K>(x + i, n - i, s + i, out + i);
 }

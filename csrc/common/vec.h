@@ -51,6 +51,7 @@ typedef int32_t i32n __attribute__((vector_size(4 * kNativeLanes)));
 
 typedef uint16_t u16n __attribute__((vector_size(4 * kNativeLanes)));  // 2 * kNativeLanes lanes
 typedef uint8_t u8n __attribute__((vector_size(4 * kNativeLanes)));    // 4 * kNativeLanes lanes
+typedef int8_t i8n __attribute__((vector_size(4 * kNativeLanes)));
 
 template <typename V>
 constexpr int lanes() {
@@ -198,6 +199,43 @@ ENGINE_VEC_INLINE u16n narrow_lo(u32n a, u32n b) {
 }
 ENGINE_VEC_INLINE u8n narrow_lo(u16n a, u16n b) {
   return __builtin_shufflevector(bits<u8n>(a), bits<u8n>(b), ENGINE_VEC_EVEN_BYTE);
+}
+
+// The x86 minps rule on native vectors: a unless b < a, so a NaN b gives b (min_keep_nan(max, p): NaN p stays).
+// (GCC lowers the select to a compare and a blend: the x86 levels call minps.)
+ENGINE_VEC_INLINE f32n min_keep_nan(f32n a, f32n b) {
+#if defined(__x86_64__) && ENGINE_ISA_LEVEL == 1 && defined(__GNUC__) && !defined(__clang__)
+  return __builtin_ia32_minps256(a, b);
+#elif defined(__x86_64__) && ENGINE_ISA_LEVEL == 0 && defined(__GNUC__) && !defined(__clang__)
+  return __builtin_ia32_minps(a, b);
+#else
+  return select(a < b, a, b);
+#endif
+}
+
+// Whether narrow_sat below keeps each 128-bit half apart (x86 AVX2, GCC: packs / packus) rather than giving the
+// lanes in order.
+#if defined(__x86_64__) && ENGINE_ISA_LEVEL == 1 && defined(__GNUC__) && !defined(__clang__)
+#define ENGINE_VEC_NARROW_SAT_BY_HALVES 1
+#else
+#define ENGINE_VEC_NARROW_SAT_BY_HALVES 0
+#endif
+
+// Four native vectors of 32-bit lanes (each < 2^31) narrowed to bytes with unsigned saturation (min(lane, 255)).
+// In order (a's lanes, then b's, c's, d's) except where ENGINE_VEC_NARROW_SAT_BY_HALVES: there byte 16h + 4i + l
+// is lane 4h + l of the i-th vector (a, b, c, d), for the halves h = 0, 1 (two packs and a packus, 3 instructions
+// against about 12 for the in-order form); a caller shuffles once, after merging, into the order it needs.
+ENGINE_VEC_INLINE u8n narrow_sat(u32n a, u32n b, u32n c, u32n d) {
+#if ENGINE_VEC_NARROW_SAT_BY_HALVES
+  typedef int i32x8_ __attribute__((vector_size(32)));
+  typedef short i16x16_ __attribute__((vector_size(32)));
+  const i16x16_ ab = __builtin_ia32_packssdw256(bits<i32x8_>(a), bits<i32x8_>(b));
+  const i16x16_ cd = __builtin_ia32_packssdw256(bits<i32x8_>(c), bits<i32x8_>(d));
+  return bits<u8n>(__builtin_ia32_packuswb256(ab, cd));
+#else
+  const u32n m = splat<u32n>(255u);
+  return narrow_lo(narrow_lo(min(a, m), min(b, m)), narrow_lo(min(c, m), min(d, m)));
+#endif
 }
 
 // Horizontal max / min / sum of the lanes (a tree of halvings; integer or float lanes).
