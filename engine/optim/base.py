@@ -83,32 +83,37 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         weights.init_state(p, group["weights"], state, seed=group.get("seed", 0) * 65537 + index + (1 << 20))
 
     # -------------------------------------------------------------------------- loading across formats
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):  # noqa: ANN001
-        """States keep their dtype (bf16, FP8 codes): only the device follows the parameter."""
-        return value.to(device=param.device)
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved with any state formats (or by torch.optim): each state is decoded from the
-        saved group's `state_dtype` (fp32 when absent) and re-encoded in this optimizer's."""
+        saved group's `state_dtype` (fp32 when absent) and re-encoded in this optimizer's (kept as saved when
+        the formats agree). The saved tensors keep their dtypes (torch's loader would cast them to the
+        parameter's)."""
         mine = [(dict(g["state_dtype"]), g["weights"]) for g in self.param_groups]
-        saved = [dict(g.get("state_dtype", {})) for g in state_dict["param_groups"]]
+        saved_groups = state_dict["param_groups"]
+        saved = [dict(g.get("state_dtype", {})) for g in saved_groups]
+        by_id = {i: p for g_old, g in zip(saved_groups, self.param_groups) for i, p in zip(g_old["params"], g["params"])}
+        saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
+        for old_id, p in by_id.items():
+            if old_id in saved_state:
+                self.state[p] = {k: (v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v)
+                                 for k, v in saved_state[old_id].items()}
         for group, (dtypes, mode), old in zip(self.param_groups, mine, saved):
             group["state_dtype"], group["weights"] = dtypes, mode
             for index, p in enumerate(group["params"]):
                 state = self.state.get(p)
                 if not state:
                     continue
+                stochastic = any(self.format_of(group, n).stochastic for n in self.STATES)
+                if stochastic and "state_counter" not in state:
+                    state["state_counter"] = torch.tensor([group.get("seed", 0) * 65537 + index, 0], dtype=torch.int64)
                 for name in self.STATES:
-                    if name not in state:
+                    source = formats.parse(old.get(name, "fp32"))
+                    if name not in state or source == self.format_of(group, name):
                         continue
-                    value = self.load(state, group, name, formats.parse(old.get(name, "fp32")))
-                    if any(self.format_of(group, n).stochastic for n in self.STATES) and "state_counter" not in state:
-                        state["state_counter"] = torch.tensor([index, 0], dtype=torch.int64)
-                    self.store(state, group, name, value, state.get("state_counter"))
+                    self.store(state, group, name, self.load(state, group, name, source), state.get("state_counter"))
                 if not weights.in_place(p) and not any(k in state for k in ("master", "kahan", "sr_counter")):
-                    weights.init_state(p, mode, state, seed=index)
+                    weights.init_state(p, mode, state, seed=group.get("seed", 0) * 65537 + index + (1 << 20))
 
     # -------------------------------------------------------------------------- reports
     def state_bytes(self) -> int:

@@ -2,10 +2,10 @@
 
 A value is divided by its block's absmax and replaced by the index of the nearest code (ties to the lower
 index). The codes are decades of linearly spaced values: decade d (d = 0 the top one, [0.1, 1]) holds
-2^(D-1-d) codes for D decades, so large values get many codes (relative step <= 0.9/2^(D-1) / 0.1 in the top
-decade... and each lower decade half as many, keeping a few digits down to 10^-D of the block's absmax).
+2^(D-1-d) codes for D decades, so large values get many codes (relative step up to 0.9 / 2^(D-1) / 0.1 at the bottom of the top
+decade, and each lower decade half as many: a few digits kept down to 10^-D of the block's absmax).
 
-* SIGNED (first moments, momentum): 7 decades, 127 magnitudes per sign, plus 0 and 1.0: 256 codes.
+* SIGNED (first moments, momentum): 7 decades, 127 magnitudes per sign (the top one 1.0), 0 and 10^-7/2.
 * UNSIGNED (the square root of the second moment): 8 decades, 255 magnitudes, plus 0. Storing sqrt(v) instead
   of v halves its log range: 8 decades of sqrt(v) span 16 decades of v, so a tiny second moment next to a
   large one in the same block keeps a nonzero code instead of flushing to 0, which would turn its
@@ -31,10 +31,11 @@ def _decades(count: int) -> list[float]:
 
 @functools.cache
 def signed_codes() -> torch.Tensor:
-    """256 sorted fp32 codes in [-1, 1]: 0, 1.0, and 127 magnitudes per sign."""
-    pos = sorted(_decades(7)) + [1.0]
-    neg = [-v for v in pos[:-1]]
-    return torch.tensor(sorted(neg + [0.0] + pos), dtype=torch.float32)
+    """256 sorted fp32 codes in [-1, 1]: 0, 127 magnitudes per sign (the top one 1.0: a block's absmax is exact
+    whatever its sign, so decoding and encoding again gives the same codes), and one more positive, 10^-7 / 2."""
+    pos = sorted(_decades(7))
+    pos[-1] = 1.0
+    return torch.tensor(sorted([-v for v in pos] + [0.0, 0.5e-7] + pos), dtype=torch.float32)
 
 
 @functools.cache
