@@ -8,7 +8,9 @@ plain fp32 operations, each rounded once, that the native fused kernel repeats b
     m = m*b1 + g*(1-b1);  v = v*b2 + (g*g)*(1-b2)          (m, v decoded from their formats)
     store m, v (v as sqrt(v) in the FP8 / int8 formats), and read back mq, sq = sqrt(vq) as stored
     AdamW: w = w * (1 - lr*wd)
-    w = w - (mq * (lr/bc1)) / (sq * (1/sqrt(bc2)) + eps)
+    w = w - (mq * (lr/bc1)) / (sq * (1/sqrt(bc2)) + eps)      (a NaN as 0x7FC00000, as fp32 / bf16 states)
+
+sqrt is the correctly rounded one (`formats.sqrt_rn`: torch's CPU sqrt may be an ulp off).
 
 The update uses the states as stored, so one step's update differs from the fp32 update of the same prior
 states only by the rounding of m and sqrt(v) to their formats (docs/optim.md states the bound).
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.optim import native_step, weights
+from engine.optim import formats, native_step, weights
 from engine.optim.base import LowPrecisionOptimizer, StateDtype
 
 
@@ -153,6 +155,7 @@ class Adam(LowPrecisionOptimizer):
         if c["decay"] != 1.0:
             w.mul_(c["decay"])
         w.sub_((mq * c["step_size"]) / (sq * c["inv_bc2_sqrt"] + c["eps"]))
+        w.copy_(formats.canonical_nan(w))
 
 
 class AdamW(Adam):

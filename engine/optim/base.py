@@ -51,7 +51,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """Encode fp32 `value` into state[name] (and state[name + '_scale'])."""
         fmt = self.format_of(group, name)
         sqrt = fmt.stores_sqrt(name in self.SECOND_MOMENTS)
-        data, scale = formats.encode(fmt, value.sqrt() if sqrt else value, counter, signed=name not in self.SECOND_MOMENTS)
+        data, scale = formats.encode(fmt, formats.sqrt_rn(value) if sqrt else value, counter, signed=name not in self.SECOND_MOMENTS)
         if fmt.stochastic:
             formats_advance(counter, value.numel())
         state[name] = data
@@ -72,7 +72,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         fmt = self.format_of(group, name)
         if fmt.stores_sqrt(True):
             return formats.decode(fmt, state[name], state.get(name + "_scale"), signed=False)
-        return self.load(state, group, name).sqrt()
+        return formats.sqrt_rn(self.load(state, group, name))
 
     def init_states(self, p: torch.Tensor, state: dict, group: dict, index: int) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

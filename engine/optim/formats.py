@@ -128,8 +128,10 @@ def encode(fmt: StateFormat, x: torch.Tensor, counter: torch.Tensor | None = Non
            signed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 `x` in `fmt`: (data of x's shape, scales per block or None). `counter` = the (seed, offset) of
     stochastic rounding (advanced by the caller); `signed` = False for values known >= 0 (sqrt(v), v)."""
+    if fmt.kind in ("fp32", "bf16"):
+        x = canonical_nan(x)
     if fmt.kind == "fp32":
-        return x.clone(), None
+        return x, None
     if fmt.kind == "bf16":
         if not fmt.stochastic:
             return x.to(torch.bfloat16), None
@@ -141,7 +143,7 @@ def encode(fmt: StateFormat, x: torch.Tensor, counter: torch.Tensor | None = Non
     blocks = _blocks(flat, INT8_BLOCK)
     absmax = blocks.abs().amax(dim=1)
     normed = blocks / torch.where(absmax == 0, 1.0, absmax)[:, None]  # a true division, as the kernel
-    codes = torch.bucketize(normed, dynamic_map.midpoints(signed), right=False)  # nearest; a tie goes down
+    codes = torch.bucketize(normed, dynamic_map.midpoints(signed), right=False)  # nearest, a tie down; NaN: 255
     return codes.to(torch.uint8).reshape(-1)[: flat.numel()].reshape(x.shape), absmax
 
 
@@ -155,6 +157,18 @@ def decode(fmt: StateFormat, data: torch.Tensor, scale: torch.Tensor | None, *, 
     codes = (dynamic_map.signed_codes() if signed else dynamic_map.unsigned_codes())[data.reshape(-1).long()]
     flat = (_blocks(codes, INT8_BLOCK) * scale[:, None]).reshape(-1)[: data.numel()]
     return flat.reshape(data.shape)
+
+
+def canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """x with every NaN the quiet NaN 0x7FC00000 (an arithmetic NaN's sign and payload depend on the operand
+    order an instruction set picks; stored fp32 / bf16 values and updated weights hold this one)."""
+    return torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (torch's CPU sqrt may be an ulp off, and differs by instruction
+    set): in float64 then rounded once, which for an fp32 input is exact IEEE sqrt (53 >= 2 * 24 + 2 bits)."""
+    return x.double().sqrt().float()
 
 
 def round_bf16_stochastic(x: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
