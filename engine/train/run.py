@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 import engine
+from engine import optim as engine_optim
 from engine.ops.exact_gemm import native_bf16_gemm
 from engine.recipes import RECIPES, Recipe, RecipeMap
 from engine.train.checkpoint import RESUME_KEYS, load_run_checkpoint, saved_model_config
@@ -77,6 +78,12 @@ class RunConfig(BaseModel):
     tp: int = Field(1, ge=1)  # tensor-parallel degree when several processes train (engine.train.parallel)
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) for the recipe runs
     recipe_map: dict | None = None  # a RecipeMap's plain form (e.g. engine.recommend's) for the recipe runs' layers
+    optim_states: str | None = None  # engine.optim.AdamW's state_dtype (None: torch.optim.AdamW)
+
+    @property
+    def label(self) -> str:
+        """The run's name in tables and file names: the recipe, and its optimizer states where chosen."""
+        return self.recipe if self.optim_states is None else f"{self.recipe}+{self.optim_states}-states"
 
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
@@ -157,6 +164,22 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The demo's AdamW (betas 0.9, 0.95, weight decay 0.1): torch's, or engine.optim's with `cfg.optim_states`
+    (its fused native step where the kernel takes the states)."""
+    if cfg.optim_states is None:
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return engine_optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                              state_dtype=cfg.optim_states, fused=True)
+
+
+def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> float:
+    """Every optimizer state byte (moments, block scales, masters) per parameter; step counters excluded."""
+    total = sum(t.numel() * t.element_size() for state in optimizer.state.values() for k, t in state.items()
+                if isinstance(t, torch.Tensor) and k not in ("step", "state_counter", "sr_counter"))
+    return total / sum(p.numel() for p in model.parameters())
+
+
 def train_step(model: GPT, optimizer: torch.optim.Optimizer, loss_fn: Callable[[torch.Tensor], torch.Tensor],
                recipe: Recipe | None, tokens: torch.Tensor) -> torch.Tensor:
     """One optimizer step as the demo takes it (forward in fp8_autocast, backward after it); returns the loss."""
@@ -219,7 +242,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         print(describe_replicated(cfg.recipe, replicated), flush=True)
     if cfg.batch_size % dp_size:
         raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({dp_size}), got {cfg.batch_size}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(model, cfg)
     if checkpoint is not None:
         set_optimizer_state_dict(model, optimizer, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
     end = start + cfg.steps
@@ -245,7 +268,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     probe = batch_at(corpus.train, 0, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
     probe = probe.chunk(dp_size)[dp_rank]
     out_dir = Path(cfg.out_dir)
-    checkpoint_path = out_dir / f"{cfg.recipe.replace(':', '-')}.pt"
+    checkpoint_path = out_dir / f"{cfg.label.replace(':', '-')}.pt"
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # unsharded, as one process holds it
     state = {"model": full_state_dict(model),
              "optimizer": get_optimizer_state_dict(model, optimizer, options=full)}
@@ -255,7 +278,9 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
                     "seed": cfg.seed}, checkpoint_path)
     last = train_losses[-min(10, len(train_losses)):]
     return {
-        "recipe": cfg.recipe,
+        "recipe": cfg.label,
+        "optim_states": cfg.optim_states or "fp32 (torch)",
+        "optimizer_bytes_per_param": optimizer_bytes_per_param(optimizer, model),
         "dtype": cfg.dtype,
         "resumed_from": cfg.resume,
         "steps": [start + 1, end],
