@@ -85,11 +85,11 @@ def grads(shape, generator) -> torch.Tensor:
 @pytest.mark.parametrize("name", FORMATS)
 def test_adamw_step_within_the_format_bound(name):
     fmt = formats.parse(name)
-    p = torch.randn(7, 300, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    p = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)).requires_grad_()
     opt = optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=fmt)
     gen = torch.Generator().manual_seed(1)
     group = opt.param_groups[0]
-    for step in range(1, 31):
+    for step in range(1, 21):
         p.grad = grads(p.shape, gen)
         state = opt.state[p]
         if state:
@@ -113,10 +113,10 @@ def test_adamw_step_within_the_format_bound(name):
 @pytest.mark.parametrize("name", [n for n in FORMATS if "plain_v" not in n])
 def test_sgd_momentum_within_the_format_bound(name):
     fmt = formats.parse(name)
-    p = torch.randn(5, 200, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    p = torch.randn(3, 200, generator=torch.Generator().manual_seed(0)).requires_grad_()
     opt = optim.SGD([p], lr=1e-2, momentum=0.9, nesterov=True, state_dtype=fmt)
     gen = torch.Generator().manual_seed(2)
-    for step in range(30):
+    for step in range(20):
         p.grad = grads(p.shape, gen)
         state = opt.state[p]
         g = p.grad.double()

@@ -124,6 +124,7 @@ class Adam(LowPrecisionOptimizer):
                     eps=group["eps"], decay=1 - lr * wd if self.DECOUPLED else 1.0,
                     wd=0.0 if self.DECOUPLED else wd)
 
+    @torch.compiler.disable  # under torch.compile the compressed step runs eagerly (a graph break)
     def _compressed_step(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
         state["step"] += 1

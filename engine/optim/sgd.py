@@ -83,6 +83,7 @@ class SGD(LowPrecisionOptimizer):
             s["step"] += 1
             weights.write_back(p, w, s)
 
+    @torch.compiler.disable  # under torch.compile the step runs eagerly (a graph break)
     def _one(self, group: dict, state: dict, w: torch.Tensor, grad: torch.Tensor) -> None:
         fp32 = self.all_fp32(group)
         g = grad.float()
