@@ -75,3 +75,24 @@ def test_what_the_kernel_does_not_take_runs_the_reference_with_a_warning():
     p.grad = torch.randn(300)
     with pytest.warns(UserWarning, match="reference step"):
         opt.step()
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "fp8", "bf16"])
+def test_fused_step_on_ties(state_dtype):
+    """With beta1 = 0 the first moment is the gradient itself, so gradients placed exactly on the int8 map's
+    decision points (times a power of 2), and on halfway points of FP8 and bf16, test the ties' direction."""
+    from engine.optim import dynamic_map
+
+    mids = dynamic_map.midpoints(True)
+    g = torch.cat([mids * 2.0, torch.tensor([2.0]), -mids * 2.0, torch.tensor([-2.0]),
+                   1.0 + torch.arange(256) * 2.0 ** -9])  # bf16 / FP8 halfway values too
+    for isa in ISAS:
+        got = []
+        for fused in (False, True):
+            p = torch.zeros(g.numel(), requires_grad=True)
+            opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.999), fused=fused, state_dtype=state_dtype)
+            p.grad = g.clone()
+            with native.use_isa(isa):
+                opt.step()
+            got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
+        assert same_bits(*got), isa
