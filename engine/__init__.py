@@ -22,6 +22,7 @@ from engine.quantizers import (
 from engine.tensors import (
     Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, MXTensor, NVFP4Tensor, QuantizedTensor, QuantizedTensorBase,
 )
+from engine import optim  # low-precision optimizer states (engine.optim.AdamW, ...)
 from engine import distributed  # the layer above modules: registers the hooks the layers below call (engine.hooks)
 from engine import moe  # mixtures of experts: engine.moe.permute / unpermute, MoEMLP, expert parallel
 

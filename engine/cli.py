@@ -22,7 +22,7 @@ def _info(args: argparse.Namespace) -> int:
 
 BENCHMARKS = {"quantize": "bench_quantize", "gemm": "bench_gemm", "linear": "bench_linear",
               "compile": "bench_compile", "mx": "bench_mx_small", "nvfp4": "bench_nvfp4", "inference": "bench_inference",
-              "moe": "bench_moe"}
+              "moe": "bench_moe", "optim": "bench_optim"}
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ LAYERS: tuple[str, ...] = (
     "engine.autocast | engine.machine",  # machine: what `engine info` reports of the CPU and each recipe
     "engine.recompute | engine.parameters",  # engine.checkpoint replays autocast; FP8 primary weights
     "engine.modules",
-    "engine.distributed | engine.inference | engine.numerics | engine.moe",  # numerics: engine.inspect; moe: MoE
+    "engine.distributed | engine.inference | engine.numerics | engine.moe | engine.optim",  # numerics: engine.inspect; moe: MoE; optim: optimizers
     "engine.conversion, engine.conversion_layers, engine.conversion_experts",  # convert / unconvert also move quantize_'s weights (Conv1D)
     "engine",
     "engine.train",  # the demo: training, and the eval / generate commands over its model

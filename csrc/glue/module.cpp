@@ -15,6 +15,7 @@
 #include "gemm/exact_gemm_glue.h"
 #include "inference/int8_dynamic_glue.h"
 #include "inference/wo_gemm_glue.h"
+#include "optim/adam_glue.h"
 #include "scaling/delayed_update_glue.h"
 
 #ifndef ENGINE_BUILD_KEY
@@ -70,6 +71,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_size"), py::arg("n"));
   m.def("int8_linear", &wo_gemm_glue::byte_linear, py::arg("x"), py::arg("data"), py::arg("scale"),
         py::arg("e4m3") = false);
+  // optim: the fused Adam step over compressed states
+  m.def("adam_step", &adam_glue::adam_step, py::arg("w"), py::arg("grad"), py::arg("w_bf16"), py::arg("m"),
+        py::arg("m_scale"), py::arg("m_kind"), py::arg("v"), py::arg("v_scale"), py::arg("v_kind"), py::arg("v_sqrt"),
+        py::arg("signed_codes"), py::arg("signed_mids"), py::arg("unsigned_codes"), py::arg("unsigned_mids"),
+        py::arg("beta1"), py::arg("one_minus_beta1"), py::arg("beta2"), py::arg("one_minus_beta2"),
+        py::arg("step_size"), py::arg("inv_bc2_sqrt"), py::arg("eps"), py::arg("decay"), py::arg("wd"),
+        py::arg("maximize"));
   m.def("int8_quantize_rows", &int8_dynamic_glue::quantize_rows, py::arg("x"), py::arg("biased"));
   m.def("int8_rescale", &int8_dynamic_glue::rescale, py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("dtype"));
   m.def("quantize_mx_small", &mx_small_glue::quantize, py::arg("x2d"), py::arg("kind"), py::arg("rceil"),

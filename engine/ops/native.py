@@ -880,3 +880,14 @@ def int8_rescale(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: t
     if dtype not in WO_DTYPES:
         raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     return _ext().int8_rescale(acc, sx, sw, dtype)
+
+
+def adam_step(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, m_scale: torch.Tensor | None, m_kind: int,
+              v: torch.Tensor, v_scale: torch.Tensor | None, v_kind: int, v_sqrt: bool, tables: tuple,
+              scalars: tuple, maximize: bool) -> None:
+    """One fused Adam / AdamW step of a tensor over compressed states, in place (csrc/optim/adam.h): `w` fp32,
+    `grad` fp32 / bf16, states by kind (0 fp32, 1 bf16, 2 / 3 E4M3 / E5M2 with fp32 scale_inv per 128, 4 uint8
+    codes with fp32 absmax per 256), `tables` = (signed codes, signed midpoints, unsigned codes, unsigned
+    midpoints), `scalars` = (beta1, 1-beta1, beta2, 1-beta2, step_size, 1/sqrt(bc2), eps, decay, wd). Bit for bit
+    engine.optim.Adam.reference_step."""
+    _ext().adam_step(w, grad, None, m, m_scale, m_kind, v, v_scale, v_kind, v_sqrt, *tables, *scalars, maximize)

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from engine.cli_types import finite_positive, whole_number
+from engine.optim import STATE_FORMATS
 from engine.recipes import RecipeMap, RecipeSchedule
 from engine.train.checkpoint import MOE_FLAGS, RESUME_KEYS, SHAPE_FLAGS, load_run_checkpoint, model_config_for_resume
 from engine.train.data import load_corpus
 from engine.train.model import GPTConfig
 from engine.train.parallel import check_layout, init_from_environment, spawn_ranks, world
-from engine.train.report import baseline_note, format_table, write_outputs
+from engine.train.report import baseline_note, format_optim_table, format_table, write_outputs
 from engine.train.run import (RUN_NAMES, RunConfig, baseline_of, default_runs, make_recipe, recipe_plan, train,
                               train_to_file)
 from engine.train.speed import interleaved_step_seconds
@@ -35,6 +36,14 @@ def _recipe_list(text: str) -> list[str]:
             make_recipe(name)
         except (ValueError, ValidationError) as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def _states_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in STATE_FORMATS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(STATE_FORMATS)}; got {text!r}")
     return names
 
 
@@ -96,6 +105,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "checkpoint carries the switch, a --resume continues it)")
     p.add_argument("--switch-to", default="bf16", choices=RUN_NAMES,
                    help="with --switch-at: the recipe after the switch (bf16 or fp32: high precision; default bf16)")
+    p.add_argument("--optim-states", type=_states_list, default=None, metavar="LIST",
+                   help="one run per optimizer state format (comma separated, of "
+                        f"{','.join(STATE_FORMATS)}) under the first of --recipes (default: the baseline), with "
+                        "engine.optim.AdamW; a second table compares each with the fp32 states' run")
     p.set_defaults(run=run)
 
 
@@ -161,6 +174,10 @@ def _configs(args: argparse.Namespace, out_dir: Path) -> list[RunConfig]:
         raise ValueError(f"--tp {args.tp}: needs several processes (--nproc, or torchrun)")
     if args.resume is not None:
         return [RunConfig(recipe=args.recipe, resume=args.resume, **common)]
+    if args.optim_states is not None:
+        if nproc > 1:
+            raise ValueError("--optim-states: one process only (engine.optim's FSDP2 path is not the demo's)")
+        return [RunConfig(recipe=runs[0], optim_states=states, **common) for states in args.optim_states]
     return [RunConfig(recipe=name, **common) for name in runs]
 
 
@@ -194,7 +211,7 @@ def _run_one(cfg: RunConfig, corpus, out_dir: Path, args: argparse.Namespace) ->
     """One run: here (--in-process, or a rank under torchrun), on --nproc ranks, or in a fresh process."""
     if args.in_process or _under_torchrun():
         return train(cfg, corpus)
-    result_path = out_dir / f"{cfg.recipe}.json"
+    result_path = out_dir / f"{cfg.label}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.nproc > 1:
         try:
@@ -235,13 +252,18 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     if not leader:
         return 0
-    if args.speed_rounds > 0 and nproc == 1 and len(configs) > 1 and any(c.recipe == c.dtype for c in configs):
+    optim_runs = any(c.optim_states is not None for c in configs)
+    if args.speed_rounds > 0 and nproc == 1 and len(configs) > 1 and any(c.recipe == c.dtype for c in configs) \
+            and not optim_runs:
         print(f"\ntiming the runs' steps interleaved ({args.speed_rounds} rounds) for the speed column")
         medians = interleaved_step_seconds(configs, corpus, args.speed_rounds)
         for result in results:
             result["interleaved_step_seconds"] = medians[result["recipe"]]
     print()
     print(format_table(results))
+    if optim_runs:
+        print()
+        print(format_optim_table(results))
     paths = write_outputs(results, out_dir)
     print(f"\nwrote {paths['png']}, {paths['json']}, {paths['csv']} and a checkpoint per run "
           f"(resume with --resume {results[0]['checkpoint']} --recipe <name>)")

@@ -56,6 +56,19 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def format_optim_table(results: list[dict[str, Any]]) -> str:
+    """The optimizer-state runs (--optim-states) against the fp32-state run: val loss gap, peak RSS, state bytes."""
+    base = next((r for r in results if r.get("optim_states") == "fp32"), None)
+    lines = ["| optimizer states | val loss | val gap vs fp32 states | peak RSS MiB | optimizer B/param | vs fp32 states |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        gap = "" if base is None else f"{100 * (r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2f}%"
+        ratio = "" if base is None else f"{r['optimizer_bytes_per_param'] / base['optimizer_bytes_per_param']:.3f}"
+        lines.append(f"| {r.get('optim_states')} | {r['final_val_loss']:.4f} | {gap} | {r['peak_rss_bytes'] / 2**20:.0f} | "
+                     f"{r['optimizer_bytes_per_param']:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     """The table, under a line naming the baseline."""
     rows = [columns(results), *table_rows(results)]

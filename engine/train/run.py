@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 import engine
+from engine import optim as engine_optim
 from engine.ops.exact_gemm import native_bf16_gemm
 from engine.modules.recipe_maps import four_bit_flop_share
 from engine.recipes import RECIPES, Recipe, RecipeMap, RecipeSchedule
@@ -80,6 +81,12 @@ class RunConfig(BaseModel):
     #: a RecipeMap's plain form (e.g. engine.recommend's) for the recipe runs' layers, or a RecipeSchedule's (the
     #: map, then a late switch to higher precision); a resumed run without one continues its checkpoint's schedule
     recipe_map: dict | None = None
+    optim_states: str | None = None  # engine.optim.AdamW's state_dtype (None: torch.optim.AdamW)
+
+    @property
+    def label(self) -> str:
+        """The run's name in tables and file names: the recipe, and its optimizer states where chosen."""
+        return self.recipe if self.optim_states is None else f"{self.recipe}+{self.optim_states}-states"
 
 
 #: a run option that keeps the last transformer block in bf16 (TE's advice for 4-bit training)
@@ -158,6 +165,22 @@ def saved_activation_bytes(model: GPT, tokens: torch.Tensor, recipe: Recipe | No
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The demo's AdamW (betas 0.9, 0.95, weight decay 0.1): torch's, or engine.optim's with `cfg.optim_states`
+    (its fused native step where the kernel takes the states)."""
+    if cfg.optim_states is None:
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return engine_optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                              state_dtype=cfg.optim_states, fused=True)
+
+
+def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> float:
+    """Every optimizer state byte (moments, block scales, masters) per parameter; step counters excluded."""
+    total = sum(t.numel() * t.element_size() for state in optimizer.state.values() for k, t in state.items()
+                if isinstance(t, torch.Tensor) and k not in ("step", "state_counter", "sr_counter"))
+    return total / sum(p.numel() for p in model.parameters())
 
 
 def train_step(model: GPT, optimizer: torch.optim.Optimizer, loss_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -250,7 +273,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         print(describe_replicated(cfg.recipe, replicated), flush=True)
     if cfg.batch_size % dp_size:
         raise ValueError(f"--batch-size: must be a multiple of the data-parallel ranks ({dp_size}), got {cfg.batch_size}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(model, cfg)
     if checkpoint is not None:
         set_optimizer_state_dict(model, optimizer, checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
     loss_fn = torch.compile(model.loss, fullgraph=True) if cfg.compile else model.loss
@@ -280,7 +303,7 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     probe = batch_at(corpus.train, 0, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
     probe = probe.chunk(dp_size)[dp_rank]
     out_dir = Path(cfg.out_dir)
-    checkpoint_path = out_dir / f"{cfg.recipe.replace(':', '-')}.pt"
+    checkpoint_path = out_dir / f"{cfg.label.replace(':', '-')}.pt"
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # unsharded, as one process holds it
     state = {"model": full_state_dict(model),
              "optimizer": get_optimizer_state_dict(model, optimizer, options=full)}
@@ -291,7 +314,9 @@ def train(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
                     "seed": cfg.seed, **carried}, checkpoint_path)
     last = train_losses[-min(10, len(train_losses)):]
     return {
-        "recipe": cfg.recipe,
+        "recipe": cfg.label,
+        "optim_states": cfg.optim_states or "fp32 (torch)",
+        "optimizer_bytes_per_param": optimizer_bytes_per_param(optimizer, model),
         "dtype": cfg.dtype,
         "resumed_from": cfg.resume,
         "steps": [start + 1, end],

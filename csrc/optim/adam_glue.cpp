@@ -1,0 +1,117 @@
+// The fused Adam step's glue: argument checks, the tensor split over OpenMP threads in 256-element chunks (whole
+// state blocks), and the kernel of the level in use (optim/adam_kernels.cpp, chosen by active_isa()). Threads run
+// with round-to-nearest and without flush-to-zero / denormals-are-zero (MXCSR set per thread).
+#include "optim/adam_glue.h"
+
+#include "common/glue.h"
+#include "optim/adam.h"
+
+namespace engine_native {
+namespace adam_glue {
+namespace {
+
+using glue::check_plain;
+using glue::DefaultFpEnv;
+using glue::NoPythonDispatch;
+
+int64_t block_of(StateKind kind) {
+  switch (kind) {
+    case StateKind::E4M3_128:
+    case StateKind::E5M2_128: return 128;
+    case StateKind::INT8_256: return 256;
+    default: return 0;
+  }
+}
+
+at::ScalarType dtype_of(StateKind kind) {
+  switch (kind) {
+    case StateKind::F32: return at::kFloat;
+    case StateKind::BF16: return at::kBFloat16;
+    case StateKind::E4M3_128: return at::kFloat8_e4m3fn;
+    case StateKind::E5M2_128: return at::kFloat8_e5m2;
+    default: return at::kByte;
+  }
+}
+
+StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64_t kind_code, int64_t n,
+                   const char* name, bool sqrt_form, const Tensor& codes, const Tensor& mids) {
+  TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 4, name, ": expected a state kind 0..4, got ", kind_code);
+  const StateKind kind = static_cast<StateKind>(kind_code);
+  check_plain(data, name);
+  TORCH_CHECK_TYPE(data.scalar_type() == dtype_of(kind), name, ": expected ", dtype_of(kind), ", got ",
+                   data.scalar_type());
+  TORCH_CHECK_VALUE(data.numel() == n, name, ": expected ", n, " elements (the parameter's), got ", data.numel());
+  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), sqrt_form};
+  const int64_t block = block_of(kind);
+  if (block) {
+    TORCH_CHECK_VALUE(scale.has_value(), name, ": a blocked state needs its scales");
+    check_plain(*scale, name);
+    TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, name, " scales: expected float32, got ", scale->scalar_type());
+    TORCH_CHECK_VALUE(scale->numel() == (n + block - 1) / block, name, " scales: expected ", (n + block - 1) / block,
+                      " blocks, got ", scale->numel());
+    ref.scale = scale->data_ptr<float>();
+  }
+  return ref;
+}
+
+}  // namespace
+
+void adam_step(const Tensor& w, const Tensor& grad, const std::optional<Tensor>& w_bf16, const Tensor& m,
+               const std::optional<Tensor>& m_scale, int64_t m_kind, const Tensor& v,
+               const std::optional<Tensor>& v_scale, int64_t v_kind, bool v_sqrt, const Tensor& signed_codes,
+               const Tensor& signed_mids, const Tensor& unsigned_codes, const Tensor& unsigned_mids, double beta1,
+               double one_minus_beta1, double beta2, double one_minus_beta2, double step_size, double inv_bc2_sqrt,
+               double eps, double decay, double wd, bool maximize) {
+  NoPythonDispatch no_python;
+  const AdamKernels& kernels = adam_kernels(active_isa());
+  check_plain(w, "w");
+  check_plain(grad, "grad");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "w: expected float32, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+                   "grad: expected float32 or bfloat16, got ", grad.scalar_type());
+  const int64_t n = w.numel();
+  TORCH_CHECK_VALUE(grad.numel() == n, "grad: expected ", n, " elements, got ", grad.numel());
+  for (const Tensor* t : {&signed_codes, &unsigned_codes}) {
+    check_plain(*t, "codes");
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 256, "codes: expected 256 float32 values");
+  }
+  for (const Tensor* t : {&signed_mids, &unsigned_mids}) {
+    check_plain(*t, "mids");
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 255, "mids: expected 255 float32 values");
+  }
+  const StateRef mref = state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids);
+  const StateRef vref = state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids);
+  uint16_t* wb = nullptr;
+  if (w_bf16.has_value()) {
+    check_plain(*w_bf16, "w_bf16");
+    TORCH_CHECK_TYPE(w_bf16->scalar_type() == at::kBFloat16, "w_bf16: expected bfloat16, got ", w_bf16->scalar_type());
+    TORCH_CHECK_VALUE(w_bf16->numel() == n, "w_bf16: expected ", n, " elements, got ", w_bf16->numel());
+    wb = static_cast<uint16_t*>(w_bf16->data_ptr());
+  }
+  const AdamScalars s{static_cast<float>(beta1), static_cast<float>(one_minus_beta1), static_cast<float>(beta2),
+                      static_cast<float>(one_minus_beta2), static_cast<float>(step_size),
+                      static_cast<float>(inv_bc2_sqrt), static_cast<float>(eps), static_cast<float>(decay),
+                      static_cast<float>(wd), maximize};
+  float* wp = w.data_ptr<float>();
+  const void* gp = grad.data_ptr();
+  const bool gb = grad.scalar_type() == at::kBFloat16;
+  const int64_t chunks = (n + 255) / 256;
+  const int threads = static_cast<int>(std::min<int64_t>(
+      {static_cast<int64_t>(omp_get_max_threads()), std::max<int64_t>(1, n / (1 << 15)), std::max<int64_t>(1, chunks)}));
+  if (threads <= 1 || omp_in_parallel()) {
+    DefaultFpEnv env;
+    kernels.step(wp, gp, gb, wb, mref, vref, s, n, 0, n);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    DefaultFpEnv env;
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+    const int64_t b = c0 * 256, e = std::min<int64_t>(c1 * 256, n);
+    if (b < e) kernels.step(wp, gp, gb, wb, mref, vref, s, n, b, e);
+  }
+}
+
+}  // namespace adam_glue
+}  // namespace engine_native

@@ -1,0 +1,134 @@
+"""What engine's optimizers share: per-state formats in the param groups, encoded states, loading a state dict
+saved with other formats (or by torch.optim), and the bytes the states take."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from engine.optim import formats, weights
+from engine.optim.formats import StateFormat
+
+StateDtype = str | StateFormat | Mapping[str, str | StateFormat]
+
+
+def normalize_state_dtype(value: StateDtype, names: tuple[str, ...]) -> dict[str, str]:
+    """`state_dtype` as {state name: format name} (plain data: param groups are saved as they are)."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(names)
+        if unknown:
+            raise ValueError(f"state_dtype: unknown state(s) {sorted(unknown)}; this optimizer keeps {list(names)}")
+        return {n: formats.parse(value.get(n, "fp32"), f"state_dtype[{n!r}]").name for n in names}
+    name = formats.parse(value).name
+    return {n: name for n in names}
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """A torch Optimizer whose states (`STATES`) are stored per group in `state_dtype` formats."""
+
+    STATES: tuple[str, ...] = ()
+    SECOND_MOMENTS: tuple[str, ...] = ()  # stored as sqrt in the blocked formats
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
+        defaults["state_dtype"] = normalize_state_dtype(defaults["state_dtype"], self.STATES)
+        defaults["weights"] = weights.check_mode(defaults["weights"])
+        super().__init__(params, defaults)
+        for group in self.param_groups:  # a group's own state_dtype, given in a dict
+            group["state_dtype"] = normalize_state_dtype(group["state_dtype"], self.STATES)
+            group["weights"] = weights.check_mode(group["weights"])
+
+    # -------------------------------------------------------------------------- states
+    def format_of(self, group: dict, name: str) -> StateFormat:
+        return formats.parse(group["state_dtype"][name])
+
+    def all_fp32(self, group: dict) -> bool:
+        return all(self.format_of(group, n).kind == "fp32" for n in self.STATES)
+
+    def store(self, state: dict, group: dict, name: str, value: torch.Tensor, counter: torch.Tensor | None) -> None:
+        """Encode fp32 `value` into state[name] (and state[name + '_scale'])."""
+        fmt = self.format_of(group, name)
+        sqrt = fmt.stores_sqrt(name in self.SECOND_MOMENTS)
+        data, scale = formats.encode(fmt, formats.sqrt_rn(value) if sqrt else value, counter, signed=name not in self.SECOND_MOMENTS)
+        if fmt.stochastic:
+            formats_advance(counter, value.numel())
+        state[name] = data
+        if scale is not None:
+            state[name + "_scale"] = scale
+        else:
+            state.pop(name + "_scale", None)
+
+    def load(self, state: dict, group: dict, name: str, fmt: StateFormat | None = None) -> torch.Tensor:
+        """The fp32 value of state[name] (decoded from `fmt`, default the group's)."""
+        fmt = fmt or self.format_of(group, name)
+        second = name in self.SECOND_MOMENTS
+        value = formats.decode(fmt, state[name], state.get(name + "_scale"), signed=not second)
+        return value * value if fmt.stores_sqrt(second) else value
+
+    def stored_root(self, state: dict, group: dict, name: str) -> torch.Tensor:
+        """sqrt of a second moment as stored: the stored value itself in the sqrt form, else sqrt(decode)."""
+        fmt = self.format_of(group, name)
+        if fmt.stores_sqrt(True):
+            return formats.decode(fmt, state[name], state.get(name + "_scale"), signed=False)
+        return formats.sqrt_rn(self.load(state, group, name))
+
+    def init_states(self, p: torch.Tensor, state: dict, group: dict, index: int) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if any(self.format_of(group, n).stochastic for n in self.STATES):
+            state["state_counter"] = torch.tensor([group.get("seed", 0) * 65537 + index, 0], dtype=torch.int64)
+        for name in self.STATES:
+            self.store(state, group, name, torch.zeros(p.shape, dtype=torch.float32), state.get("state_counter"))
+        weights.init_state(p, group["weights"], state, seed=group.get("seed", 0) * 65537 + index + (1 << 20))
+
+    # -------------------------------------------------------------------------- loading across formats
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved with any state formats (or by torch.optim): each state is decoded from the
+        saved group's `state_dtype` (fp32 when absent) and re-encoded in this optimizer's (kept as saved when
+        the formats agree). The saved tensors keep their dtypes (torch's loader would cast them to the
+        parameter's)."""
+        mine = [(dict(g["state_dtype"]), g["weights"]) for g in self.param_groups]
+        saved_groups = state_dict["param_groups"]
+        saved = [dict(g.get("state_dtype", {})) for g in saved_groups]
+        by_id = {i: p for g_old, g in zip(saved_groups, self.param_groups) for i, p in zip(g_old["params"], g["params"])}
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for old_id, p in by_id.items():
+            if old_id in saved_state:
+                self.state[p] = {k: (v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v)
+                                 for k, v in saved_state[old_id].items()}
+        for group, (dtypes, mode), old in zip(self.param_groups, mine, saved):
+            group["state_dtype"], group["weights"] = dtypes, mode
+            for index, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if not state:
+                    continue
+                stochastic = any(self.format_of(group, n).stochastic for n in self.STATES)
+                if stochastic and "state_counter" not in state:
+                    state["state_counter"] = torch.tensor([group.get("seed", 0) * 65537 + index, 0], dtype=torch.int64)
+                for name in self.STATES:
+                    source = formats.parse(old.get(name, "fp32"))
+                    if name not in state or source == self.format_of(group, name):
+                        continue
+                    self.store(state, group, name, self.load(state, group, name, source), state.get("state_counter"))
+                if not weights.in_place(p) and not any(k in state for k in ("master", "kahan", "sr_counter")):
+                    weights.init_state(p, mode, state, seed=group.get("seed", 0) * 65537 + index + (1 << 20))
+
+    # -------------------------------------------------------------------------- reports
+    def state_bytes(self) -> int:
+        """Bytes of every state tensor except the step counters and random-bit counters (masters included)."""
+        total = 0
+        for state in self.state.values():
+            for key, t in state.items():
+                if isinstance(t, torch.Tensor) and key not in ("step", "state_counter", "sr_counter"):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def warn_fallback(self, why: str) -> None:
+        """A warning, shown once per call site by Python's default filter (no state of ours)."""
+        warnings.warn(f"engine.optim: fused=True runs the Python reference step: {why}", stacklevel=3)
+
+
+def formats_advance(counter: torch.Tensor, count: int) -> None:
+    counter[1:].add_(count)

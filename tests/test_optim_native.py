@@ -1,0 +1,98 @@
+"""The fused native Adam step (csrc/optim/) gives Adam.reference_step's bits - weights and every state byte, NaN
+included - at every instruction-set level this machine runs, for every state format it takes; what it does not
+take runs the reference with a warning."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from engine import optim
+from engine.ops import native
+from engine.optim import native_step
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels did not build")
+
+KERNEL_FORMATS = ["bf16", "fp8", "fp8_e5m2", "int8", "fp8:block1d_e4m3:plain_v", "int8:plain_v",
+                  {"exp_avg": "fp32", "exp_avg_sq": "int8"}, {"exp_avg": "fp8_e5m2", "exp_avg_sq": "bf16"}]
+ISAS = native.available_isas() if native.available() else []
+
+
+def gradients(shape, gen: torch.Generator, special: bool) -> torch.Tensor:
+    g = torch.randn(shape, generator=gen) * 10.0 ** (-6 * torch.rand(shape, generator=gen))
+    if special:
+        flat = g.reshape(-1)
+        flat[:300] = 0.0  # an all-zero block (scale 1, amax 0)
+        flat[301] = 3e38  # overflows v
+        flat[400] = 1e-30  # subnormal squares
+        flat[-1] = -0.0
+    return g
+
+
+def trajectory(state_dtype, fused: bool, isa: str, *, special: bool, cls=optim.AdamW, grad_dtype=torch.float32,
+               **kw) -> list[torch.Tensor]:
+    p = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(grad_dtype).requires_grad_()  # partial blocks
+    opt = cls([p], lr=1e-2, fused=fused, state_dtype=state_dtype, **kw)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    with native.use_isa(isa):
+        for _ in range(4):
+            p.grad = gradients(p.shape, gen, special).to(grad_dtype)
+            opt.step()
+            state = opt.state[p]
+            out += [p.detach().clone()] + [state[k].clone() for k in sorted(state) if k != "step"]
+    return out
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("state_dtype", KERNEL_FORMATS, ids=str)
+def test_fused_step_is_the_reference(state_dtype, isa):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel runs: no fallback warning
+        fused = trajectory(state_dtype, True, isa, special=False)
+    assert same_bits(fused, trajectory(state_dtype, False, isa, special=False))
+
+
+@pytest.mark.parametrize("state_dtype", ["fp8", "int8", "bf16"])
+def test_fused_step_edge_cases_and_adam_options(state_dtype):
+    """Zero blocks, overflowing and subnormal squares, -0.0; Adam's L2 decay with maximize; bf16 weights (an fp32
+    master) and gradients."""
+    for isa in ISAS:
+        kw = dict(special=True, cls=optim.Adam, weight_decay=0.1, maximize=True, grad_dtype=torch.bfloat16)
+        assert same_bits(trajectory(state_dtype, True, isa, **kw), trajectory(state_dtype, False, isa, **kw)), isa
+
+
+def test_what_the_kernel_does_not_take_runs_the_reference_with_a_warning():
+    p = torch.randn(300, requires_grad=True)
+    opt = optim.AdamW([p], fused=True, state_dtype="fp8_mx")
+    assert "1x128" in native_step.why_not(opt, opt.param_groups[0], p, {})
+    p.grad = torch.randn(300)
+    with pytest.warns(UserWarning, match="reference step"):
+        opt.step()
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "fp8", "bf16"])
+def test_fused_step_on_ties(state_dtype):
+    """With beta1 = 0 the first moment is the gradient itself, so gradients placed exactly on the int8 map's
+    decision points (times a power of 2), and on halfway points of FP8 and bf16, test the ties' direction."""
+    from engine.optim import dynamic_map
+
+    mids = dynamic_map.midpoints(True)
+    g = torch.cat([mids * 2.0, torch.tensor([2.0]), -mids * 2.0, torch.tensor([-2.0]),
+                   1.0 + torch.arange(256) * 2.0 ** -9])  # bf16 / FP8 halfway values too
+    for isa in ISAS:
+        got = []
+        for fused in (False, True):
+            p = torch.zeros(g.numel(), requires_grad=True)
+            opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.999), fused=fused, state_dtype=state_dtype)
+            p.grad = g.clone()
+            with native.use_isa(isa):
+                opt.step()
+            got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
+        assert same_bits(*got), isa
