@@ -21,7 +21,7 @@ import torch
 
 from engine.ops import native, nvfp4, registry
 from engine.quantizers import NVFP4Quantizer
-from engine.schemes import SCHEMES
+from engine.schemes import RHT_SIGNS, SCHEMES
 from tests.nvfp4_4over6_cases import FIELDS, mismatches, raw
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -182,6 +182,21 @@ def _tiled(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
 # partial edges (odd K, M not a multiple of 16)
 FAST_SHAPES = ((256, 260), (137, 257))
 FAST_OPTIONS = [opt for opt in OPTIONS if not opt["sr"]]  # 16x16 tiles too: one tensor scale takes the fast path
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_whole_finite_tiles_whose_rht_overflows_match_the_reference_bitwise(isa, dtype):
+    """Finite whole tiles (no inf / NaN in x) whose RHT sums overflow to inf and inf - inf (NaN): the kernel
+    drops its NaN masking only in tiles whose RHT cannot overflow."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(32, 256, generator=g) * 3).to(dtype)
+    # columns 0..127 of the first strip: 2^127 times the RHT's signs, so that its 16 products with them are all
+    # 2^125, whose sum overflows (the transform's first output inf, the second inf - inf)
+    x[:16, :128] = (torch.tensor(RHT_SIGNS, dtype=torch.float32)[:, None] * 2.0**127).to(dtype)
+    x[:16, 128:] *= 2.0**120  # finite RHT outputs next to it, of large values
+    assert torch.isfinite(x).all()
+    bad = [f"{opt}: {b}" for opt in FAST_OPTIONS if opt["rht"] for b in compare(x, **opt, amaxes=(1e38, 1e38))]
+    assert not bad, bad[:10]
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)

@@ -68,21 +68,27 @@ ENGINE_VEC_INLINE u32n interleave_hi(u32n a, u32n b) {
 // The E2M1 code of |a| (a >= 0, bits mag) rounded to nearest even, saturating at 6. With c = min(mag, 6) and
 // e = max(c's exponent field, 127 = that of 1.0, E2M1's smallest normal), the fp32 sum c + M with
 // M = 2^(e - 105) + ((e - 127) << 1) ulps has E2M1's step at c as its ulp: it rounds c to that step, ties to
-// even (the added ulps are even), and its low mantissa bits are the code (the subnormal 0.5 included).
-template <typename F, typename U>
+// even (the added ulps are even), and its low mantissa bits are the code (the subnormal 0.5 included). e takes
+// three values (c in [0, 2), [2, 4), [4, 6]): M is picked by two compares (fewer operations than computing it).
+constexpr uint32_t e2m1_magic(uint32_t e) { return ((e + 22u) << 23) + ((e - 127u) << 1); }
+
+template <typename F, typename U, typename I>
 ENGINE_VEC_INLINE U e2m1_magnitude(U mag) {
-  const U zero = {};
-  const U c = vec::select(mag < 0x40C00000u, mag, zero + 0x40C00000u);
-  const U field = vec::max(c >> 23, zero + 127u);
-  const U magic = ((field + 22u) << 23) + ((field - 127u) << 1);
+  const U c = vec::min(mag, vec::splat<U>(0x40C00000u));
+  const I ci = (I)c;  // below 2^31: a signed compare orders it
+  const U magic = vec::select(ci >= 0x40800000, vec::splat<U>(e2m1_magic(129)),
+                              vec::select(ci >= 0x40000000, vec::splat<U>(e2m1_magic(128)),
+                                          vec::splat<U>(e2m1_magic(127))));
   return (U)((F)c + (F)magic) & 0x7FFFFFu;
 }
 
-// mx_elements.encode(y, E2M1): RNE, +-inf -> +-6, NaN -> 0, the sign kept (-0 -> 8).
-template <typename F, typename U, typename I>
+// mx_elements.encode(y, E2M1): RNE, +-inf -> +-6, NaN -> 0, the sign kept (-0 -> 8). NANS false: the caller
+// knows y holds no NaN (its tile none), and the NaN lanes' masking is left out.
+template <typename F, typename U, typename I, bool NANS = true>
 ENGINE_VEC_INLINE U e2m1_rne(F y) {
   const U b = (U)y, mag = b & 0x7FFFFFFFu;
-  const U code = e2m1_magnitude<F, U>(mag) | ((b >> 28) & 8u);
+  const U code = e2m1_magnitude<F, U, I>(mag) | ((b >> 28) & 8u);
+  if (!NANS) return code;
   return code & ~(U)(mag > 0x7F800000u);
 }
 
@@ -91,7 +97,7 @@ ENGINE_VEC_INLINE U e2m1_rne(F y) {
 // scaled by a power of 2, truncated), whose low 8 bits are floor((a - lo) / step * 256), so "up" is the carry of
 // n + r out of them and m = (n + r) >> 8 the grid value in steps (a = 6: n = 768, no carry). E2M1's code of m steps
 // is m + 0, 2 or 4 (steps 0.5, 1, 2: values 0..2, 2..4, 4..6 are codes 0..4, 4..6, 6..7).
-template <typename F, typename U, typename I>
+template <typename F, typename U, typename I, bool NANS = true>
 ENGINE_VEC_INLINE U e2m1_stochastic(F y, U r) {
   const U b = (U)y, magu = b & 0x7FFFFFFFu, zero = {};
   const F mag = (F)magu;  // (NaN lanes are zeroed at the end)
@@ -101,6 +107,7 @@ ENGINE_VEC_INLINE U e2m1_stochastic(F y, U r) {
   const U offset = vec::select((U)lt2, zero, vec::select((U)lt4, zero + 2u, zero + 4u));
   const U n = (U)__builtin_convertvector(a * scale, I);  // a * scale in [0, 1024): exact, truncated
   const U code = (((n + r) >> 8) + offset) | ((b >> 28) & 8u);
+  if (!NANS) return code;
   return code & ~(U)(magu > 0x7F800000u);
 }
 
@@ -233,9 +240,42 @@ inline TileBox tile_box(const Nvfp4Job& job, int64_t u) {
   return box_of(job, u / col_tiles, u % col_tiles);
 }
 
-// x[r0 + i, c0 + c] as fp32 into t[i][c], zero-padded to 16 x kT (zeros change no amax and get code 0).
+// Tiles ahead of the one being loaded whose rows load_tile asks the caches for: the 16 rows of a tile are 16
+// separate streams of 256 (bf16) or 512 bytes, more than the hardware prefetchers follow ahead of the loads.
+constexpr int64_t kPrefetchTiles = 2;
+
+// x[r0 + i, c0 + c] as fp32 into t[i][c], zero-padded to 16 x kT (zeros change no amax and get code 0). Returns
+// the max |value| bits of the tile (above 0x7F800000: a NaN in it; all ones for a partial tile), so that the
+// element loops can leave out the NaN lanes' masking where there is none. Full tiles convert kN lanes at a time
+// and prefetch the rows of the tile kPrefetchTiles ahead along them.
 template <bool BF16>
-inline void load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT]) {
+inline uint32_t load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT]) {
+  if (b.w == kT) {
+    typedef uint16_t u16h __attribute__((vector_size(2 * kN)));
+    constexpr int64_t kEsize = BF16 ? 2 : 4;
+    u32n m = {};
+    for (int64_t i = 0; i < kB; ++i) {
+      if (i >= b.rows) {
+        for (int64_t c = 0; c < kT; ++c) t[i][c] = 0.0f;
+        continue;
+      }
+      const char* row = static_cast<const char*>(job.x) + ((b.r0 + i) * job.ld + b.c0) * kEsize;
+#pragma GCC unroll 8
+      for (int64_t o = 0; o < kT * kEsize; o += 64) __builtin_prefetch(row + kPrefetchTiles * kT * kEsize + o);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kT; c += kN) {
+        u32n v;
+        if (BF16) {
+          v = __builtin_convertvector(vec::load<u16h>(row + c * 2), u32n) << 16;
+        } else {
+          v = vec::load<u32n>(row + c * 4);
+        }
+        m = vec::max(m, v & 0x7FFFFFFFu);
+        vec::store(t[i] + c, v);
+      }
+    }
+    return vec::reduce_max(m);
+  }
   for (int64_t i = 0; i < kB; ++i) {
     if (i < b.rows) {
       const int64_t base = (b.r0 + i) * job.ld + b.c0;
@@ -245,6 +285,7 @@ inline void load_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict 
       for (int64_t c = 0; c < kT; ++c) t[i][c] = 0.0f;
     }
   }
+  return 0xFFFFFFFFu;  // (not looked at: taken as holding NaNs)
 }
 
 // Max |value| bits over 16 rows x `cols` of t (16 at a time).
@@ -390,7 +431,7 @@ ENGINE_VEC_INLINE void block_maxima(const float* __restrict v, uint32_t* __restr
 }
 
 // The rowwise usage of a tile: 1x16 blocks of each row (or the 16x16 tiles' codes when 2D).
-template <bool SR>
+template <bool SR, bool NANS>
 void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict t)[kT],
                   const uint32_t* __restrict tile_keys, uint32_t rkey) {
   constexpr int64_t kBlocks = kT / kB;
@@ -434,7 +475,7 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
         for (int k = 0; k < 4; ++k) {
           const int64_t e0 = g + k * kN;
           const f32n v = vec::load<f32n>(t[i] + e0) * enc[at + e0 / kB];
-          vec::store(q + e0, e2m1_stochastic<f32n, u32n, i32n>(v, r[k]));
+          vec::store(q + e0, e2m1_stochastic<f32n, u32n, i32n, NANS>(v, r[k]));
         }
       }
     } else {
@@ -452,9 +493,9 @@ void rowwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restric
           const u32n lo = lo0 + (rel >> 2u);
           const u32n hk = lo_first <= 0xFFFFFFFFu - 4u ? vec::splat<u32n>(hi_key(hi_first, rkey))  // no carry into hi
                                                        : hi_key(hi_first + ((u32n)(lo < lo0) & 1u), rkey);
-          c = e2m1_stochastic<f32n, u32n, i32n>(v, random_byte(word_mix(lo, hk), rel & 3u));
+          c = e2m1_stochastic<f32n, u32n, i32n, NANS>(v, random_byte(word_mix(lo, hk), rel & 3u));
         } else {
-          c = e2m1_rne<f32n, u32n, i32n>(v);
+          c = e2m1_rne<f32n, u32n, i32n, NANS>(v);
         }
         vec::store(q + j * kB + p, c);
       }
@@ -548,7 +589,7 @@ struct Band {
 // The columnwise usage of a tile: the 16x1 blocks of its columns, of `src` (x, or the RHT output), kN columns at
 // a time, each column's 16 codes gathered into a 64-bit word (element 2i in the low nibble of byte i): into the
 // band buffer (its strip of the tile's b.r0) when `band` is set, else straight to the outputs.
-template <bool SR>
+template <bool SR, bool NANS>
 void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__restrict src)[kT],
                      const uint32_t* __restrict tile_keys, uint32_t rkey, Band* band) {
   const TensorScale ts = tensor_scale(job.col_amax);
@@ -616,7 +657,7 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
 #pragma GCC unroll 4
         for (int k = 4 * m; k < 4 * m + 4; ++k) {
           const f32n v = vec::load<f32n>(src[k] + c) * e;
-          const u32n q = e2m1_stochastic<f32n, u32n, i32n>(v, (mix >> static_cast<uint32_t>(8 * (k & 3))) & 0xFFu);
+          const u32n q = e2m1_stochastic<f32n, u32n, i32n, NANS>(v, (mix >> static_cast<uint32_t>(8 * (k & 3))) & 0xFFu);
           words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
         }
       }
@@ -627,9 +668,9 @@ void columnwise_tile(const Nvfp4Job& job, const TileBox& b, const float (*__rest
       u32n q;
       if (SR) {
         const u32n rel = at + static_cast<uint32_t>(k), lo = lo0 + (rel >> 2u);
-        q = e2m1_stochastic<f32n, u32n, i32n>(v, random_byte(word_mix(lo, vec::select(lo < lo0, hk1, hk0)), rel & 3u));
+        q = e2m1_stochastic<f32n, u32n, i32n, NANS>(v, random_byte(word_mix(lo, vec::select(lo < lo0, hk1, hk0)), rel & 3u));
       } else {
-        q = e2m1_rne<f32n, u32n, i32n>(v);
+        q = e2m1_rne<f32n, u32n, i32n, NANS>(v);
       }
       words[k >> 3] |= q << static_cast<uint32_t>(4 * (k & 7));
     }
@@ -655,14 +696,27 @@ template <bool BF16, bool SR>
 void quantize_tile(const Nvfp4Job& job, const TileBox& b, float (*__restrict t)[kT], float (*__restrict y)[kT],
                    uint32_t rkey, Band* band) {
   alignas(64) uint32_t tile_keys[kT / kB];
-  load_tile<BF16>(job, b, t);
+  const uint32_t key = load_tile<BF16>(job, b, t);
   if (job.two_d) {
     for (int64_t j = 0; j < kT / kB; ++j) tile_keys[j] = tile_key(t, j * kB, kB);
   }
-  if (job.row_data) rowwise_tile<SR>(job, b, t, tile_keys, rkey);
+  // A product x * enc_b (enc_b finite) is NaN only where x is; the RHT's sums of 16 x_i / 4 stay below FLT_MAX
+  // (no inf - inf) while every |x_i| < 2^125.
+  const bool x_nans = key > 0x7F800000u, y_nans = job.rht ? key >= 0x7E000000u : x_nans;
+  if (job.row_data) {
+    if (x_nans) {
+      rowwise_tile<SR, true>(job, b, t, tile_keys, rkey);
+    } else {
+      rowwise_tile<SR, false>(job, b, t, tile_keys, rkey);
+    }
+  }
   if (job.col_data) {
     if (job.rht) rht_tile(t, y);
-    columnwise_tile<SR>(job, b, job.rht ? y : t, tile_keys, rkey, band);
+    if (y_nans) {
+      columnwise_tile<SR, true>(job, b, job.rht ? y : t, tile_keys, rkey, band);
+    } else {
+      columnwise_tile<SR, false>(job, b, job.rht ? y : t, tile_keys, rkey, band);
+    }
   }
 }
 
