@@ -77,6 +77,6 @@ def write_back(p: torch.Tensor, w: torch.Tensor, state: dict) -> None:
         elif "sr_counter" in state:
             counter = state["sr_counter"]
             p.copy_(round_bf16_stochastic(w, random_bits(tuple(w.shape), counter)))
-            advance(counter, w.numel())
+            advance(counter, state.get("_global_numel", w.numel()))  # a shard: the whole tensor's count
         else:
             p.copy_(w)

@@ -1,0 +1,186 @@
+"""engine.optim under FSDP2 (DTensor parameters, gradients and states) and DCP, on 2 gloo ranks.
+
+A Linear(64, 64) is `fully_shard`ed (32 rows a rank) and stepped with known whole gradients, distributed like
+the parameters, for every state format. Each rank's weight shard is 2048 elements: whole blocks of every format
+(128 FP8, 32 MX, 256 int8), so its blocks are the whole tensor's and one process stepping the whole weight must
+give the same bits (weights and encoded states, scales included). The bias shard (32 elements) is not whole
+blocks: its blocked states are each rank's own, so its reference is one process stepping that shard alone. Then
+DCP: save on 2 ranks, load into 2 fresh ranks (every state bit for bit) and into one process (resharding:
+the weight's states bit for bit); an fp32-state checkpoint loads into int8 states under FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import engine
+from conformance.harness import WORLD, spawn
+from engine.optim import formats
+
+FORMATS = sorted({f.name: n for n, f in engine.optim.STATE_FORMATS.items()}.values())  # one name per format
+STEPS, D = 3, 64
+
+
+def make_model(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(D, D)
+
+
+def grads(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return {"weight": torch.randn(D, D, generator=g) * 10.0 ** torch.randint(-4, 1, (D, 1), generator=g),
+            "bias": torch.randn(D, generator=g)}
+
+
+def make_opt(params, state_dtype: str):  # noqa: ANN001, ANN201
+    return engine.optim.AdamW(params, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, seed=3)
+
+
+def local_states(opt, params) -> list[dict]:  # noqa: ANN001
+    return [{k: getattr(v, "_local_tensor", v).clone() for k, v in opt.state[p].items()} for p in params]
+
+
+def _worker(rank: int, out_dir: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def sharded_model(seed: int) -> torch.nn.Linear:
+        model = make_model(seed)
+        fully_shard(model)
+        return model
+
+    def load(fmt: str, path: str):  # noqa: ANN202
+        model = sharded_model(1)
+        opt = make_opt(model.parameters(), fmt)
+        state = get_optimizer_state_dict(model, opt)
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, opt, state)
+        return model, opt
+
+    out = {}
+    for fmt in FORMATS:
+        model = sharded_model(0)
+        params = [model.weight, model.bias]
+        opt = make_opt(params, fmt)
+        for step in range(STEPS):
+            for name, p in zip(("weight", "bias"), params):
+                p.grad = distribute_tensor(grads(step)[name], p.device_mesh, p.placements)
+            opt.step()
+        path = os.path.join(out_dir, f"ckpt-{fmt}")
+        dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
+        fresh, fresh_opt = load(fmt, path)
+        out[fmt] = {"params": [p._local_tensor.clone() for p in params], "states": local_states(opt, params),
+                    "dtensor": {k: isinstance(v, DTensor) for k, v in opt.state[model.weight].items()},
+                    "loaded": local_states(fresh_opt, [fresh.weight, fresh.bias])}
+    # an fp32-state checkpoint into int8 states under FSDP2: through an fp32-state optimizer and load_state_dict
+    model, fp32_opt = load("fp32", os.path.join(out_dir, "ckpt-fp32"))
+    int8_opt = make_opt(model.parameters(), "int8")
+    int8_opt.load_state_dict(fp32_opt.state_dict())
+    out["fp32->int8"] = local_states(int8_opt, [model.weight, model.bias])
+    return out
+
+
+def own_blocks(fmt: str) -> bool:
+    """Whether a bias shard (32 elements) is not whole blocks of `fmt`: its blocks are then its own."""
+    f = formats.parse(fmt)
+    return f.blocked and (D // WORLD) % f.block != 0
+
+
+def reference(fmt: str, bias_rows: slice) -> tuple[list[torch.Tensor], list[dict]]:
+    """One process: the whole weight, and the bias whole or (`own_blocks`) its `bias_rows` shard alone."""
+    model = make_model(0)
+    blocked = own_blocks(fmt)
+    bias = torch.nn.Parameter(model.bias.detach()[bias_rows].clone() if blocked else model.bias.detach().clone())
+    params = [model.weight, bias]
+    opt = make_opt(params, fmt)
+    for step in range(STEPS):
+        g = grads(step)
+        model.weight.grad, bias.grad = g["weight"], g["bias"][bias_rows] if blocked else g["bias"]
+        opt.step()
+    if not blocked:
+        bias = bias.detach()[bias_rows]
+    return [model.weight.detach(), bias.detach()], [dict(opt.state[model.weight]), dict(opt.state[params[1]])]
+
+
+def rows(rank: int) -> slice:
+    half = D // WORLD
+    return slice(rank * half, (rank + 1) * half)
+
+
+def shard_of(key: str, t: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of a whole-weight state: its rows, or its blocks' scales."""
+    if t.dim() == 0 or key.endswith("counter"):
+        return t
+    n = t.shape[0] // WORLD
+    return t[rank * n:(rank + 1) * n]
+
+
+def bias_state(key: str, t: torch.Tensor, blocked: bool, rank: int) -> torch.Tensor:
+    return t if blocked else shard_of(key, t, rank)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_fsdp2_steps_and_dcp_round_trips_every_state_format(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    results = spawn(_worker, tmp_path)
+    for fmt in FORMATS:
+        blocked = own_blocks(fmt)
+        assert all(results[0][fmt]["dtensor"][k] for k in ("exp_avg", "exp_avg_sq")), fmt
+        if formats.parse(fmt).blocked:  # the weight's scales are a DTensor too (whole blocks)
+            assert results[0][fmt]["dtensor"]["exp_avg_scale"], fmt
+        for rank, result in enumerate(results):
+            got = result[fmt]
+            want_params, want_states = reference(fmt, rows(rank))
+            assert same(got["params"][0], want_params[0][rows(rank)]), (fmt, rank, "weight")
+            assert same(got["params"][1], want_params[1]), (fmt, rank, "bias")
+            assert got["states"][0].keys() == want_states[0].keys(), fmt
+            for key, want in want_states[0].items():
+                assert same(got["states"][0][key], shard_of(key, want, rank)), (fmt, rank, "weight", key)
+            for key, want in want_states[1].items():
+                assert same(got["states"][1][key], bias_state(key, want, blocked, rank)), (fmt, rank, "bias", key)
+            for mine, loaded in zip(got["states"], got["loaded"]):  # DCP round trip on 2 ranks
+                assert mine.keys() == loaded.keys(), fmt
+                for key in mine:
+                    assert same(loaded[key], mine[key]), (fmt, rank, "dcp", key)
+
+        # one process (no FSDP2) loads the 2-rank checkpoint: the weight's states are the whole reference's
+        model = make_model(1)
+        opt = make_opt(model.parameters(), fmt)
+        model.weight.grad, model.bias.grad = torch.zeros(D, D), torch.zeros(D)
+        opt.step()  # creates the states the checkpoint fills (lr 1e-2 on zero grads moves nothing it compares)
+        state = {"state": {"weight": dict(opt.state[model.weight]), "bias": dict(opt.state[model.bias])}}
+        if blocked:  # the bias shards' blocks were their own: the checkpoint holds them decoded to fp32
+            for name in ("exp_avg", "exp_avg_sq"):
+                state["state"]["bias"][name] = torch.zeros(D)
+                del state["state"]["bias"][name + "_scale"]
+        dcp.load(state, checkpoint_id=str(tmp_path / f"ckpt-{fmt}"), no_dist=True)
+        _, want_states = reference(fmt, slice(None))
+        for key, want in want_states[0].items():
+            assert same(state["state"]["weight"][key], want), (fmt, "one process", key)
+        if blocked:  # the exact values the shards held
+            shards = [reference(fmt, rows(r))[1][1] for r in range(WORLD)]
+            for name in ("exp_avg", "exp_avg_sq"):
+                parts = [opt.load(s, opt.param_groups[0], name) for s in shards]
+                assert same(state["state"]["bias"][name], torch.cat(parts)), (fmt, "one process bias", name)
+        else:
+            for key, want in want_states[1].items():
+                assert same(state["state"]["bias"][key], want), (fmt, "one process bias", key)
+
+    # fp32 checkpoint -> int8 states under FSDP2: each rank's int8 states encode the fp32 reference's shard
+    int8 = formats.parse("int8")
+    _, fp32_states = reference("fp32", slice(None))
+    for rank, result in enumerate(results):
+        got = result["fp32->int8"][0]
+        m = fp32_states[0]["exp_avg"][rows(rank)]
+        v = fp32_states[0]["exp_avg_sq"][rows(rank)]
+        for name, value, signed in (("exp_avg", m, True), ("exp_avg_sq", formats.sqrt_rn(v), False)):
+            data, scale = formats.encode(int8, value, signed=signed)
+            assert same(got[name], data) and same(got[name + "_scale"], scale), (rank, name)
