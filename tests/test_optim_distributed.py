@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import engine
-from conformance.harness import WORLD, spawn
+from conformance.harness import WORLD, case_ids, case_of, spawn, value
+from conformance.test_conformance_fsdp import batch, shard
 from engine.optim import formats
 
 FORMATS = sorted({f.name: n for n, f in engine.optim.STATE_FORMATS.items()}.values())  # one name per format
@@ -61,7 +63,7 @@ def _worker(rank: int, out_dir: str) -> dict:
         set_optimizer_state_dict(model, opt, state)
         return model, opt
 
-    out = {}
+    out = {"dir": out_dir}
     for fmt in FORMATS:
         model = sharded_model(0)
         params = [model.weight, model.bias]
@@ -81,7 +83,39 @@ def _worker(rank: int, out_dir: str) -> dict:
     int8_opt = make_opt(model.parameters(), "int8")
     int8_opt.load_state_dict(fp32_opt.state_dict())
     out["fp32->int8"] = local_states(int8_opt, [model.weight, model.bias])
+    for case_id in case_ids():
+        model = fp8_model(case_id)
+        whole = shard(model)  # FP8 weights FSDP2 can shard by whole blocks are DTensors, the others whole on each rank
+        out[case_id] = {**fp8_steps(model, case_id, batch(0).chunk(WORLD)[rank]), "whole": "0.weight" in whole}
     return out
+
+
+def fp8_model(case_id: str) -> torch.nn.Sequential:
+    """An engine.Linear(64, 64) with an FP8 primary weight (`fp8_model_init`) under every recipe class."""
+    torch.manual_seed(0)
+    with engine.fp8_model_init(recipe=case_of(case_id).recipe()):
+        return torch.nn.Sequential(engine.Linear(D, D))
+
+
+def fp8_steps(model: torch.nn.Sequential, case_id: str, x: torch.Tensor) -> dict:
+    """A forward (FSDP2's first all-gather), then STEPS int8-state AdamW steps with known gradients: the weight
+    (dequantized) and its fp32 master, local rows."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad(), engine.fp8_autocast(recipe=case_of(case_id).recipe()):
+        model(x)
+    p = model[0].weight
+    opt = make_opt([p], "int8")
+    for step in range(STEPS):
+        g = grads(step)["weight"]
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+        opt.step()
+    return {"weight": value(p), "master": sharded_local(opt.state[p]["master"]),
+            "type": type(getattr(p, "_local_tensor", p)).__name__}
+
+
+def sharded_local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t).clone()
 
 
 def own_blocks(fmt: str) -> bool:
@@ -127,10 +161,35 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def test_fsdp2_steps_and_dcp_round_trips_every_state_format(tmp_path):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return spawn(_worker, tmp_path_factory.mktemp("optim_fsdp"))
+
+
+@pytest.mark.parametrize("case_id", case_ids())
+def test_fp8_primary_weights_take_the_sharded_step(results, case_id):
+    """FSDP2 shards of FP8 primary weights: the fp32 master and the requantized weight are the whole weight's."""
+    model = fp8_model(case_id)
+    with torch.no_grad(), engine.fp8_autocast(recipe=case_of(case_id).recipe()):
+        model(batch(0))
+    p = model[0].weight
+    opt = make_opt([p], "int8")
+    for step in range(STEPS):
+        p.grad = grads(step)["weight"]
+        opt.step()
+    got = [r[case_id] for r in results]
+    assert got[0]["type"] == type(p).__name__
+    whole = got[0]["whole"]
+    assert [tuple(g["master"].shape) for g in got] == [(D, D) if whole else (D // WORLD, D)] * WORLD
+    for name, want in (("master", opt.state[p]["master"]), ("weight", value(p))):
+        parts = [g[name] for g in got]
+        assert all(same(x, want) for x in parts) if whole else same(torch.cat(parts), want), (case_id, name)
+
+
+def test_fsdp2_steps_and_dcp_round_trips_every_state_format(results, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    results = spawn(_worker, tmp_path)
+    tmp_path = results[0]["dir"]
     for fmt in FORMATS:
         blocked = own_blocks(fmt)
         assert all(results[0][fmt]["dtensor"][k] for k in ("exp_avg", "exp_avg_sq")), fmt
@@ -161,7 +220,7 @@ def test_fsdp2_steps_and_dcp_round_trips_every_state_format(tmp_path):
             for name in ("exp_avg", "exp_avg_sq"):
                 state["state"]["bias"][name] = torch.zeros(D)
                 del state["state"]["bias"][name + "_scale"]
-        dcp.load(state, checkpoint_id=str(tmp_path / f"ckpt-{fmt}"), no_dist=True)
+        dcp.load(state, checkpoint_id=os.path.join(tmp_path, f"ckpt-{fmt}"), no_dist=True)
         _, want_states = reference(fmt, slice(None))
         for key, want in want_states[0].items():
             assert same(state["state"]["weight"][key], want), (fmt, "one process", key)
