@@ -1,17 +1,21 @@
 """engine.optim under FSDP2 (DTensor parameters, gradients and states) and DCP, on 2 gloo ranks.
 
 A Linear(64, 64) is `fully_shard`ed (32 rows a rank) and stepped with known whole gradients, distributed like
-the parameters, for every state format. Each rank's weight shard is 2048 elements: whole blocks of every format
-(128 FP8, 32 MX, 256 int8), so its blocks are the whole tensor's and one process stepping the whole weight must
-give the same bits (weights and encoded states, scales included). The bias shard (32 elements) is not whole
-blocks: its blocked states are each rank's own, so its reference is one process stepping that shard alone. Then
-DCP: save on 2 ranks, load into 2 fresh ranks (every state bit for bit) and into one process (resharding:
-the weight's states bit for bit); an fp32-state checkpoint loads into int8 states under FSDP2.
+the parameters: AdamW with every state format, the fused path (torch's fused kernel, the native kernel) and SGD
+with momentum with a few. Each rank's weight shard is 2048 elements: whole blocks of every format (128 FP8,
+32 MX, 256 int8), so its blocks are the whole tensor's and one process stepping the whole weight must give the
+same bits (weights and encoded states, scales and random-bit counters included). The bias shard (32 elements) is
+whole MX blocks but not whole 1x128 / 256 blocks: those blocked states are each rank's own, so their reference is
+one process stepping that shard alone. Then DCP: save on 2 ranks, load into 2 fresh ranks (every state bit for
+bit) and into one process (resharding: bit for bit, the shards' own blocks as their exact fp32 values); an
+fp32-state checkpoint loads into int8 states under FSDP2. Last, FP8 primary weights (`fp8_model_init`) under
+every recipe class: the master and the requantized weight are the whole weight's.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -36,8 +40,16 @@ def grads(step: int) -> dict[str, torch.Tensor]:
             "bias": torch.randn(D, generator=g)}
 
 
-def make_opt(params, state_dtype: str):  # noqa: ANN001, ANN201
-    return engine.optim.AdamW(params, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, seed=3)
+def make_opt(params, state_dtype: str, kind: str = "AdamW"):  # noqa: ANN001, ANN201
+    if kind == "SGD":
+        return engine.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1, state_dtype=state_dtype, seed=3)
+    return engine.optim.AdamW(params, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, seed=3,
+                              fused=kind == "AdamW-fused")
+
+
+#: (optimizer, state format): AdamW with each format; the fused paths and SGD with a few
+CASES = ([("AdamW", f) for f in FORMATS] + [("AdamW-fused", f) for f in ("fp32", "bf16", "fp8", "int8")]
+         + [("SGD", f) for f in ("fp32", "bf16_sr", "int8")])
 
 
 def local_states(opt, params) -> list[dict]:  # noqa: ANN001
@@ -55,31 +67,33 @@ def _worker(rank: int, out_dir: str) -> dict:
         fully_shard(model)
         return model
 
-    def load(fmt: str, path: str):  # noqa: ANN202
+    def load(fmt: str, path: str, kind: str = "AdamW"):  # noqa: ANN202
         model = sharded_model(1)
-        opt = make_opt(model.parameters(), fmt)
+        opt = make_opt(model.parameters(), fmt, kind)
         state = get_optimizer_state_dict(model, opt)
         dcp.load(state, checkpoint_id=path)
         set_optimizer_state_dict(model, opt, state)
         return model, opt
 
     out = {"dir": out_dir}
-    for fmt in FORMATS:
+    for kind, fmt in CASES:
         model = sharded_model(0)
         params = [model.weight, model.bias]
-        opt = make_opt(params, fmt)
-        for step in range(STEPS):
-            for name, p in zip(("weight", "bias"), params):
-                p.grad = distribute_tensor(grads(step)[name], p.device_mesh, p.placements)
-            opt.step()
-        path = os.path.join(out_dir, f"ckpt-{fmt}")
+        opt = make_opt(params, fmt, kind)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(STEPS):
+                for name, p in zip(("weight", "bias"), params):
+                    p.grad = distribute_tensor(grads(step)[name], p.device_mesh, p.placements)
+                opt.step()
+        path = os.path.join(out_dir, f"ckpt-{kind}-{fmt}")
         dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
-        fresh, fresh_opt = load(fmt, path)
-        out[fmt] = {"params": [p._local_tensor.clone() for p in params], "states": local_states(opt, params),
+        fresh, fresh_opt = load(fmt, path, kind)
+        out[kind, fmt] = {"warnings": [str(w.message) for w in caught],"params": [p._local_tensor.clone() for p in params], "states": local_states(opt, params),
                     "dtensor": {k: isinstance(v, DTensor) for k, v in opt.state[model.weight].items()},
                     "loaded": local_states(fresh_opt, [fresh.weight, fresh.bias])}
     # an fp32-state checkpoint into int8 states under FSDP2: through an fp32-state optimizer and load_state_dict
-    model, fp32_opt = load("fp32", os.path.join(out_dir, "ckpt-fp32"))
+    model, fp32_opt = load("fp32", os.path.join(out_dir, "ckpt-AdamW-fp32"))
     int8_opt = make_opt(model.parameters(), "int8")
     int8_opt.load_state_dict(fp32_opt.state_dict())
     out["fp32->int8"] = local_states(int8_opt, [model.weight, model.bias])
@@ -124,13 +138,13 @@ def own_blocks(fmt: str) -> bool:
     return f.blocked and (D // WORLD) % f.block != 0
 
 
-def reference(fmt: str, bias_rows: slice) -> tuple[list[torch.Tensor], list[dict]]:
+def reference(fmt: str, bias_rows: slice, kind: str = "AdamW") -> tuple[list[torch.Tensor], list[dict]]:
     """One process: the whole weight, and the bias whole or (`own_blocks`) its `bias_rows` shard alone."""
     model = make_model(0)
     blocked = own_blocks(fmt)
     bias = torch.nn.Parameter(model.bias.detach()[bias_rows].clone() if blocked else model.bias.detach().clone())
     params = [model.weight, bias]
-    opt = make_opt(params, fmt)
+    opt = make_opt(params, fmt, kind)
     for step in range(STEPS):
         g = grads(step)
         model.weight.grad, bias.grad = g["weight"], g["bias"][bias_rows] if blocked else g["bias"]
@@ -186,53 +200,56 @@ def test_fp8_primary_weights_take_the_sharded_step(results, case_id):
         assert all(same(x, want) for x in parts) if whole else same(torch.cat(parts), want), (case_id, name)
 
 
-def test_fsdp2_steps_and_dcp_round_trips_every_state_format(results, tmp_path):
+@pytest.mark.parametrize(("kind", "fmt"), CASES, ids=[f"{k}-{f}" for k, f in CASES])
+def test_fsdp2_steps_and_dcp_round_trips(results, kind, fmt):
     import torch.distributed.checkpoint as dcp
 
-    tmp_path = results[0]["dir"]
-    for fmt in FORMATS:
-        blocked = own_blocks(fmt)
-        assert all(results[0][fmt]["dtensor"][k] for k in ("exp_avg", "exp_avg_sq")), fmt
-        if formats.parse(fmt).blocked:  # the weight's scales are a DTensor too (whole blocks)
-            assert results[0][fmt]["dtensor"]["exp_avg_scale"], fmt
-        for rank, result in enumerate(results):
-            got = result[fmt]
-            want_params, want_states = reference(fmt, rows(rank))
-            assert same(got["params"][0], want_params[0][rows(rank)]), (fmt, rank, "weight")
-            assert same(got["params"][1], want_params[1]), (fmt, rank, "bias")
-            assert got["states"][0].keys() == want_states[0].keys(), fmt
-            for key, want in want_states[0].items():
-                assert same(got["states"][0][key], shard_of(key, want, rank)), (fmt, rank, "weight", key)
-            for key, want in want_states[1].items():
-                assert same(got["states"][1][key], bias_state(key, want, blocked, rank)), (fmt, rank, "bias", key)
-            for mine, loaded in zip(got["states"], got["loaded"]):  # DCP round trip on 2 ranks
-                assert mine.keys() == loaded.keys(), fmt
-                for key in mine:
-                    assert same(loaded[key], mine[key]), (fmt, rank, "dcp", key)
-
-        # one process (no FSDP2) loads the 2-rank checkpoint: the weight's states are the whole reference's
-        model = make_model(1)
-        opt = make_opt(model.parameters(), fmt)
-        model.weight.grad, model.bias.grad = torch.zeros(D, D), torch.zeros(D)
-        opt.step()  # creates the states the checkpoint fills (lr 1e-2 on zero grads moves nothing it compares)
-        state = {"state": {"weight": dict(opt.state[model.weight]), "bias": dict(opt.state[model.bias])}}
-        if blocked:  # the bias shards' blocks were their own: the checkpoint holds them decoded to fp32
-            for name in ("exp_avg", "exp_avg_sq"):
-                state["state"]["bias"][name] = torch.zeros(D)
-                del state["state"]["bias"][name + "_scale"]
-        dcp.load(state, checkpoint_id=os.path.join(tmp_path, f"ckpt-{fmt}"), no_dist=True)
-        _, want_states = reference(fmt, slice(None))
+    names = make_opt([torch.nn.Parameter(torch.zeros(1))], fmt, kind).STATES
+    blocked = own_blocks(fmt)
+    assert all(results[0][kind, fmt]["dtensor"][k] for k in names), fmt
+    if formats.parse(fmt).blocked:  # the weight's scales are a DTensor too (whole blocks)
+        assert all(results[0][kind, fmt]["dtensor"][k + "_scale"] for k in names), fmt
+    for rank, result in enumerate(results):
+        got = result[kind, fmt]
+        assert not any("engine.optim" in w for w in got["warnings"]), got["warnings"]  # the native kernel ran
+        want_params, want_states = reference(fmt, rows(rank), kind)
+        assert same(got["params"][0], want_params[0][rows(rank)]), (rank, "weight")
+        assert same(got["params"][1], want_params[1]), (rank, "bias")
+        assert got["states"][0].keys() == want_states[0].keys()
         for key, want in want_states[0].items():
-            assert same(state["state"]["weight"][key], want), (fmt, "one process", key)
-        if blocked:  # the exact values the shards held
-            shards = [reference(fmt, rows(r))[1][1] for r in range(WORLD)]
-            for name in ("exp_avg", "exp_avg_sq"):
-                parts = [opt.load(s, opt.param_groups[0], name) for s in shards]
-                assert same(state["state"]["bias"][name], torch.cat(parts)), (fmt, "one process bias", name)
-        else:
-            for key, want in want_states[1].items():
-                assert same(state["state"]["bias"][key], want), (fmt, "one process bias", key)
+            assert same(got["states"][0][key], shard_of(key, want, rank)), (rank, "weight", key)
+        for key, want in want_states[1].items():
+            assert same(got["states"][1][key], bias_state(key, want, blocked, rank)), (rank, "bias", key)
+        for mine, loaded in zip(got["states"], got["loaded"]):  # DCP round trip on 2 ranks
+            assert mine.keys() == loaded.keys()
+            for key in mine:
+                assert same(loaded[key], mine[key]), (rank, "dcp", key)
 
+    # one process (no FSDP2) loads the 2-rank checkpoint: the weight's states are the whole reference's
+    model = make_model(1)
+    opt = make_opt(model.parameters(), fmt, kind)
+    model.weight.grad, model.bias.grad = torch.zeros(D, D), torch.zeros(D)
+    opt.step()  # creates the states the checkpoint fills
+    state = {"state": {"weight": dict(opt.state[model.weight]), "bias": dict(opt.state[model.bias])}}
+    if blocked:  # the bias shards' blocks were their own: the checkpoint holds them decoded to fp32
+        for name in names:
+            state["state"]["bias"][name] = torch.zeros(D)
+            del state["state"]["bias"][name + "_scale"]
+    dcp.load(state, checkpoint_id=os.path.join(results[0]["dir"], f"ckpt-{kind}-{fmt}"), no_dist=True)
+    _, want_states = reference(fmt, slice(None), kind)
+    for key, want in want_states[0].items():
+        assert same(state["state"]["weight"][key], want), ("one process", key)
+    if blocked:  # the exact values the shards held
+        shards = [reference(fmt, rows(r), kind)[1][1] for r in range(WORLD)]
+        for name in names:
+            parts = [opt.load(s, opt.param_groups[0], name) for s in shards]
+            assert same(state["state"]["bias"][name], torch.cat(parts)), ("one process bias", name)
+    else:
+        for key, want in want_states[1].items():
+            assert same(state["state"]["bias"][key], want), ("one process bias", key)
+
+
+def test_an_fp32_checkpoint_loads_into_int8_states_under_fsdp2(results):
     # fp32 checkpoint -> int8 states under FSDP2: each rank's int8 states encode the fp32 reference's shard
     int8 = formats.parse("int8")
     _, fp32_states = reference("fp32", slice(None))
