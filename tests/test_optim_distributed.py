@@ -91,6 +91,7 @@ def _worker(rank: int, out_dir: str) -> dict:
         fresh, fresh_opt = load(fmt, path, kind)
         out[kind, fmt] = {"warnings": [str(w.message) for w in caught],"params": [p._local_tensor.clone() for p in params], "states": local_states(opt, params),
                     "dtensor": {k: isinstance(v, DTensor) for k, v in opt.state[model.weight].items()},
+                    "bytes": opt.state_bytes(),
                     "loaded": local_states(fresh_opt, [fresh.weight, fresh.bias])}
     # an fp32-state checkpoint into int8 states under FSDP2: through an fp32-state optimizer and load_state_dict
     model, fp32_opt = load("fp32", os.path.join(out_dir, "ckpt-AdamW-fp32"))
@@ -119,12 +120,13 @@ def fp8_steps(model: torch.nn.Sequential, case_id: str, x: torch.Tensor) -> dict
     with torch.no_grad(), engine.fp8_autocast(recipe=case_of(case_id).recipe()):
         model(x)
     p = model[0].weight
+    initial = value(p)
     opt = make_opt([p], "int8")
     for step in range(STEPS):
         g = grads(step)["weight"]
         p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
         opt.step()
-    return {"weight": value(p), "master": sharded_local(opt.state[p]["master"]),
+    return {"weight": value(p), "initial": initial, "master": sharded_local(opt.state[p]["master"]),
             "type": type(getattr(p, "_local_tensor", p)).__name__}
 
 
@@ -171,6 +173,14 @@ def bias_state(key: str, t: torch.Tensor, blocked: bool, rank: int) -> torch.Ten
     return t if blocked else shard_of(key, t, rank)
 
 
+def shard_bytes(fmt: str, n: int) -> int:
+    """Bytes of one state of an n-element shard: 4, 2 or 1 byte an element, and a scale per started block."""
+    f = formats.parse(fmt)
+    if not f.blocked:
+        return n * (4 if f.kind == "fp32" else 2)
+    return n + -(-n // f.block) * (1 if f.scheme.startswith("mx") and f.kind == "fp8" else 4)
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -198,6 +208,8 @@ def test_fp8_primary_weights_take_the_sharded_step(results, case_id):
     for name, want in (("master", opt.state[p]["master"]), ("weight", value(p))):
         parts = [g[name] for g in got]
         assert all(same(x, want) for x in parts) if whole else same(torch.cat(parts), want), (case_id, name)
+    for g in got:  # each shard was requantized from its master: nearer to it than the weight it started from
+        assert (g["weight"] - g["master"]).abs().mean() < 0.5 * (g["initial"] - g["master"]).abs().mean(), case_id
 
 
 @pytest.mark.parametrize(("kind", "fmt"), CASES, ids=[f"{k}-{f}" for k, f in CASES])
@@ -212,6 +224,7 @@ def test_fsdp2_steps_and_dcp_round_trips(results, kind, fmt):
     for rank, result in enumerate(results):
         got = result[kind, fmt]
         assert not any("engine.optim" in w for w in got["warnings"]), got["warnings"]  # the native kernel ran
+        assert got["bytes"] == len(names) * sum(shard_bytes(fmt, n) for n in (D * D // WORLD, D // WORLD))
         want_params, want_states = reference(fmt, rows(rank), kind)
         assert same(got["params"][0], want_params[0][rows(rank)]), (rank, "weight")
         assert same(got["params"][1], want_params[1]), (rank, "bias")

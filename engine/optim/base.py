@@ -168,10 +168,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------------- reports
     def state_bytes(self) -> int:
-        """Bytes of every state tensor except the step counters and random-bit counters (masters included)."""
+        """Bytes of every state tensor except the step counters and random-bit counters (masters included); of
+        this rank's shards under FSDP2."""
         total = 0
         for state in self.state.values():
             for key, t in state.items():
+                t = sharded.local(t)
                 if isinstance(t, torch.Tensor) and key not in ("step", "state_counter", "sr_counter"):
                     total += t.numel() * t.element_size()
         return total
