@@ -1,8 +1,8 @@
 """engine.optim under FSDP2 (DTensor parameters, gradients and states) and DCP, on 2 gloo ranks.
 
 A Linear(64, 64) is `fully_shard`ed (32 rows a rank) and stepped with known whole gradients, distributed like
-the parameters: AdamW with every state format, the fused path (torch's fused kernel, the native kernel) and SGD
-with momentum with a few. Each rank's weight shard is 2048 elements: whole blocks of every format (128 FP8,
+the parameters: AdamW with every state format, the fused path (torch's fused kernel, the native kernel), SGD
+with momentum with a few, and bf16 parameters rounded stochastically. Each rank's weight shard is 2048 elements: whole blocks of every format (128 FP8,
 32 MX, 256 int8), so its blocks are the whole tensor's and one process stepping the whole weight must give the
 same bits (weights and encoded states, scales and random-bit counters included). The bias shard (32 elements) is
 whole MX blocks but not whole 1x128 / 256 blocks: those blocked states are each rank's own, so their reference is
@@ -29,9 +29,10 @@ FORMATS = sorted({f.name: n for n, f in engine.optim.STATE_FORMATS.items()}.valu
 STEPS, D = 3, 64
 
 
-def make_model(seed: int = 0) -> torch.nn.Linear:
+def make_model(seed: int = 0, kind: str = "AdamW") -> torch.nn.Linear:
     torch.manual_seed(seed)
-    return torch.nn.Linear(D, D)
+    model = torch.nn.Linear(D, D)
+    return model.bfloat16() if kind == BF16_WEIGHTS else model
 
 
 def grads(step: int) -> dict[str, torch.Tensor]:
@@ -40,16 +41,20 @@ def grads(step: int) -> dict[str, torch.Tensor]:
             "bias": torch.randn(D, generator=g)}
 
 
+#: bf16 parameters rounded stochastically (weights="stochastic"): their random bits are drawn by position too
+BF16_WEIGHTS = "AdamW-bf16-stochastic-weights"
+
+
 def make_opt(params, state_dtype: str, kind: str = "AdamW"):  # noqa: ANN001, ANN201
     if kind == "SGD":
         return engine.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1, state_dtype=state_dtype, seed=3)
     return engine.optim.AdamW(params, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, seed=3,
-                              fused=kind == "AdamW-fused")
+                              fused=kind == "AdamW-fused", weights="stochastic" if kind == BF16_WEIGHTS else "master")
 
 
 #: (optimizer, state format): AdamW with each format; the fused paths and SGD with a few
 CASES = ([("AdamW", f) for f in FORMATS] + [("AdamW-fused", f) for f in ("fp32", "bf16", "fp8", "int8")]
-         + [("SGD", f) for f in ("fp32", "bf16_sr", "int8")])
+         + [("SGD", f) for f in ("fp32", "bf16_sr", "int8")] + [(BF16_WEIGHTS, "bf16_sr")])
 
 
 def local_states(opt, params) -> list[dict]:  # noqa: ANN001
@@ -62,13 +67,13 @@ def _worker(rank: int, out_dir: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    def sharded_model(seed: int) -> torch.nn.Linear:
-        model = make_model(seed)
+    def sharded_model(seed: int, kind: str) -> torch.nn.Linear:
+        model = make_model(seed, kind)
         fully_shard(model)
         return model
 
     def load(fmt: str, path: str, kind: str = "AdamW"):  # noqa: ANN202
-        model = sharded_model(1)
+        model = sharded_model(1, kind)
         opt = make_opt(model.parameters(), fmt, kind)
         state = get_optimizer_state_dict(model, opt)
         dcp.load(state, checkpoint_id=path)
@@ -77,14 +82,14 @@ def _worker(rank: int, out_dir: str) -> dict:
 
     out = {"dir": out_dir}
     for kind, fmt in CASES:
-        model = sharded_model(0)
+        model = sharded_model(0, kind)
         params = [model.weight, model.bias]
         opt = make_opt(params, fmt, kind)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(STEPS):
                 for name, p in zip(("weight", "bias"), params):
-                    p.grad = distribute_tensor(grads(step)[name], p.device_mesh, p.placements)
+                    p.grad = distribute_tensor(grads(step)[name].to(p.dtype), p.device_mesh, p.placements)
                 opt.step()
         path = os.path.join(out_dir, f"ckpt-{kind}-{fmt}")
         dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
@@ -142,13 +147,13 @@ def own_blocks(fmt: str) -> bool:
 
 def reference(fmt: str, bias_rows: slice, kind: str = "AdamW") -> tuple[list[torch.Tensor], list[dict]]:
     """One process: the whole weight, and the bias whole or (`own_blocks`) its `bias_rows` shard alone."""
-    model = make_model(0)
+    model = make_model(0, kind)
     blocked = own_blocks(fmt)
     bias = torch.nn.Parameter(model.bias.detach()[bias_rows].clone() if blocked else model.bias.detach().clone())
     params = [model.weight, bias]
     opt = make_opt(params, fmt, kind)
     for step in range(STEPS):
-        g = grads(step)
+        g = {k: v.to(model.weight.dtype) for k, v in grads(step).items()}
         model.weight.grad, bias.grad = g["weight"], g["bias"][bias_rows] if blocked else g["bias"]
         opt.step()
     if not blocked:
@@ -239,9 +244,9 @@ def test_fsdp2_steps_and_dcp_round_trips(results, kind, fmt):
                 assert same(loaded[key], mine[key]), (rank, "dcp", key)
 
     # one process (no FSDP2) loads the 2-rank checkpoint: the weight's states are the whole reference's
-    model = make_model(1)
+    model = make_model(1, kind)
     opt = make_opt(model.parameters(), fmt, kind)
-    model.weight.grad, model.bias.grad = torch.zeros(D, D), torch.zeros(D)
+    model.weight.grad, model.bias.grad = torch.zeros_like(model.weight), torch.zeros_like(model.bias)
     opt.step()  # creates the states the checkpoint fills
     state = {"state": {"weight": dict(opt.state[model.weight]), "bias": dict(opt.state[model.bias])}}
     if blocked:  # the bias shards' blocks were their own: the checkpoint holds them decoded to fp32
