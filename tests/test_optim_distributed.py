@@ -14,6 +14,7 @@ every recipe class: the master and the requantized weight are the whole weight's
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -23,7 +24,7 @@ import torch
 import engine
 from conformance.harness import WORLD, case_ids, case_of, spawn, value
 from conformance.test_conformance_fsdp import batch, shard
-from engine.optim import formats
+from engine.optim import formats, sharded
 
 FORMATS = sorted({f.name: n for n, f in engine.optim.STATE_FORMATS.items()}.values())  # one name per format
 STEPS, D = 3, 64
@@ -188,6 +189,21 @@ def shard_bytes(fmt: str, n: int) -> int:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("block", [32, 128, 256])
+def test_whole_blocks_agrees_with_splitting_the_indices(world, block):
+    """sharded.whole_blocks against brute force: torch.chunk the element indices by rows and the block indices
+    evenly; each rank's elements must fall in exactly its blocks, and no block is shared."""
+    for shape in [(64, 64), (3, 64), (1, 64), (5, 128), (3, 512), (64,), (33,), (7, 32), (2, 100)]:
+        idx = torch.arange(math.prod(shape)).reshape(shape)
+        blocks = torch.arange(-(-idx.numel() // block))
+        rows, scales = list(idx.chunk(world)), list(blocks.chunk(world))
+        rows += [idx[:0]] * (world - len(rows))
+        scales += [blocks[:0]] * (world - len(scales))
+        want = all(torch.equal(torch.unique(r.reshape(-1) // block), s) for r, s in zip(rows, scales))
+        assert sharded.whole_blocks(shape, world, block) == want, (shape, world, block)
 
 
 @pytest.fixture(scope="module")

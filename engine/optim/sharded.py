@@ -54,20 +54,35 @@ def shard_offset(p: torch.Tensor) -> int:
 
 
 def aligned(p: torch.Tensor, block: int) -> bool:
-    """Whether the local shard's blocks of `block` elements are those of the whole flattened parameter, and DCP's
-    even split of the whole tensor's block scales gives this rank exactly its own."""
+    """Whether, on EVERY rank (the answer must agree for the checkpoint to have one layout), the local shard's
+    blocks of `block` elements are those of the whole flattened parameter and DCP's even split of the whole
+    tensor's block scales gives the rank exactly its own. Computed for all ranks without communication: FSDP2
+    cuts dim 0 as torch.chunk does (ceil(rows / N) rows a rank, the last ones shorter or empty)."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if p.device_mesh.ndim != 1:
+    if p.device_mesh.ndim != 1 or list(p.placements) != [Shard(0)] or p.dim() == 0:
         return False
-    start, n = shard_offset(p), local(p).numel()
-    if start % block:
-        return False
-    blocks = -(-p.numel() // block)
-    shape, offset = compute_local_shape_and_global_offset((blocks,), p.device_mesh, [Shard(0)])
-    return tuple(offset) == (start // block,) and tuple(shape) == (-(-n // block),) and (
-        n % block == 0 or start + n == p.numel())
+    return whole_blocks(tuple(p.shape), p.device_mesh.size(), block)
+
+
+def whole_blocks(shape: tuple[int, ...], world: int, block: int) -> bool:
+    """`aligned` for a tensor of `shape` cut along dim 0 over `world` ranks (torch.chunk's split)."""
+    rows, numel = shape[0], math.prod(shape)
+    row = numel // rows if rows else 0
+    blocks = -(-numel // block)
+    chunk, scale_chunk = -(-rows // world), -(-blocks // world)
+    for r in range(world):
+        start = min(r * chunk, rows) * row
+        n = min(chunk, rows - min(r * chunk, rows)) * row
+        scale_start = min(r * scale_chunk, blocks)
+        scales = min(scale_chunk, blocks - scale_start)
+        if n == 0 and scales == 0:
+            continue
+        if start % block or scale_start != start // block or scales != -(-n // block):
+            return False
+        if n % block and start + n != numel:
+            return False
+    return True
 
 
 def unwrap(p: torch.Tensor, state: dict) -> dict:
