@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.optim import formats, native_step, weights
+from engine.optim import formats, native_step, sharded, weights
 from engine.optim.base import LowPrecisionOptimizer, StateDtype
 
 
@@ -64,14 +64,15 @@ class Adam(LowPrecisionOptimizer):
                 loss = closure()
         for group in self.param_groups:
             live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            for i, p in live:
-                if not self.state[p]:
-                    self.init_states(p, self.state[p], group, i)
-            if self.all_fp32(group):
-                self._torch_step(group, [p for _, p in live])
-            else:
-                for _, p in live:
-                    self._compressed_step(group, p)
+            with sharded.local_params(self, group, [p for _, p in live]) as local:
+                live = [(i, lp) for (i, _), lp in zip(live, local)]
+                for i, p in live:
+                    self.init_if_needed(p, group, i)
+                if self.all_fp32(group):
+                    self._torch_step(group, [p for _, p in live])
+                else:
+                    for _, p in live:
+                        self._compressed_step(group, p)
         return loss
 
     # ------------------------------------------------------------------------------ fp32: torch's step

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.optim import formats, weights
+from engine.optim import formats, sharded, weights
 from engine.optim.formats import StateFormat
 
 StateDtype = str | StateFormat | Mapping[str, str | StateFormat]
@@ -53,7 +53,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         sqrt = fmt.stores_sqrt(name in self.SECOND_MOMENTS)
         data, scale = formats.encode(fmt, formats.sqrt_rn(value) if sqrt else value, counter, signed=name not in self.SECOND_MOMENTS)
         if fmt.stochastic:
-            formats_advance(counter, value.numel())
+            formats_advance(counter, state.get(sharded.GLOBAL_NUMEL, value.numel()))
         state[name] = data
         if scale is not None:
             state[name + "_scale"] = scale
@@ -73,6 +73,20 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if fmt.stores_sqrt(True):
             return formats.decode(fmt, state[name], state.get(name + "_scale"), signed=False)
         return formats.sqrt_rn(self.load(state, group, name))
+
+    def blocks(self, group: dict) -> dict[str, int]:
+        """{state name: elements per block} of the group's formats (0: not blocked)."""
+        return {n: self.format_of(group, n).block for n in self.STATES}
+
+    def init_if_needed(self, p: torch.Tensor, group: dict, index: int) -> None:
+        """`init_states` on the first step of p (or of its local shard: counters then start at its position)."""
+        state = self.state[p]
+        if sharded.has_states(state):
+            return
+        self.init_states(p, state, group, index)
+        for key in sharded.COUNTERS:
+            if key in state:
+                state[key][1:].add_(state.get(sharded.SHARD_OFFSET, 0))
 
     def init_states(self, p: torch.Tensor, state: dict, group: dict, index: int) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -104,23 +118,62 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
-                stochastic = any(self.format_of(group, n).stochastic for n in self.STATES)
-                if stochastic and "state_counter" not in state:
-                    state["state_counter"] = torch.tensor([group.get("seed", 0) * 65537 + index, 0], dtype=torch.int64)
-                for name in self.STATES:
-                    source = formats.parse(old.get(name, "fp32"))
-                    if name not in state or source == self.format_of(group, name):
-                        continue
-                    self.store(state, group, name, self.load(state, group, name, source), state.get("state_counter"))
-                if not weights.in_place(p) and not any(k in state for k in ("master", "kahan", "sr_counter")):
-                    weights.init_state(p, mode, state, seed=group.get("seed", 0) * 65537 + index + (1 << 20))
+                view = sharded.unwrap(p, state) if sharded.is_sharded(p) else state
+                self._reencode(sharded.local(p), view, group, old, mode, index)
+                if view is not state:
+                    self.state[p] = sharded.rewrap(p, view, self.blocks(group))
+
+    def _reencode(self, p: torch.Tensor, state: dict, group: dict, old: dict, mode: str, index: int) -> None:
+        """A loaded state (of p, or of its local shard) re-encoded from its saved formats `old` into the group's.
+        A float32 tensor without scales is read as fp32 whatever `old` says (how `state_dict` writes blocked
+        states whose shards are not whole blocks)."""
+        start = state.get(sharded.SHARD_OFFSET, 0)
+        stochastic = any(self.format_of(group, n).stochastic for n in self.STATES)
+        if stochastic and "state_counter" not in state:
+            state["state_counter"] = torch.tensor([group.get("seed", 0) * 65537 + index, start], dtype=torch.int64)
+        for name in self.STATES:
+            if name not in state:
+                continue
+            plain = state[name].dtype == torch.float32 and name + "_scale" not in state
+            source = formats.NAMES["fp32"] if plain else formats.parse(old.get(name, "fp32"))
+            if source == self.format_of(group, name):
+                continue
+            self.store(state, group, name, self.load(state, group, name, source), state.get("state_counter"))
+        if not weights.in_place(p) and not any(k in state for k in ("master", "kahan", "sr_counter")):
+            weights.init_state(p, mode, state, seed=group.get("seed", 0) * 65537 + index + (1 << 20))
+            if "sr_counter" in state:
+                state["sr_counter"][1:].add_(start)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict; a blocked state of an FSDP2 shard whose blocks are not the whole tensor's
+        (`sharded.aligned`) is written decoded to fp32 (its exact values) so that a checkpoint reshards."""
+        out = super().state_dict()
+        for group, packed in zip(self.param_groups, out["param_groups"]):
+            for p, pid in zip(group["params"], packed["params"]):
+                state = out["state"].get(pid)
+                if not state or not sharded.is_sharded(p):
+                    continue
+                local_scales = [n for n in self.STATES if n + "_scale" in state
+                                and not sharded.is_sharded(state[n + "_scale"])]
+                if not local_scales:
+                    continue
+                view = sharded.unwrap(p, state)
+                state = dict(state)
+                for name in local_scales:
+                    view[name] = self.load(view, group, name)
+                    del view[name + "_scale"], state[name + "_scale"]
+                    state[name] = sharded.rewrap(p, {name: view[name]}, {})[name]
+                out["state"][pid] = state
+        return out
 
     # -------------------------------------------------------------------------- reports
     def state_bytes(self) -> int:
-        """Bytes of every state tensor except the step counters and random-bit counters (masters included)."""
+        """Bytes of every state tensor except the step counters and random-bit counters (masters included); of
+        this rank's shards under FSDP2."""
         total = 0
         for state in self.state.values():
             for key, t in state.items():
+                t = sharded.local(t)
                 if isinstance(t, torch.Tensor) and key not in ("step", "state_counter", "sr_counter"):
                     total += t.numel() * t.element_size()
         return total

@@ -16,6 +16,7 @@ import torch
 
 from engine.ops.nvfp4_sr import advance, random_bits
 from engine.optim.formats import round_bf16_stochastic
+from engine.optim.sharded import GLOBAL_NUMEL
 from engine.tensors.quantized import QuantizedTensor
 
 WeightMode = Literal["master", "kahan", "stochastic"]
@@ -77,6 +78,6 @@ def write_back(p: torch.Tensor, w: torch.Tensor, state: dict) -> None:
         elif "sr_counter" in state:
             counter = state["sr_counter"]
             p.copy_(round_bf16_stochastic(w, random_bits(tuple(w.shape), counter)))
-            advance(counter, w.numel())
+            advance(counter, state.get(GLOBAL_NUMEL, w.numel()))  # a shard: the whole tensor's count
         else:
             p.copy_(w)
