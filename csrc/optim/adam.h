@@ -20,10 +20,10 @@ enum class StateKind : int { F32 = 0, BF16 = 1, E4M3_128 = 2, E5M2_128 = 3, INT8
 // (the glue builds the table from the map and checks that bound; mids padded with +inf).
 constexpr uint32_t kInt8LoMag = 0x32800000u;  // 2^-26: below every |decision point| of both maps
 constexpr uint32_t kInt8HiMag = 0x3F800000u;  // 1.0: above every decision point
-constexpr int kInt8Shift = 17;                // 6 mantissa bits per bucket
+constexpr int kInt8Shift = 16;                // 7 mantissa bits per bucket
 constexpr int kInt8Half = static_cast<int>((kInt8HiMag - kInt8LoMag) >> kInt8Shift) + 1;  // buckets per sign
 constexpr int kInt8Buckets = 2 * kInt8Half;
-constexpr int kInt8Probes = 2;
+constexpr int kInt8Probes = 1;
 
 // The bucket of fp32 bits u (a NaN lands anywhere: the kernel gives it the top code).
 inline int32_t int8_bucket(uint32_t u) {
