@@ -72,6 +72,25 @@ inline float block_amax(const float* __restrict x, int64_t count) {
   return key_to_amax(key);
 }
 
+// fp8v::fp8_code<K>(p) (saturating, ties to even, NaN 0x7F) into `code`, and the code's value (fp8_value) as the
+// return: the fp32 add that rounds c = min(|p|, max) to the FP8 grid gives s = c + M on the grid of ulp(M), so
+// s - M (exact: both on that grid, the difference below M) is the rounded magnitude, without decoding the code.
+template <Fp8Kind K>
+inline __attribute__((always_inline)) float fp8_round(float p, uint8_t& code) {
+  using C = fp8v::Fp8Lane<K>;
+  const uint32_t u = bits_of(p);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  const uint32_t c = mag < C::kMaxBits ? mag : C::kMaxBits;
+  uint32_t field = c >> 23;
+  field = field < C::kMinExpField ? C::kMinExpField : field;
+  const uint32_t m = ((field + 23u - C::kMant) << 23) + ((field - C::kMinExpField) << C::kMant);
+  const float sum = float_of(c) + float_of(m);
+  const bool nan = mag > 0x7F800000u;
+  const uint32_t sign = u & 0x80000000u;
+  code = static_cast<uint8_t>(pick(nan, 0x7Fu, (bits_of(sum) & 0x7FFFFFu) | (sign >> 24)));
+  return float_of(pick(nan, 0x7FC00000u, bits_of(sum - float_of(m)) | sign));
+}
+
 template <Fp8Kind K>
 void encode_decode_fp8(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
   constexpr bool e4m3 = K == Fp8Kind::E4M3;
@@ -83,9 +102,10 @@ void encode_decode_fp8(const StateRef& s, float* __restrict x, int64_t at, int64
     const float scale_inv = 1.0f / scale;
     s.scale[(at + b) / 128] = scale_inv;
     for (int64_t i = b; i < b + len; ++i) {
-      const uint8_t c = static_cast<uint8_t>(fp8v::fp8_code<K>(x[i] * scale));
+      uint8_t c;
+      const float r = fp8_round<K>(x[i] * scale, c);
       d[i] = c;
-      x[i] = fp8_value<K>(c) * scale_inv;
+      x[i] = r * scale_inv;
     }
   }
 }
