@@ -16,7 +16,8 @@ from engine.optim import native_step
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels did not build")
 
 KERNEL_FORMATS = ["bf16", "fp8", "fp8_e5m2", "int8", "fp8:block1d_e4m3:plain_v", "int8:plain_v",
-                  {"exp_avg": "fp32", "exp_avg_sq": "int8"}, {"exp_avg": "fp8_e5m2", "exp_avg_sq": "bf16"}]
+                  {"exp_avg": "fp32", "exp_avg_sq": "int8"}, {"exp_avg": "fp8_e5m2", "exp_avg_sq": "bf16"},
+                  {"exp_avg": "fp32", "exp_avg_sq": "bf16"}]
 ISAS = native.available_isas() if native.available() else []
 
 

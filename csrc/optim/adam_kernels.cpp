@@ -46,20 +46,21 @@ inline __attribute__((always_inline)) float fp8_value(uint8_t code) {
 
 // Square roots of x[0, count) in place, a native vector at a time (sqrt vectorises only without errno; count
 // rounded up to whole vectors: the chunk buffers have room).
-inline void sqrt_all(float* x, int64_t count) {
-  for (int64_t i = 0; i < count; i += vec::kNativeLanes) {
-    vec::f32n v = vec::load<vec::f32n>(x + i);
+inline __attribute__((always_inline)) vec::f32n sqrt_n(vec::f32n v) {
 #if defined(__x86_64__) && ENGINE_ISA_LEVEL == 2
-    v = _mm512_sqrt_ps(v);
+  return _mm512_sqrt_ps(v);
 #elif defined(__x86_64__) && ENGINE_ISA_LEVEL == 1
-    v = _mm256_sqrt_ps(v);
+  return _mm256_sqrt_ps(v);
 #elif defined(__x86_64__)
-    v = _mm_sqrt_ps(v);
+  return _mm_sqrt_ps(v);
 #else
-    for (int l = 0; l < vec::kNativeLanes; ++l) v[l] = std::sqrt(v[l]);
+  for (int l = 0; l < vec::kNativeLanes; ++l) v[l] = std::sqrt(v[l]);
+  return v;
 #endif
-    vec::store(x + i, v);
-  }
+}
+
+inline void sqrt_all(float* x, int64_t count) {
+  for (int64_t i = 0; i < count; i += vec::kNativeLanes) vec::store(x + i, sqrt_n(vec::load<vec::f32n>(x + i)));
 }
 
 // |x| max as ordered bits (a NaN above every number), as torch's amax propagates NaN.
@@ -189,6 +190,97 @@ void decode(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
   }
 }
 
+typedef uint16_t u16h __attribute__((vector_size(2 * vec::kNativeLanes)));  // one bf16 word per fp32 lane
+
+// A native vector of an fp32 (BF16 = false) or bf16 array at p, as fp32.
+template <bool BF16>
+inline __attribute__((always_inline)) vec::f32n load_f32(const void* p) {
+  if constexpr (BF16) {
+    return vec::bits<vec::f32n>(vec::convert<vec::u32n>(vec::load<u16h>(p)) << 16);
+  } else {
+    return vec::load<vec::f32n>(p);
+  }
+}
+
+// canonical() and bf16_nearest_even() on native vectors.
+inline __attribute__((always_inline)) vec::f32n canonical_n(vec::f32n x) {
+  const vec::u32n u = vec::bits<vec::u32n>(x);
+  return vec::bits<vec::f32n>(vec::select((u & 0x7FFFFFFFu) > 0x7F800000u, vec::splat<vec::u32n>(0x7FC00000u), u));
+}
+inline __attribute__((always_inline)) vec::u32n bf16_n(vec::f32n x) {
+  const vec::u32n u = vec::bits<vec::u32n>(x);
+  return vec::select((u & 0x7FFFFFFFu) > 0x7F800000u, (u >> 16) | 0x40u, (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Stores the state (fp32 or bf16) of the canonical x at p; returns the value stored.
+template <bool BF16>
+inline __attribute__((always_inline)) vec::f32n store_state(void* p, vec::f32n x) {
+  x = canonical_n(x);
+  if constexpr (BF16) {
+    const vec::u32n h = bf16_n(x);
+    vec::store(p, vec::convert<u16h>(h));
+    return vec::bits<vec::f32n>(h << 16);
+  } else {
+    vec::store(p, x);
+    return x;
+  }
+}
+
+// The step over [begin, end) in one pass of native vectors for fp32 / bf16 states with a plain second moment (no
+// blocks, no L1 buffers): the operations of `step` below in the same order (the same bits); returns where it
+// stopped (the tail, shorter than a vector, is left to `step`).
+template <bool GB, bool MB, bool VB>
+int64_t step_plain(float* __restrict w, const void* __restrict grad, uint16_t* __restrict w_bf16,
+                   void* __restrict md, void* __restrict vd, const AdamScalars& s, int64_t begin, int64_t end) {
+  using namespace vec;
+  constexpr int L = kNativeLanes;
+  const f32n beta1 = splat<f32n>(s.beta1), omb1 = splat<f32n>(s.one_minus_beta1), beta2 = splat<f32n>(s.beta2),
+             omb2 = splat<f32n>(s.one_minus_beta2), step_size = splat<f32n>(s.step_size),
+             inv_bc2_sqrt = splat<f32n>(s.inv_bc2_sqrt), eps = splat<f32n>(s.eps), decay = splat<f32n>(s.decay),
+             wd = splat<f32n>(s.wd);
+  const bool maximize = s.maximize, has_wd = s.wd != 0.0f, has_decay = s.decay != 1.0f;
+  constexpr int64_t gs = GB ? 2 : 4, ms = MB ? 2 : 4, vs = VB ? 2 : 4;
+  int64_t i = begin;
+  for (; i + L <= end; i += L) {
+    f32n wv = load<f32n>(w + i);
+    f32n g = load_f32<GB>(static_cast<const char*>(grad) + i * gs);
+    if (maximize) g = -g;
+    if (has_wd) g = g + wv * wd;
+    char* mp = static_cast<char*>(md) + i * ms;
+    char* vp = static_cast<char*>(vd) + i * vs;
+    f32n m = load_f32<MB>(mp) * beta1 + g * omb1;
+    f32n v = load_f32<VB>(vp) * beta2 + (g * g) * omb2;
+    m = store_state<MB>(mp, m);
+    v = store_state<VB>(vp, v);
+    if (has_decay) wv = wv * decay;
+    wv = canonical_n(wv - (m * step_size) / (sqrt_n(v) * inv_bc2_sqrt + eps));
+    store(w + i, wv);
+    if (w_bf16 != nullptr) store(w_bf16 + i, convert<u16h>(bf16_n(wv)));
+  }
+  return i;
+}
+
+// step_plain for the kinds at run time, or begin where it does not apply.
+int64_t step_plain_any(float* w, const void* grad, bool grad_bf16, uint16_t* w_bf16, const StateRef& m,
+                       const StateRef& v, const AdamScalars& s, int64_t begin, int64_t end) {
+  const auto plain = [](StateKind k) { return k == StateKind::F32 || k == StateKind::BF16; };
+  if (!plain(m.kind) || !plain(v.kind) || v.sqrt_form) return begin;
+  const int code = (grad_bf16 ? 4 : 0) + (m.kind == StateKind::BF16 ? 2 : 0) + (v.kind == StateKind::BF16 ? 1 : 0);
+#define ENGINE_ADAM_PLAIN(c, gb, mb, vb) \
+  case c: return step_plain<gb, mb, vb>(w, grad, w_bf16, m.data, v.data, s, begin, end);
+  switch (code) {
+    ENGINE_ADAM_PLAIN(0, false, false, false)
+    ENGINE_ADAM_PLAIN(1, false, false, true)
+    ENGINE_ADAM_PLAIN(2, false, true, false)
+    ENGINE_ADAM_PLAIN(3, false, true, true)
+    ENGINE_ADAM_PLAIN(4, true, false, false)
+    ENGINE_ADAM_PLAIN(5, true, false, true)
+    ENGINE_ADAM_PLAIN(6, true, true, false)
+    default: return step_plain<true, true, true>(w, grad, w_bf16, m.data, v.data, s, begin, end);
+  }
+#undef ENGINE_ADAM_PLAIN
+}
+
 void step(float* w, const void* grad, bool grad_bf16, uint16_t* w_bf16, const StateRef& m, const StateRef& v,
           const AdamScalars& s, int64_t n, int64_t begin, int64_t end) {
   alignas(64) float g[kChunk], mv[kChunk], vv[kChunk];
@@ -196,6 +288,7 @@ void step(float* w, const void* grad, bool grad_bf16, uint16_t* w_bf16, const St
   const float beta1 = s.beta1, one_minus_beta1 = s.one_minus_beta1, beta2 = s.beta2,
               one_minus_beta2 = s.one_minus_beta2, step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt,
               eps = s.eps, decay = s.decay, wd = s.wd;
+  begin = step_plain_any(w, grad, grad_bf16, w_bf16, m, v, s, begin, end);
   for (int64_t at = begin; at < end; at += kChunk) {
     const int64_t count = (end - at) < kChunk ? (end - at) : kChunk;
     float* __restrict wc = w + at;
