@@ -16,7 +16,8 @@ from engine.optim import native_step
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels did not build")
 
 KERNEL_FORMATS = ["bf16", "fp8", "fp8_e5m2", "int8", "fp8:block1d_e4m3:plain_v", "int8:plain_v",
-                  {"exp_avg": "fp32", "exp_avg_sq": "int8"}, {"exp_avg": "fp8_e5m2", "exp_avg_sq": "bf16"}]
+                  {"exp_avg": "fp32", "exp_avg_sq": "int8"}, {"exp_avg": "fp8_e5m2", "exp_avg_sq": "bf16"},
+                  {"exp_avg": "fp32", "exp_avg_sq": "bf16"}]
 ISAS = native.available_isas() if native.available() else []
 
 
@@ -91,6 +92,30 @@ def test_fused_step_on_ties(state_dtype):
         for fused in (False, True):
             p = torch.zeros(g.numel(), requires_grad=True)
             opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.999), fused=fused, state_dtype=state_dtype)
+            p.grad = g.clone()
+            with native.use_isa(isa):
+                opt.step()
+            got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
+        assert same_bits(*got), isa
+
+
+def test_int8_codes_at_the_search_tables_bucket_edges():
+    """The kernel finds an int8 code by a bucket table over the top bits of |value| (csrc/optim/adam.h) and one
+    probe: values on every bucket edge, one ulp either side, both signs, below the table's range and NaN, through
+    both maps (betas (0, 0): m = g and sqrt(v) = |g| exactly, each block's absmax 1.0 exactly), give the codes of
+    torch.bucketize in the reference."""
+    edge_bits = 0x32800000 + (torch.arange(0, 3329, dtype=torch.int64) << 16)
+    bits = torch.cat([edge_bits - 1, edge_bits, edge_bits + 1]).to(torch.int32)
+    mags = bits.view(torch.float32).clamp(max=1.0)
+    g = torch.cat([mags, -mags, torch.tensor([1e-30, -1e-30, 2.0**-27, 0.0, -0.0, float("nan")])])
+    g = torch.cat([g, torch.ones((-g.numel()) % 256)]).reshape(-1, 256)
+    g[:, 0] = 1.0  # every block's absmax is 1.0: the values are the map's inputs as they are
+    g = g.reshape(-1)
+    for isa in ISAS:
+        got = []
+        for fused in (False, True):
+            p = torch.zeros(g.numel(), requires_grad=True)
+            opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.0), fused=fused, state_dtype="int8")
             p.grad = g.clone()
             with native.use_isa(isa):
                 opt.step()

@@ -3,6 +3,7 @@
 // the stored values back and update the fp32 weight (and its bf16 copy): one pass over each tensor. No torch here.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/isa.h"
@@ -13,12 +14,33 @@ namespace engine_native {
 // scale_inv per 128 elements (the block1d scheme), or uint8 codes of a 256-entry map with an fp32 absmax per 256.
 enum class StateKind : int { F32 = 0, BF16 = 1, E4M3_128 = 2, E5M2_128 = 3, INT8_256 = 4 };
 
+// The int8 code search as a table lookup: a value's bucket (its sign and the top bits of its magnitude, clamped to
+// [2^-26, 1], in value order) holds `lo`, the number of decision points below every value of the bucket, and at
+// most kInt8Probes decision points fall inside a bucket, so code = lo + #{j < kInt8Probes: mids[lo + j] < v}
+// (the glue builds the table from the map and checks that bound; mids padded with +inf).
+constexpr uint32_t kInt8LoMag = 0x32800000u;  // 2^-26: below every |decision point| of both maps
+constexpr uint32_t kInt8HiMag = 0x3F800000u;  // 1.0: above every decision point
+constexpr int kInt8Shift = 16;                // 7 mantissa bits per bucket
+constexpr int kInt8Half = static_cast<int>((kInt8HiMag - kInt8LoMag) >> kInt8Shift) + 1;  // buckets per sign
+constexpr int kInt8Buckets = 2 * kInt8Half;
+constexpr int kInt8Probes = 1;
+
+// The bucket of fp32 bits u (a NaN lands anywhere: the kernel gives it the top code).
+inline int32_t int8_bucket(uint32_t u) {
+  uint32_t mag = u & 0x7FFFFFFFu;
+  mag = std::max(mag, kInt8LoMag);
+  mag = std::min(mag, kInt8HiMag);
+  const int32_t b = static_cast<int32_t>((mag - kInt8LoMag) >> kInt8Shift);
+  return kInt8Half + (b ^ -static_cast<int32_t>(u >> 31));  // negative: kInt8Half - 1 - b (branch-free)
+}
+
 struct StateRef {
   StateKind kind;
   void* data;            // [n] of the kind's element
   float* scale;          // [ceil(n / block)] or null
   const float* codes;    // int8: the 256 code values
-  const float* mids;     // int8: the 255 decision points (nearest code, ties down)
+  const float* mids;     // int8: the 255 decision points (nearest code, ties down), then kInt8Probes +inf
+  const int32_t* lo;     // int8: [kInt8Buckets] the bucket table above
   bool sqrt_form;        // the second moment stored as sqrt(v)
 };
 

@@ -6,6 +6,10 @@
 #include "common/glue.h"
 #include "optim/adam.h"
 
+#include <cmath>
+#include <cstring>
+#include <optional>
+
 namespace engine_native {
 namespace adam_glue {
 namespace {
@@ -33,15 +37,57 @@ at::ScalarType dtype_of(StateKind kind) {
   }
 }
 
+float f32_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The int8 map's search table (adam.h: int8_bucket): the decision points padded with +inf and, per bucket, the
+// number of decision points below its smallest value; two pointers sweep the buckets in value order.
+struct Int8Search {
+  float mids[255 + kInt8Probes];
+  int32_t lo[kInt8Buckets];
+
+  explicit Int8Search(const float* m) {
+    std::memcpy(mids, m, 255 * 4);
+    for (int j = 0; j < kInt8Probes; ++j) mids[255 + j] = INFINITY;
+    for (int i = 1; i < 255; ++i) {
+      TORCH_CHECK_VALUE(mids[i - 1] <= mids[i], "mids: expected sorted decision points");
+    }
+    int32_t below_min = 0, below_max = 0;
+    for (int k = 0; k < kInt8Buckets; ++k) {
+      const bool neg = k < kInt8Half;
+      const uint32_t b = neg ? static_cast<uint32_t>(kInt8Half - 1 - k) : static_cast<uint32_t>(k - kInt8Half);
+      const float small = b == 0 ? 0.0f : f32_of(kInt8LoMag + (b << kInt8Shift));  // smallest magnitude
+      const float large = b + 1 == static_cast<uint32_t>(kInt8Half)
+                              ? INFINITY
+                              : f32_of(kInt8LoMag + ((b + 1) << kInt8Shift) - 1u);
+      const float vmin = neg ? -large : small, vmax = neg ? -small : large;
+      while (below_min < 255 && mids[below_min] < vmin) ++below_min;
+      while (below_max < 255 && mids[below_max] < vmax) ++below_max;
+      TORCH_CHECK_VALUE(below_max - below_min <= kInt8Probes, "mids: more than ", kInt8Probes,
+                        " decision points in one bucket of the int8 search table (adam.h); the map is too fine");
+      lo[k] = below_min;
+    }
+  }
+};
+
 StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64_t kind_code, int64_t n,
-                   const char* name, bool sqrt_form, const Tensor& codes, const Tensor& mids) {
+                   const char* name, bool sqrt_form, const Tensor& codes, const Tensor& mids,
+                   std::optional<Int8Search>& search) {
   TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 4, name, ": expected a state kind 0..4, got ", kind_code);
   const StateKind kind = static_cast<StateKind>(kind_code);
   check_plain(data, name);
   TORCH_CHECK_TYPE(data.scalar_type() == dtype_of(kind), name, ": expected ", dtype_of(kind), ", got ",
                    data.scalar_type());
   TORCH_CHECK_VALUE(data.numel() == n, name, ": expected ", n, " elements (the parameter's), got ", data.numel());
-  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), sqrt_form};
+  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), nullptr, sqrt_form};
+  if (kind == StateKind::INT8_256) {
+    search.emplace(mids.data_ptr<float>());
+    ref.mids = search->mids;
+    ref.lo = search->lo;
+  }
   const int64_t block = block_of(kind);
   if (block) {
     TORCH_CHECK_VALUE(scale.has_value(), name, ": a blocked state needs its scales");
@@ -79,8 +125,9 @@ void adam_step(const Tensor& w, const Tensor& grad, const std::optional<Tensor>&
     check_plain(*t, "mids");
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 255, "mids: expected 255 float32 values");
   }
-  const StateRef mref = state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids);
-  const StateRef vref = state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids);
+  std::optional<Int8Search> msearch, vsearch;
+  const StateRef mref = state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids, msearch);
+  const StateRef vref = state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids, vsearch);
   uint16_t* wb = nullptr;
   if (w_bf16.has_value()) {
     check_plain(*w_bf16, "w_bf16");

@@ -1,11 +1,19 @@
-// The fused Adam step of adam.h, plain loops over a 256-element chunk the compiler vectorises per instruction set
-// (-ffp-contract=off: every fp32 operation rounded once, as the torch ops of Adam.reference_step).
+// The fused Adam step of adam.h, one source for every instruction set (-ffp-contract=off: every fp32 operation
+// rounded once, as the torch ops of Adam.reference_step): fp32 / bf16 states in one pass of native vectors
+// (step_plain), blocked states (FP8 1x128, int8) in branch-free loops over 256-element chunks the compiler
+// vectorises; the int8 code search is a bucket-table lookup and one comparison (adam.h).
 #include "optim/adam.h"
 
 #include <cmath>
 #include <cstring>
 
+#include "cast/fp8_vec.h"
 #include "common/fp8_scalar.h"
+#include "common/vec.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace engine_native {
 namespace ENGINE_ISA_NS {
@@ -14,177 +22,302 @@ namespace {
 constexpr int64_t kChunk = 256;
 constexpr float kFltMax = 3.40282347e+38f;
 
+// Per-element rules, branch-free (fp8v::pick) so that the loops over a chunk vectorise at every level.
+using fp8v::bits_of;
+using fp8v::float_of;
+using fp8v::pick;
+
 // NaN as the canonical quiet NaN 0x7FC00000 (arithmetic NaNs carry the sign and payload of whichever operand the
 // instruction picks; fp32 / bf16 states and weights store this one).
-inline float canonical(float x) {
-  if (x != x) {
-    const uint32_t q = 0x7FC00000u;
-    std::memcpy(&x, &q, 4);
-  }
-  return x;
+inline __attribute__((always_inline)) float canonical(float x) {
+  const uint32_t u = bits_of(x);
+  return float_of(pick((u & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC00000u, u));
 }
 
-inline float fp8_value(uint8_t code, bool e4m3) {
-  const bool neg = code & 0x80;
-  const int mag = code & 0x7F;
-  float v;
-  if (e4m3) {
-    if (mag == 0x7F) return std::nanf("");
-    const int e = mag >> 3, m = mag & 7;
-    v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(static_cast<float>(8 + m), e - 10);
-  } else {
-    const int e = mag >> 2, m = mag & 3;
-    if (e == 31) return m ? std::nanf("") : (neg ? -INFINITY : INFINITY);
-    v = e == 0 ? std::ldexp(static_cast<float>(m), -16) : std::ldexp(static_cast<float>(4 + m), e - 17);
-  }
-  return neg ? -v : v;
+inline __attribute__((always_inline)) uint16_t bf16_nearest_even(float v) {
+  const uint32_t u = bits_of(v);
+  return static_cast<uint16_t>(
+      pick((u & 0x7FFFFFFFu) > 0x7F800000u, (u >> 16) | 0x40u, (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
 }
 
-struct Fp8Table {
-  float value[2][256];
-  Fp8Table() {
-    for (int c = 0; c < 256; ++c) {
-      value[0][c] = fp8_value(static_cast<uint8_t>(c), true);
-      value[1][c] = fp8_value(static_cast<uint8_t>(c), false);
-    }
-  }
-};
-
-const Fp8Table& fp8_table() {
-  static const Fp8Table table;
-  return table;
+// The value of an FP8 code (exact in bf16: fp8v::bf16_word's word is its top half; NaN 0x7FC00000).
+template <Fp8Kind K>
+inline __attribute__((always_inline)) float fp8_value(uint8_t code) {
+  return float_of(static_cast<uint32_t>(fp8v::bf16_word<K>(code)) << 16);
 }
 
-inline uint16_t bf16_nearest_even(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
-                                         : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+// Square roots of x[0, count) in place, a native vector at a time (sqrt vectorises only without errno; count
+// rounded up to whole vectors: the chunk buffers have room).
+inline __attribute__((always_inline)) vec::f32n sqrt_n(vec::f32n v) {
+#if defined(__x86_64__) && ENGINE_ISA_LEVEL == 2
+  return _mm512_sqrt_ps(v);
+#elif defined(__x86_64__) && ENGINE_ISA_LEVEL == 1
+  return _mm256_sqrt_ps(v);
+#elif defined(__x86_64__)
+  return _mm_sqrt_ps(v);
+#else
+  for (int l = 0; l < vec::kNativeLanes; ++l) v[l] = std::sqrt(v[l]);
+  return v;
+#endif
+}
+
+inline void sqrt_all(float* x, int64_t count) {
+  for (int64_t i = 0; i < count; i += vec::kNativeLanes) vec::store(x + i, sqrt_n(vec::load<vec::f32n>(x + i)));
 }
 
 // |x| max as ordered bits (a NaN above every number), as torch's amax propagates NaN.
-inline float block_amax(const float* x, int64_t count) {
+inline float block_amax(const float* __restrict x, int64_t count) {
   uint32_t key = 0;
   for (int64_t i = 0; i < count; ++i) {
-    uint32_t a;
-    std::memcpy(&a, x + i, 4);
-    a &= 0x7FFFFFFFu;
+    const uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
     key = a > key ? a : key;
   }
   return key_to_amax(key);
 }
 
+// fp8v::fp8_code<K>(p) (saturating, ties to even, NaN 0x7F) into `code`, and the code's value (fp8_value) as the
+// return: the fp32 add that rounds c = min(|p|, max) to the FP8 grid gives s = c + M on the grid of ulp(M), so
+// s - M (exact: both on that grid, the difference below M) is the rounded magnitude, without decoding the code.
+template <Fp8Kind K>
+inline __attribute__((always_inline)) float fp8_round(float p, uint8_t& code) {
+  using C = fp8v::Fp8Lane<K>;
+  const uint32_t u = bits_of(p);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  const uint32_t c = mag < C::kMaxBits ? mag : C::kMaxBits;
+  uint32_t field = c >> 23;
+  field = field < C::kMinExpField ? C::kMinExpField : field;
+  const uint32_t m = ((field + 23u - C::kMant) << 23) + ((field - C::kMinExpField) << C::kMant);
+  const float sum = float_of(c) + float_of(m);
+  const bool nan = mag > 0x7F800000u;
+  const uint32_t sign = u & 0x80000000u;
+  code = static_cast<uint8_t>(pick(nan, 0x7Fu, (bits_of(sum) & 0x7FFFFFu) | (sign >> 24)));
+  return float_of(pick(nan, 0x7FC00000u, bits_of(sum - float_of(m)) | sign));
+}
+
+template <Fp8Kind K>
+void encode_decode_fp8(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
+  constexpr bool e4m3 = K == Fp8Kind::E4M3;
+  const ScaleRule rule{e4m3 ? 448.0f : 57344.0f, false, 0.0f, kFltMax};
+  uint8_t* __restrict d = static_cast<uint8_t*>(s.data) + at;
+  for (int64_t b = 0; b < count; b += 128) {
+    const int64_t len = count - b < 128 ? count - b : 128;
+    const float scale = compute_scale(block_amax(x + b, len), rule);
+    const float scale_inv = 1.0f / scale;
+    s.scale[(at + b) / 128] = scale_inv;
+    for (int64_t i = b; i < b + len; ++i) {
+      uint8_t c;
+      const float r = fp8_round<K>(x[i] * scale, c);
+      d[i] = c;
+      x[i] = r * scale_inv;
+    }
+  }
+}
+
+// The int8 codes of x[0, count) / div into d, and x = their values times amax (every pointer its own array: the
+// gathers vectorise only when the compiler knows the stores do not touch the tables).
+void encode_int8(float* __restrict x, int64_t count, float div, float amax, const float* __restrict mids,
+                 const int32_t* __restrict lo, const float* __restrict codes, uint8_t* __restrict d) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = x[i] / div;
+    // the number of decision points < v (torch.bucketize, right=False): the bucket's count, then the probes
+    const int32_t k = lo[int8_bucket(bits_of(v))];
+    uint32_t c = static_cast<uint32_t>(k);
+    for (int j = 0; j < kInt8Probes; ++j) c += static_cast<uint32_t>(mids[k + j] < v);
+    c = pick(v != v, 255u, c);  // NaN: the top code
+    d[i] = static_cast<uint8_t>(c);
+    x[i] = codes[c] * amax;
+  }
+}
+
 // Encode `count` values of x (at element offset `at` of the tensor) into the state, and write back into x the
 // value the stored form decodes to.
-void encode_decode(const StateRef& s, float* x, int64_t at, int64_t count) {
+void encode_decode(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
   switch (s.kind) {
     case StateKind::F32: {
-      float* d = static_cast<float*>(s.data) + at;
+      float* __restrict d = static_cast<float*>(s.data) + at;
       for (int64_t i = 0; i < count; ++i) d[i] = x[i] = canonical(x[i]);
       return;
     }
     case StateKind::BF16: {
-      uint16_t* d = static_cast<uint16_t*>(s.data) + at;
+      uint16_t* __restrict d = static_cast<uint16_t*>(s.data) + at;
       for (int64_t i = 0; i < count; ++i) {
-        d[i] = bf16_nearest_even(canonical(x[i]));
-        x[i] = bf16_to_f32(d[i]);
+        const uint16_t h = bf16_nearest_even(canonical(x[i]));
+        d[i] = h;
+        x[i] = float_of(static_cast<uint32_t>(h) << 16);
       }
       return;
     }
-    case StateKind::E4M3_128:
-    case StateKind::E5M2_128: {
-      const bool e4m3 = s.kind == StateKind::E4M3_128;
-      const Fp8Kind kind = e4m3 ? Fp8Kind::E4M3 : Fp8Kind::E5M2;
-      const ScaleRule rule{e4m3 ? 448.0f : 57344.0f, false, 0.0f, kFltMax};
-      const float* table = fp8_table().value[e4m3 ? 0 : 1];
-      uint8_t* d = static_cast<uint8_t*>(s.data) + at;
-      for (int64_t b = 0; b < count; b += 128) {
-        const int64_t len = count - b < 128 ? count - b : 128;
-        const float scale = compute_scale(block_amax(x + b, len), rule);
-        const float scale_inv = 1.0f / scale;
-        s.scale[(at + b) / 128] = scale_inv;
-        for (int64_t i = b; i < b + len; ++i) {
-          d[i] = fp32_to_fp8(x[i] * scale, kind);
-          x[i] = table[d[i]] * scale_inv;
-        }
-      }
-      return;
-    }
+    case StateKind::E4M3_128: encode_decode_fp8<Fp8Kind::E4M3>(s, x, at, count); return;
+    case StateKind::E5M2_128: encode_decode_fp8<Fp8Kind::E5M2>(s, x, at, count); return;
     case StateKind::INT8_256: {
-      uint8_t* d = static_cast<uint8_t*>(s.data) + at;
+      uint8_t* __restrict d = static_cast<uint8_t*>(s.data) + at;
       const float amax = block_amax(x, count);
       const float div = amax == 0.0f ? 1.0f : amax;
       s.scale[at / 256] = amax;
-      alignas(64) float mids[256];  // the 255 decision points and +inf: a branchless 8-step search over 256
-      std::memcpy(mids, s.mids, 255 * 4);
-      mids[255] = INFINITY;
-      for (int64_t i = 0; i < count; ++i) {
-        const float v = x[i] / div;
-        int lo = 0;  // the number of decision points < v (torch.bucketize, right=False)
-        for (int step = 128; step >= 1; step >>= 1) lo += step & -static_cast<int>(mids[lo + step - 1] < v);
-        if (v != v) lo = 255;  // NaN: the top code, as torch.bucketize
-        d[i] = static_cast<uint8_t>(lo);
-        x[i] = s.codes[lo] * amax;
-      }
+      encode_int8(x, count, div, amax, s.mids, s.lo, s.codes, d);
       return;
     }
   }
 }
 
-void decode(const StateRef& s, float* x, int64_t at, int64_t count) {
+template <Fp8Kind K>
+void decode_fp8(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
+  const uint8_t* __restrict d = static_cast<const uint8_t*>(s.data) + at;
+  for (int64_t b = 0; b < count; b += 128) {
+    const int64_t len = count - b < 128 ? count - b : 128;
+    const float scale_inv = s.scale[(at + b) / 128];
+    for (int64_t i = b; i < b + len; ++i) x[i] = fp8_value<K>(d[i]) * scale_inv;
+  }
+}
+
+void decode(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
   switch (s.kind) {
     case StateKind::F32:
       std::memcpy(x, static_cast<const float*>(s.data) + at, count * 4);
       return;
     case StateKind::BF16: {
-      const uint16_t* d = static_cast<const uint16_t*>(s.data) + at;
-      for (int64_t i = 0; i < count; ++i) x[i] = bf16_to_f32(d[i]);
+      const uint16_t* __restrict d = static_cast<const uint16_t*>(s.data) + at;
+      for (int64_t i = 0; i < count; ++i) x[i] = float_of(static_cast<uint32_t>(d[i]) << 16);
       return;
     }
-    case StateKind::E4M3_128:
-    case StateKind::E5M2_128: {
-      const float* table = fp8_table().value[s.kind == StateKind::E4M3_128 ? 0 : 1];
-      const uint8_t* d = static_cast<const uint8_t*>(s.data) + at;
-      for (int64_t i = 0; i < count; ++i) x[i] = table[d[i]] * s.scale[(at + i) / 128];
-      return;
-    }
+    case StateKind::E4M3_128: decode_fp8<Fp8Kind::E4M3>(s, x, at, count); return;
+    case StateKind::E5M2_128: decode_fp8<Fp8Kind::E5M2>(s, x, at, count); return;
     case StateKind::INT8_256: {
-      const uint8_t* d = static_cast<const uint8_t*>(s.data) + at;
+      const uint8_t* __restrict d = static_cast<const uint8_t*>(s.data) + at;
       const float amax = s.scale[at / 256];
-      for (int64_t i = 0; i < count; ++i) x[i] = s.codes[d[i]] * amax;
+      const float* __restrict codes = s.codes;
+      for (int64_t i = 0; i < count; ++i) x[i] = codes[d[i]] * amax;
       return;
     }
   }
 }
 
+typedef uint16_t u16h __attribute__((vector_size(2 * vec::kNativeLanes)));  // one bf16 word per fp32 lane
+
+// A native vector of an fp32 (BF16 = false) or bf16 array at p, as fp32.
+template <bool BF16>
+inline __attribute__((always_inline)) vec::f32n load_f32(const void* p) {
+  if constexpr (BF16) {
+    return vec::bits<vec::f32n>(vec::convert<vec::u32n>(vec::load<u16h>(p)) << 16);
+  } else {
+    return vec::load<vec::f32n>(p);
+  }
+}
+
+// canonical() and bf16_nearest_even() on native vectors.
+inline __attribute__((always_inline)) vec::f32n canonical_n(vec::f32n x) {
+  const vec::u32n u = vec::bits<vec::u32n>(x);
+  return vec::bits<vec::f32n>(vec::select((u & 0x7FFFFFFFu) > 0x7F800000u, vec::splat<vec::u32n>(0x7FC00000u), u));
+}
+inline __attribute__((always_inline)) vec::u32n bf16_n(vec::f32n x) {
+  const vec::u32n u = vec::bits<vec::u32n>(x);
+  return vec::select((u & 0x7FFFFFFFu) > 0x7F800000u, (u >> 16) | 0x40u, (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Stores the state (fp32 or bf16) of the canonical x at p; returns the value stored.
+template <bool BF16>
+inline __attribute__((always_inline)) vec::f32n store_state(void* p, vec::f32n x) {
+  x = canonical_n(x);
+  if constexpr (BF16) {
+    const vec::u32n h = bf16_n(x);
+    vec::store(p, vec::convert<u16h>(h));
+    return vec::bits<vec::f32n>(h << 16);
+  } else {
+    vec::store(p, x);
+    return x;
+  }
+}
+
+// The step over [begin, end) in one pass of native vectors for fp32 / bf16 states with a plain second moment (no
+// blocks, no L1 buffers): the operations of `step` below in the same order (the same bits); returns where it
+// stopped (the tail, shorter than a vector, is left to `step`).
+template <bool GB, bool MB, bool VB>
+int64_t step_plain(float* __restrict w, const void* __restrict grad, uint16_t* __restrict w_bf16,
+                   void* __restrict md, void* __restrict vd, const AdamScalars& s, int64_t begin, int64_t end) {
+  using namespace vec;
+  constexpr int L = kNativeLanes;
+  const f32n beta1 = splat<f32n>(s.beta1), omb1 = splat<f32n>(s.one_minus_beta1), beta2 = splat<f32n>(s.beta2),
+             omb2 = splat<f32n>(s.one_minus_beta2), step_size = splat<f32n>(s.step_size),
+             inv_bc2_sqrt = splat<f32n>(s.inv_bc2_sqrt), eps = splat<f32n>(s.eps), decay = splat<f32n>(s.decay),
+             wd = splat<f32n>(s.wd);
+  const bool maximize = s.maximize, has_wd = s.wd != 0.0f, has_decay = s.decay != 1.0f;
+  constexpr int64_t gs = GB ? 2 : 4, ms = MB ? 2 : 4, vs = VB ? 2 : 4;
+  int64_t i = begin;
+  for (; i + L <= end; i += L) {
+    f32n wv = load<f32n>(w + i);
+    f32n g = load_f32<GB>(static_cast<const char*>(grad) + i * gs);
+    if (maximize) g = -g;
+    if (has_wd) g = g + wv * wd;
+    char* mp = static_cast<char*>(md) + i * ms;
+    char* vp = static_cast<char*>(vd) + i * vs;
+    f32n m = load_f32<MB>(mp) * beta1 + g * omb1;
+    f32n v = load_f32<VB>(vp) * beta2 + (g * g) * omb2;
+    m = store_state<MB>(mp, m);
+    v = store_state<VB>(vp, v);
+    if (has_decay) wv = wv * decay;
+    wv = canonical_n(wv - (m * step_size) / (sqrt_n(v) * inv_bc2_sqrt + eps));
+    store(w + i, wv);
+    if (w_bf16 != nullptr) store(w_bf16 + i, convert<u16h>(bf16_n(wv)));
+  }
+  return i;
+}
+
+// step_plain for the kinds at run time, or begin where it does not apply.
+int64_t step_plain_any(float* w, const void* grad, bool grad_bf16, uint16_t* w_bf16, const StateRef& m,
+                       const StateRef& v, const AdamScalars& s, int64_t begin, int64_t end) {
+  const auto plain = [](StateKind k) { return k == StateKind::F32 || k == StateKind::BF16; };
+  if (!plain(m.kind) || !plain(v.kind) || v.sqrt_form) return begin;
+  const int code = (grad_bf16 ? 4 : 0) + (m.kind == StateKind::BF16 ? 2 : 0) + (v.kind == StateKind::BF16 ? 1 : 0);
+#define ENGINE_ADAM_PLAIN(c, gb, mb, vb) \
+  case c: return step_plain<gb, mb, vb>(w, grad, w_bf16, m.data, v.data, s, begin, end);
+  switch (code) {
+    ENGINE_ADAM_PLAIN(0, false, false, false)
+    ENGINE_ADAM_PLAIN(1, false, false, true)
+    ENGINE_ADAM_PLAIN(2, false, true, false)
+    ENGINE_ADAM_PLAIN(3, false, true, true)
+    ENGINE_ADAM_PLAIN(4, true, false, false)
+    ENGINE_ADAM_PLAIN(5, true, false, true)
+    ENGINE_ADAM_PLAIN(6, true, true, false)
+    default: return step_plain<true, true, true>(w, grad, w_bf16, m.data, v.data, s, begin, end);
+  }
+#undef ENGINE_ADAM_PLAIN
+}
+
 void step(float* w, const void* grad, bool grad_bf16, uint16_t* w_bf16, const StateRef& m, const StateRef& v,
           const AdamScalars& s, int64_t n, int64_t begin, int64_t end) {
   alignas(64) float g[kChunk], mv[kChunk], vv[kChunk];
+  // the scalars as locals: stores through w could alias `s` as far as the compiler knows (no vectorising then)
+  const float beta1 = s.beta1, one_minus_beta1 = s.one_minus_beta1, beta2 = s.beta2,
+              one_minus_beta2 = s.one_minus_beta2, step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt,
+              eps = s.eps, decay = s.decay, wd = s.wd;
+  begin = step_plain_any(w, grad, grad_bf16, w_bf16, m, v, s, begin, end);
   for (int64_t at = begin; at < end; at += kChunk) {
     const int64_t count = (end - at) < kChunk ? (end - at) : kChunk;
-    float* wc = w + at;
+    float* __restrict wc = w + at;
     if (grad_bf16) {
       const uint16_t* gb = static_cast<const uint16_t*>(grad) + at;
-      for (int64_t i = 0; i < count; ++i) g[i] = bf16_to_f32(gb[i]);
+      for (int64_t i = 0; i < count; ++i) g[i] = float_of(static_cast<uint32_t>(gb[i]) << 16);
     } else {
       std::memcpy(g, static_cast<const float*>(grad) + at, count * 4);
     }
     if (s.maximize) for (int64_t i = 0; i < count; ++i) g[i] = -g[i];
-    if (s.wd != 0.0f) for (int64_t i = 0; i < count; ++i) g[i] = g[i] + wc[i] * s.wd;
+    if (wd != 0.0f) for (int64_t i = 0; i < count; ++i) g[i] = g[i] + wc[i] * wd;
     decode(m, mv, at, count);
     decode(v, vv, at, count);
     if (v.sqrt_form) for (int64_t i = 0; i < count; ++i) vv[i] = vv[i] * vv[i];
     for (int64_t i = 0; i < count; ++i) {
-      mv[i] = mv[i] * s.beta1 + g[i] * s.one_minus_beta1;
-      vv[i] = vv[i] * s.beta2 + (g[i] * g[i]) * s.one_minus_beta2;
+      mv[i] = mv[i] * beta1 + g[i] * one_minus_beta1;
+      vv[i] = vv[i] * beta2 + (g[i] * g[i]) * one_minus_beta2;
     }
-    if (v.sqrt_form) for (int64_t i = 0; i < count; ++i) vv[i] = std::sqrt(vv[i]);
+    if (v.sqrt_form) sqrt_all(vv, count);
     encode_decode(m, mv, at, count);
     encode_decode(v, vv, at, count);
-    if (!v.sqrt_form) for (int64_t i = 0; i < count; ++i) vv[i] = std::sqrt(vv[i]);
-    for (int64_t i = 0; i < count; ++i) {
-      const float wi = s.decay != 1.0f ? wc[i] * s.decay : wc[i];
-      wc[i] = canonical(wi - (mv[i] * s.step_size) / (vv[i] * s.inv_bc2_sqrt + s.eps));
+    if (!v.sqrt_form) sqrt_all(vv, count);
+    if (decay != 1.0f) {
+      for (int64_t i = 0; i < count; ++i)
+        wc[i] = canonical(wc[i] * decay - (mv[i] * step_size) / (vv[i] * inv_bc2_sqrt + eps));
+    } else {
+      for (int64_t i = 0; i < count; ++i) wc[i] = canonical(wc[i] - (mv[i] * step_size) / (vv[i] * inv_bc2_sqrt + eps));
     }
     if (w_bf16 != nullptr) for (int64_t i = 0; i < count; ++i) w_bf16[at + i] = bf16_nearest_even(wc[i]);
   }
