@@ -29,6 +29,9 @@ def gradients(shape, gen: torch.Generator, special: bool) -> torch.Tensor:
         flat[301] = 3e38  # overflows v
         flat[400] = 1e-30  # subnormal squares
         flat[-1] = -0.0
+        flat[500] = float("nan")
+        flat[501] = -float("nan")  # a NaN's sign and payload: every stored NaN is the quiet 0x7FC00000 / 0x7FC0
+        flat[502] = torch.tensor(-1, dtype=torch.int32).view(torch.float32)  # 0xFFFFFFFF
     return g
 
 

@@ -134,7 +134,7 @@ def encode(fmt: StateFormat, x: torch.Tensor, counter: torch.Tensor | None = Non
         return x, None
     if fmt.kind == "bf16":
         if not fmt.stochastic:
-            return x.to(torch.bfloat16), None
+            return to_bf16(x), None
         return round_bf16_stochastic(x, random_bits(tuple(x.shape), counter)), None
     flat = x.reshape(-1)
     if fmt.kind == "fp8":
@@ -165,6 +165,13 @@ def canonical_nan(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
 
 
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounding to nearest even, every NaN the quiet NaN 0x7FC0 (torch's vectorised CPU conversion
+    writes NaN as 0xFFFF)."""
+    bits = x.to(torch.bfloat16).view(torch.int16)
+    return torch.where(x.isnan(), torch.tensor(0x7FC0, dtype=torch.int16), bits).view(torch.bfloat16)
+
+
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded fp32 square root (torch's CPU sqrt may be an ulp off, and differs by instruction
     set): in float64 then rounded once, which for an fp32 input is exact IEEE sqrt (53 >= 2 * 24 + 2 bits)."""
@@ -178,4 +185,4 @@ def round_bf16_stochastic(x: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
     bits = x.float().view(torch.int32)
     bumped = bits + (rbits.to(torch.int32) << 8)
     out = (bumped >> 16).to(torch.int16).view(torch.bfloat16)
-    return torch.where(x.isnan(), x.to(torch.bfloat16), out)
+    return torch.where(x.isnan(), to_bf16(x), out)
