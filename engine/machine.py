@@ -24,7 +24,7 @@ import torch
 from engine import device, recipes
 from engine.formats import element_name
 from engine.schemes import ScaleEncoding, get_scheme
-from engine.recipes import CustomRecipe, OperandRecipe, QuantizerSpec, Recipe
+from engine.recipes import CustomRecipe, Debug, OperandRecipe, QuantizerSpec, Recipe
 
 #: CPU features the kernels here look at (/proc/cpuinfo names): the avx2 kernels (x86-64-v3) need AVX2, FMA, F16C
 #: and BMI2; the avx512 ones (x86-64-v4) F, BW, DQ, VL, CD; NVFP4's fast path VBMI2; bf16 weight-only GEMMs
@@ -157,6 +157,10 @@ def recipe_lines() -> list[str]:
         if cls is CustomRecipe:
             lines.append(f"  {cls.name} ({cls.__name__}): the quantizers a factory returns per module, GEMM and "
                          "operand; runs where each of their schemes does (not under torch.compile)")
+            continue
+        if cls is Debug:
+            lines.append(f"  {cls.name} ({cls.__name__}): another recipe with per-GEMM debug switches; runs where the "
+                         "recipe it wraps does")
             continue
         ok, how = recipe_support(cls())
         lines.append(f"  {cls.name} ({cls.__name__}): {'runs' if ok else 'cannot run'} - {how}")
