@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.optim import formats, native_step, sharded, weights
+from engine.optim import formats, native_step, weights
 from engine.optim.base import LowPrecisionOptimizer, StateDtype
 
 
@@ -56,24 +56,12 @@ class Adam(LowPrecisionOptimizer):
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            with sharded.local_params(self, group, [p for _, p in live]) as local:
-                live = [(i, lp) for (i, _), lp in zip(live, local)]
-                for i, p in live:
-                    self.init_if_needed(p, group, i)
-                if self.all_fp32(group):
-                    self._torch_step(group, [p for _, p in live])
-                else:
-                    for _, p in live:
-                        self._compressed_step(group, p)
-        return loss
+    def step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        if self.all_fp32(group):
+            self._torch_step(group, params)
+        else:
+            for p in params:
+                self._compressed_step(group, p)
 
     # ------------------------------------------------------------------------------ fp32: torch's step
     def _torch_step(self, group: dict, params: list[torch.Tensor]) -> None:

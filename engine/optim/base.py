@@ -78,6 +78,22 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """{state name: elements per block} of the group's formats (0: not blocked)."""
         return {n: self.format_of(group, n).block for n in self.STATES}
 
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        """One step of every group: its parameters that have a gradient (this rank's shards under FSDP2), their
+        states made on first use, then the optimizer's `step_group(group, params)` on them."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            with sharded.local_params(self, group, [p for _, p in live]) as local:
+                for (i, _), p in zip(live, local):
+                    self.init_if_needed(p, group, i)
+                self.step_group(group, list(local))
+        return loss
+
     def init_if_needed(self, p: torch.Tensor, group: dict, index: int) -> None:
         """`init_states` on the first step of p (or of its local shard: counters then start at its position)."""
         state = self.state[p]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.optim import sharded, weights
+from engine.optim import weights
 from engine.optim.base import LowPrecisionOptimizer, StateDtype
 
 
@@ -43,29 +43,16 @@ class SGD(LowPrecisionOptimizer):
             state["state_counter"] = torch.tensor([group["seed"] * 65537 + index, 0], dtype=torch.int64)
         weights.init_state(p, group["weights"], state, seed=group["seed"] * 65537 + index + (1 << 20))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            with sharded.local_params(self, group, [p for _, p in live]) as local:
-                live = [(i, lp) for (i, _), lp in zip(live, local)]
-                for i, p in live:
-                    self.init_if_needed(p, group, i)
-                params = [p for _, p in live]
-                if group["fused"] and self.all_fp32(group) and params:
-                    self._fused_step(group, params)
-                    continue
-                for p in params:
-                    state = self.state[p]
-                    w = weights.working_value(p, state)
-                    self._one(group, state, w, p.grad)
-                    state["step"] += 1
-                    weights.write_back(p, w, state)
-        return loss
+    def step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        if group["fused"] and self.all_fp32(group) and params:
+            self._fused_step(group, params)
+            return
+        for p in params:
+            state = self.state[p]
+            w = weights.working_value(p, state)
+            self._one(group, state, w, p.grad)
+            state["step"] += 1
+            weights.write_back(p, w, state)
 
     def _fused_step(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self.state[p] for p in params]
