@@ -21,7 +21,8 @@ import torch
 
 import engine
 from conformance.harness import WORLD, buffers, case_ids, case_of, fp8_modules, scaling_state, spawn, value
-from conformance.test_conformance_fsdp import D, LR, STEPS, _mismatched, batch, objective, shard, train_sharded
+from conformance.test_conformance_fsdp import (D, LR, STEPS, _mismatched, batch, objective, reference, shard,
+                                               train_sharded)
 from engine.tensors import QuantizedTensor
 
 E, H, F = 2, 64, 32
@@ -92,31 +93,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return spawn(_worker, tmp_path_factory.mktemp("fsdp_grouped"))
 
 
-def reference(recipe, primary: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
-    """(losses, fp32 weights, scaling state) of one process running each rank's micro-batch in turn."""
-    model = make_model(recipe, primary)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        with engine.fp8_autocast(recipe=recipe):
-            parts = [objective(model(x)) for x in batch(step).chunk(WORLD)]
-        counters = [(m._bwd_state, (m._bwd_state.to_plain() or {}).get("rng_counter")) for m in fp8_modules(model)]
-        for loss in parts:
-            for state, counter in counters:  # every rank starts its backward from the same counters
-                if counter is not None:
-                    state.load_plain({**state.to_plain(), "rng_counter": counter})
-            loss.backward()
-        for p in model.parameters():
-            p.grad.div_(WORLD)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(torch.stack(parts).detach().sum() / WORLD)
-    with torch.no_grad(), engine.fp8_autocast(recipe=recipe):
-        for x in batch(STEPS).chunk(WORLD):
-            model(x)
-    return torch.stack(losses), {n: value(p) for n, p in model.named_parameters()}, scaling_state(model)
-
-
 def gathered(results: list[dict], key: tuple, name: str) -> torch.Tensor:
     if not results[0][key]["sharded"][name]:
         for r in results[1:]:
@@ -134,7 +110,7 @@ def test_sharded_grouped_modules_equal_one_process(ranks: list[dict], case_id: s
             assert (t != "Tensor") == (weights == "fp8" and name.startswith("0.weight")), (name, t)
         # the stacked weights are sharded along the experts
         assert r[key]["sharded"]["1.weight"] and r[key]["sharded"]["2.gate_up_proj"]
-    losses, want, state = reference(case_of(case_id).recipe(), weights == "fp8")
+    losses, want, state = reference(case_of(case_id).recipe(), weights == "fp8", make=make_model)
     got_losses = torch.stack([r[key]["losses"] for r in ranks]).mean(0)
     assert torch.equal(got_losses, losses), (got_losses, losses)
     diffs = {name: (gathered(ranks, key, name) - want[name]).abs().max().item() for name in want}

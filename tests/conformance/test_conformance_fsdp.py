@@ -144,9 +144,10 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------ one process
-def reference(recipe, primary: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
-    """(losses, fp32 weights, scaling state) of one process running each rank's micro-batch in turn."""
-    model = make_model(recipe, primary)
+def reference(recipe, primary: bool, make=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """(losses, fp32 weights, scaling state) of one process running each rank's micro-batch in turn, on the model
+    `make(recipe, primary)` builds (default this file's `make_model`)."""
+    model = (make or make_model)(recipe, primary)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
