@@ -69,6 +69,32 @@ def test_the_budget_caps_the_share_of_flops_above_the_first_candidate_and_keeps_
     assert (got[0] == MXFP8) == (promoted > 0)  # the largest error is the first kept
 
 
+def test_the_loss_statistic_picks_the_badly_scaled_layer_too(capsys):
+    # layer 0 alone in NVFP4 moves the loss by far more than 10%, every other layer (and MXFP8 anywhere) by under 10%
+    recipe_map = engine.recommend(model_with_a_bad_layer(), batches(), candidates=[NVFP4, MXFP8], budget=0.25,
+                                  threshold=0.1, statistic="loss")
+    assert picks(recipe_map) == [MXFP8, NVFP4, NVFP4, NVFP4]
+    assert "relative loss change with the layer alone quantized" in capsys.readouterr().out
+    # every layer over a tiny threshold: the budget keeps the layer whose loss change is the largest
+    recipe_map = engine.recommend(model_with_a_bad_layer(2), batches(), candidates=[NVFP4], budget=0.25,
+                                  threshold=1e-9, statistic="loss", show=False)
+    assert picks(recipe_map) == [NVFP4, NVFP4, None, NVFP4]
+
+
+def test_the_loss_statistic_is_the_relative_loss_change_of_one_layer_quantized_alone(capsys):
+    from engine.recipes import RecipeMap
+    model, data = model_with_a_bad_layer(), batches()
+    engine.recommend(model, data, candidates=[NVFP4], budget=0.0, threshold=1.0, statistic="loss")
+    printed = {line.split()[0]: float(line.split()[2]) for line in capsys.readouterr().out.splitlines()[3:]}
+    with torch.no_grad():
+        reference = [model(x).square().mean().item() for x in data]
+        for i in range(4):  # an independent route: a map with layer i alone in NVFP4, on a fresh copy of the model
+            alone = engine.set_recipe_map(model_with_a_bad_layer(), RecipeMap(rules=[(str(i), NVFP4)], default=None))
+            with engine.fp8_autocast(recipe=NVFP4):
+                changes = [abs(alone(x).square().mean().item() - r) / r for x, r in zip(data, reference)]
+            assert printed[str(i)] == pytest.approx(sum(changes) / len(changes), rel=1e-3, abs=1e-4)
+
+
 def test_flops_follow_the_layer_shapes():
     torch.manual_seed(0)
     model = torch.nn.Sequential(engine.Linear(WIDTH, WIDTH), engine.Linear(WIDTH, 3 * WIDTH))  # 1/4 and 3/4 of FLOPs
@@ -82,11 +108,12 @@ def test_flops_follow_the_layer_shapes():
             assert got == expected
 
 
-def test_the_model_and_its_gradients_are_left_as_they_were():
+@pytest.mark.parametrize("statistic", ["gemm", "loss"])
+def test_the_model_and_its_gradients_are_left_as_they_were(statistic):
     model = model_with_a_bad_layer()
     model[0].weight.grad = torch.ones_like(model[0].weight)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine.recommend(model, batches(), candidates=[NVFP4], budget=0.25, threshold=0.3, show=False)
+    engine.recommend(model, batches(), candidates=[NVFP4], budget=0.25, threshold=0.3, show=False, statistic=statistic)
     assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[1].weight.grad is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if not k.endswith("_extra_state"))
 
@@ -101,6 +128,8 @@ def test_the_model_and_its_gradients_are_left_as_they_were():
     ({"candidates": [NVFP4, NVFP4]}, ValueError, "listed twice"),
     ({"batches": []}, ValueError, "batches: expected at least one batch"),
     ({"batches": torch.zeros(2, WIDTH)}, TypeError, "batches: expected an iterable of batches"),
+    ({"statistic": "sqnr"}, ValueError, "statistic: expected one of 'gemm', 'loss' .*got 'sqnr'"),
+    ({"statistic": ["loss"]}, ValueError, "statistic: expected one of"),
 ])
 def test_bad_arguments_are_refused_naming_them(kwargs, error, message):
     args = {"batches": batches(1), "candidates": [NVFP4], "budget": 0.2, "threshold": 0.2, **kwargs}

@@ -14,6 +14,10 @@ GEMM FLOPs not in the first candidate (a later one or None) may be at most `budg
 error under the first candidate down, a promoted layer keeps its promotion if its FLOPs still fit, else
 goes back to the first candidate. The table it decided from is printed (`show=False`: not).
 
+`statistic="loss"` measures instead each layer's loss sensitivity (engine/numerics/sensitivity.py): the
+relative change of the loss with that layer alone under the candidate, the others in high precision,
+averaged over the batches; `threshold` is then a relative loss change (e.g. 0.002).
+
 With `switch_at=F` it returns a `RecipeSchedule` instead: the map for the first F of the run's steps, then
 `switch_to` (default None, high precision) for every layer the map does not already keep in high precision,
 the late switch of the NVFP4 paper (arXiv 2509.25149, appendix D). The table then says which share of the
@@ -25,12 +29,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from engine import autocast
 from engine.modules import FP8Module
+from engine.numerics.sensitivity import loss_sensitivity
 from engine.numerics.session import inspect
 from engine.recipes import Recipe, RecipeMap, RecipeSchedule
 from engine.recipes.schedule import four_bit_gemms
@@ -45,6 +50,11 @@ class Row:
     errors: tuple[float, ...]
     pick: Recipe | None
     reason: str
+
+
+#: the statistics recommend can decide from, and what the table calls them
+STATISTICS = {"gemm": "max relative GEMM error (fprop, dgrad, wgrad)",
+              "loss": "relative loss change with the layer alone quantized (mean over the batches)"}
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -136,19 +146,28 @@ def _errors(modules: list, records: list[dict]) -> dict[str, float]:
 def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[Recipe], *, budget: float = 0.2,
               threshold: float = 0.15, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
               show: bool = True, switch_at: float | None = None,
-              switch_to: Recipe | None = None) -> RecipeMap | RecipeSchedule:
+              switch_to: Recipe | None = None,
+              statistic: Literal["gemm", "loss"] = "gemm") -> RecipeMap | RecipeSchedule:
     """A RecipeMap with one rule per engine module of `model` (module docstring). `batches`: inputs for
     `model(batch)` (`model(*batch)` for a tuple); `loss_fn(model, batch)`: the scalar to backpropagate (default:
     the output if scalar, else its mean square). `show`: print the table. `switch_at`: a fraction in (0, 1] of
-    the run's steps; the map then comes in a RecipeSchedule that switches to `switch_to` there."""
+    the run's steps; the map then comes in a RecipeSchedule that switches to `switch_to` there. `statistic`:
+    "gemm" (the largest relative GEMM error) or "loss" (the relative loss change, one layer at a time)."""
     modules, batches = _checked(model, batches, candidates, budget, threshold)
     _check_switch(switch_at, switch_to)
+    if not isinstance(statistic, str) or statistic not in STATISTICS:
+        raise ValueError(f"statistic: expected one of {', '.join(map(repr, STATISTICS))} (the largest relative GEMM "
+                         f"error, or the loss change with the layer alone quantized), got {statistic!r:.100}")
     loss_fn = loss_fn or (lambda m, b: default_loss(_call(m, b)))
-    measured = [_measure(model, batches, c, loss_fn) for c in candidates]
+    if statistic == "gemm":
+        measured = [_measure(model, batches, c, loss_fn) for c in candidates]
+        per_candidate = [_errors(modules, records) for records in measured]
+        errors = {name: tuple(found[name] for found in per_candidate) for name, _ in modules}
+    else:
+        measured = [_measure(model, batches, candidates[0], loss_fn)]  # for the FLOPs
+        errors = loss_sensitivity(model, batches, candidates, loss_fn)
     flops = _gemm_flops(model, modules, measured[0])
     total = sum(flops.values()) or 1.0
-    per_candidate = [_errors(modules, records) for records in measured]
-    errors = {name: tuple(found[name] for found in per_candidate) for name, _ in modules}
     picks: dict[str, Recipe | None] = {}
     reasons: dict[str, str] = {}
     for name, _ in modules:
@@ -168,7 +187,7 @@ def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[R
     schedule = None if switch_at is None else RecipeSchedule(recipe_map=recipe_map, switch_at=switch_at,
                                                               switch_to=switch_to)
     if show:
-        print(format_table(rows, candidates, threshold, budget, spent))
+        print(format_table(rows, candidates, threshold, budget, spent, statistic))
         if schedule is not None:
             print(describe_switch(rows, schedule))
     return recipe_map if schedule is None else schedule
@@ -201,7 +220,8 @@ def describe_switch(rows: list[Row], schedule: RecipeSchedule) -> str:
             f"{100 * before:.1f}% before, {100 * after:.1f}% after, {100 * run:.1f}% over the run")
 
 
-def format_table(rows: list[Row], candidates: list[Recipe], threshold: float, budget: float, spent: float) -> str:
+def format_table(rows: list[Row], candidates: list[Recipe], threshold: float, budget: float, spent: float,
+                 statistic: str = "gemm") -> str:
     """The decision as text: one line per layer."""
     heads = ["layer", "GEMM FLOPs %", *[f"err {c.name}" for c in candidates], "pick", "why"]
     lines = [[r.layer, f"{100 * r.flop_share:.1f}", *[f"{e:.4f}" for e in r.errors],
@@ -209,6 +229,7 @@ def format_table(rows: list[Row], candidates: list[Recipe], threshold: float, bu
     widths = [max(len(x) for x in column) for column in zip(heads, *lines)]
     text = ["  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [heads, *lines]]
     text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join([f"engine.recommend: max relative GEMM error (fprop, dgrad, wgrad) per layer; threshold "
+    measured = STATISTICS[statistic]
+    return "\n".join([f"engine.recommend: {measured} per layer; threshold "
                       f"{threshold}; {100 * spent:.1f}% of GEMM FLOPs above {candidates[0].name} (budget "
                       f"{100 * budget:.1f}%)", *text])
