@@ -10,22 +10,24 @@ import torch
 import torch.nn.functional as F
 
 import engine
-from engine.recipes import (Debug, Float8CurrentScaling, Gemm, MXFP8BlockScaling, NVFP4BlockScaling, RecipeMap, Role,
+from engine.recipes import (Debug, DelayedScaling, Float8CurrentScaling, Gemm, MXFP8BlockScaling, NVFP4BlockScaling, RecipeMap, Role,
                             recipe_from_plain, recipe_to_plain)
 
 N, K, M = 32, 64, 48  # out features, in features, tokens
 
 
-def layer(seed: int = 0) -> engine.Linear:
+def layer(seed: int = 0, fp8_weights=None) -> engine.Linear:
+    """The layer; `fp8_weights`: a recipe to store its weight in (fp8_model_init)."""
     torch.manual_seed(seed)
-    m = engine.Linear(K, N, bias=False)
+    with engine.fp8_model_init(enabled=fp8_weights is not None, recipe=fp8_weights):
+        m = engine.Linear(K, N, bias=False)
     m.name = "lin"
     return m
 
 
-def run(recipe, seed: int = 0, steps: int = 1):
+def run(recipe, seed: int = 0, steps: int = 1, fp8_weights=None):
     """(y, dx, dW, x, dy) of the layer under `recipe` (fp32 activations, the same x and dy each time)."""
-    m = layer(seed)
+    m = layer(seed, fp8_weights)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M, K, generator=g)
     dy = torch.randn(M, N, generator=g)
@@ -167,12 +169,12 @@ def test_debug_of_debug_or_of_no_recipe_is_refused():
         Debug("mxfp8")
 
 
-def compiled_run(recipe):
+def compiled_run(recipe, fp8_weights=None):
     """run()'s (y, dx, dW) with the layer compiled whole (aot_eager: Dynamo and AOTAutograd, eager kernels)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    m = layer()
+    m = layer(fp8_weights=fp8_weights)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M, K, generator=g).requires_grad_()
@@ -190,11 +192,55 @@ def test_spec_switches_compile_with_eager_bits(switches):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("switches, which", [({"fake_quantize": ("fprop",)}, "fake_quantize"),
-                                             ({"dump_step": 0, "dump_dir": "unused"}, "dump_step")])
-def test_fake_quantize_and_dumps_refuse_to_compile(switches, which):
-    with pytest.raises(Exception, match=f"torch.compile: engine.recipes.Debug with {which} runs eagerly only"):
-        compiled_run(Debug(MXFP8BlockScaling(), **switches))
+@pytest.mark.parametrize("inner, gemms, fp8_weights", [
+    (NVFP4BlockScaling(), ("fprop", "dgrad", "wgrad"), False),  # stochastic rounding of the fake-quantized dy
+    (NVFP4BlockScaling(), ("dgrad",), True),  # an FP8 primary weight read as stored, dy fake-quantized
+    (MXFP8BlockScaling(), ("wgrad",), True),  # the saved x: its dequantized columnwise use
+    (DelayedScaling(), ("fprop", "wgrad"), False),  # amax records of fake-quantized operands
+])
+def test_fake_quantize_compiles_with_eager_bits(inner, gemms, fp8_weights):
+    recipe = Debug(inner, fake_quantize=gemms)
+    weights = recipe if fp8_weights else None
+    assert_same(two_steps(recipe, weights, compiled=True), two_steps(recipe, weights, compiled=False))
+
+
+@pytest.mark.parametrize("inner", [NVFP4BlockScaling(), MXFP8BlockScaling(), Float8CurrentScaling()])
+def test_fp8_weights_with_a_high_precision_dgrad_compile_with_eager_bits(inner):
+    recipe = Debug(inner, high_precision=("dgrad",))  # dgrad reads the stored weight's value, dequantized
+    assert_same(two_steps(recipe, recipe, compiled=True), two_steps(recipe, recipe, compiled=False))
+
+
+def two_steps(recipe, fp8_weights, *, compiled: bool) -> list[torch.Tensor]:
+    """(y, dx, dW) of two steps, then the layer's scaling state and stochastic-rounding counters."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    m = layer(fp8_weights=fp8_weights)
+    f = torch.compile(m, fullgraph=True, backend="aot_eager") if compiled else m
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(M, K, generator=g), torch.randn(M, N, generator=g)
+    seen = []
+    for _ in range(2):
+        xr = x.clone().requires_grad_()
+        m.weight.grad = None
+        with engine.fp8_autocast(recipe=recipe):
+            y = f(xr)
+        y.backward(dy)
+        seen += [y.detach(), xr.grad, m.weight.grad]
+    with engine.fp8_autocast(recipe=recipe):  # fold in the last backward
+        pass
+    return seen + [t.clone() for s in (m._fwd_state, m._bwd_state) for t in [*s.op_tensors(), *s.rng_counters]]
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"item {i} differs"
+
+
+def test_dumps_refuse_to_compile():
+    with pytest.raises(Exception, match="torch.compile: engine.recipes.Debug with dump_step runs eagerly only"):
+        compiled_run(Debug(MXFP8BlockScaling(), dump_step=0, dump_dir="unused"))
 
 
 def test_fp8_weights_refuse_current_scaling_of_a_gemm_reading_them():

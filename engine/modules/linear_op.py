@@ -41,6 +41,7 @@ import torch
 
 from engine.modules.linear_function import GemmInput, LinearArgs, bprop, fprop
 from engine.modules.op_state import counters_of, merge_counters, op_inputs, op_state, plan
+from engine.recipes.debug_state import DEQUANTIZED
 from engine.recipes.plain import recipe_for_key
 from engine.schemes import get_scheme
 from engine.tensors import QuantizedTensor, QuantizedTensorBase
@@ -48,12 +49,15 @@ from engine.tensors import QuantizedTensor, QuantizedTensorBase
 
 def _saved_fields(scheme: str) -> tuple[str, ...]:
     """The fields of a columnwise-only storage of `scheme` that a backward GEMM reads: data, scale_inv and, with a
-    tensor-level scale, amax_columnwise, in the scheme's order."""
-    return get_scheme(scheme).usage_fields(columnwise=True)
+    tensor-level scale, amax_columnwise, in the scheme's order (a fake quantization's dequantized tensor: one)."""
+    return ("dequantized",) if scheme == DEQUANTIZED else get_scheme(scheme).usage_fields(columnwise=True)
 
 
-def _saved_buffers(operand: GemmInput | None) -> list[torch.Tensor]:
-    """A quantized operand's columnwise buffers; a high-precision one is saved from the op's inputs."""
+def _saved_buffers(operand: GemmInput | None, scheme: str | None) -> list[torch.Tensor]:
+    """A quantized operand's columnwise buffers, a fake-quantized one's dequantized tensor; a high-precision one is
+    saved from the op's inputs."""
+    if scheme == DEQUANTIZED and isinstance(operand, torch.Tensor):
+        return [operand]
     if operand is None or isinstance(operand, torch.Tensor):
         return []
     return [getattr(operand, f).contiguous() for f in _saved_fields(operand.scheme.name)]
@@ -64,7 +68,7 @@ def _restored(scheme: str | None, buffers: list[torch.Tensor], shape: tuple[int,
     """What `_saved_buffers` (or, for a high-precision operand, the op's input) left: None if not needed."""
     if not buffers:
         return None
-    if scheme is None:
+    if scheme is None or scheme == DEQUANTIZED:
         return buffers[0]
     return QuantizedTensorBase(scheme=get_scheme(scheme), shape=shape, nominal_dtype=dtype,
                                **dict(zip(_saved_fields(scheme), buffers)))
@@ -79,7 +83,8 @@ def _linear_fwd(
     state, records, counters = op_state(recipe, True, num_gemms, fwd_state)
     args = LinearArgs(fp8=True, fwd=state, gemm=gemm)
     out, x_wgrad, w_dgrad = fprop(inp, weight, bias, args, need_dgrad, need_wgrad)
-    return [out, *records, *counters, *_saved_buffers(x_wgrad), *_saved_buffers(w_dgrad)]
+    x_scheme, w_scheme = state.saved_schemes[gemm]
+    return [out, *records, *counters, *_saved_buffers(x_wgrad, x_scheme), *_saved_buffers(w_dgrad, w_scheme)]
 
 
 def _linear_bwd(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from engine.formats import FloatFormat
 
@@ -65,7 +66,11 @@ def _table(fmt: FloatFormat) -> torch.Tensor:
 
 
 def decode(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Values of unpacked uint8 codes, in `dtype` (exact in fp32 and bf16); bits above the code's are ignored."""
+    """Values of unpacked uint8 codes, in `dtype` (exact in fp32 and bf16); bits above the code's are ignored.
+    On FakeTensors (a custom op's fake implementation under torch.compile) by the format's rules, as the cached
+    table is a real tensor a fake op may not read."""
+    if is_fake(codes):
+        return fmt.decode(codes & ((1 << fmt.bits) - 1)).float().to(dtype)
     table = _table(fmt).to(dtype=dtype, device=codes.device)
     return table[(codes & ((1 << fmt.bits) - 1)).long()]
 

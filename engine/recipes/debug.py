@@ -20,8 +20,8 @@ rule takes it like any recipe, so the switches are set per layer pattern and sav
   dequantized value of each usage the quantizer made ("rowwise", "columnwise"). An operand a switch keeps in
   high precision has no quantization, so no file. `<layer>` is the module's name (`engine.set_recipe_map`).
 
-Under torch.compile: high_precision and current_scaling (the compiled ops rebuild the switched specs from the
-recipe key); fake_quantize and dumps run eagerly only (a clear error). With fake_quantize, FP8 primary weights
+Under torch.compile: high_precision, current_scaling and fake_quantize (the compiled ops rebuild the switched
+quantizers from the recipe key); dumps run eagerly only (a clear error). With fake_quantize, FP8 primary weights
 (fp8_model_init) are read as stored and `engine.inspect` sees no quantized operand.
 """
 
@@ -143,13 +143,13 @@ class Debug(Recipe):
     @property
     def compile_refusal(self) -> str | None:
         """Why the compiled layers cannot run this recipe (None: they can). high_precision and current_scaling
-        only change operand specs, which the compiled ops take from the recipe key; fake quantization hands the
-        GEMM dequantized values and dumps count calls and write files, which the ops (made once per key,
-        shared by every module) cannot do per module."""
-        if self.fake_quantize or self.dump_step is not None:
-            which = "fake_quantize" if self.fake_quantize else "dump_step"
-            return (f"torch.compile: engine.recipes.Debug with {which} runs eagerly only; compile with "
-                    "high_precision / current_scaling alone, or run the model eagerly")
+        only change operand specs, and fake_quantize only the quantizers' output, all of which the compiled ops
+        rebuild from the recipe key (a fake-quantized operand saved for backward is its dequantized tensor);
+        dumps count one module's calls and write files, which the ops (made once per key, shared by every
+        module) cannot do per module."""
+        if self.dump_step is not None:
+            return ("torch.compile: engine.recipes.Debug with dump_step runs eagerly only; compile without "
+                    "dump_step / dump_dir, or run the model eagerly")
         return None
 
     def op_state(self, *, forward: bool, num_gemms: int, tensors: list[torch.Tensor]) -> Any:

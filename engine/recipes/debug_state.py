@@ -12,7 +12,11 @@ from typing import Any
 import torch
 
 from engine.recipes.base import RecipeState
-from engine.recipes.operands import operand_key
+from engine.recipes.operands import Gemm, Role, operand_key
+
+#: the `saved_schemes` entry of an operand a forward saves for backward as the plain, dequantized tensor of a
+#: fake quantization (the compiled ops save and restore it as one tensor)
+DEQUANTIZED = "dequantized"
 
 
 class DebugQuantizer:
@@ -46,6 +50,10 @@ class DebugQuantizer:
         directory.mkdir(parents=True, exist_ok=True)
         plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(plain, str(directory / f"{self._name()}.step{call}.safetensors"))
+
+    def copy(self) -> DebugQuantizer:
+        """A copy wrapping a copy of the wrapped quantizer (the compiled ops copy those that advance a counter)."""
+        return DebugQuantizer(self._inner.copy(), fake=self._fake, dump=self._dump, name=self._name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -86,7 +94,12 @@ class DebugState(RecipeState):
                 q._name.operands.append(op)
             quantizers[op, gemm] = q
         super().__init__(recipe, inner.forward, inner.num_gemms, quantizers)
+        saved_uses = ((Gemm.WGRAD, Role.INPUT), (Gemm.DGRAD, Role.WEIGHT))
+        self.saved_schemes = [tuple(DEQUANTIZED if getattr(quantizers.get((use, g)), "_fake", False) else scheme
+                                    for use, scheme in zip(saved_uses, schemes))
+                              for g, schemes in enumerate(self.saved_schemes)]
         self.rng_counters = inner.rng_counters
+        self.op_records = inner.op_records  # the compiled ops return the wrapped state's scaling records
         self.compile_refusal = recipe.compile_refusal
 
     # ------------------------------------------------------------------ the wrapped state's scaling state
