@@ -1,15 +1,21 @@
 """The NVFP4 gap table and plot of docs/recommend.md, from runs of `python -m engine train` laid out as
-ROOT/s<seed>/<run>/results.json, with <run> one of bf16, nvfp4, hand, map, switch, switch80, map_switch:
+ROOT/s<seed>/<run>/results.json, with <run> one of bf16, nvfp4, hand, map, map_gemm, switch, switch80, map_switch.
+The default shape (docs/recommend.md's current table), each run on one thread, at most 2 at a time:
 
-    for each seed S (SHAPE="--seq-len 64 --batch-size 8 --steps 200 --eval-every 50 --speed-rounds 0 --in-process"):
-      PYTHONPATH=. python benchmarks/recommend_demo.py --seq-len 64 --batch-size 8 --seed S --candidates nvfp4 \
-          --budget 0.2 --threshold 0.1 --out ROOT/sS/map.json
-      python -m engine train $SHAPE --seed S --recipes bf16 --out ROOT/sS/bf16          # likewise:
-      #   nvfp4: --recipes nvfp4; hand: --recipes nvfp4:last_block_bf16; map: --recipes nvfp4 --recipe-map map.json;
-      #   switch / switch80: --recipes nvfp4 --switch-at 0.9 / 0.8; map_switch: the map and --switch-at 0.9
+    for each seed S (SHAPE="--steps 500 --eval-every 50 --speed-rounds 0 --in-process --no-progress"):
+      PYTHONPATH=. python benchmarks/recommend_demo.py --seed S --batches 4 --candidates nvfp4 --budget 0.2 \
+          --threshold 0.002 --statistic loss --out ROOT/sS/map_loss.json
+      PYTHONPATH=. python benchmarks/recommend_demo.py --seed S --batches 2 --candidates nvfp4 --budget 0.2 \
+          --threshold 0.1 --statistic gemm --out ROOT/sS/map_gemm.json
+      OMP_NUM_THREADS=1 python -m engine train $SHAPE --seed S --recipes bf16 --out ROOT/sS/bf16      # likewise:
+      #   nvfp4: --recipes nvfp4; hand: --recipes nvfp4:last_block_bf16;
+      #   map / map_gemm: --recipes nvfp4 --recipe-map ROOT/sS/map_loss.json / map_gemm.json;
+      #   (the earlier short shape, --seq-len 64 --batch-size 8 --steps 200: also switch / switch80:
+      #   --switch-at 0.9 / 0.8, map_switch: the map and --switch-at 0.9)
     python benchmarks/recommend_gap.py ROOT docs/recommend_gap.png    # prints the table, writes the plot
 
-A run missing for a seed is left out of that row (the row says how many seeds it has).
+Seeds without both a bf16 and an nvfp4 run are left out; a run missing for a seed is left out of that row (the row
+says how many seeds it has).
 """
 import json, statistics, sys
 from pathlib import Path
@@ -19,13 +25,14 @@ import matplotlib.pyplot as plt
 
 ROOT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/recommend_gap")
 CONFIGS = [("nvfp4", "nvfp4"), ("hand", "nvfp4, last block bf16 (TE's hand rule)"),
-           ("map", "nvfp4, recommended map"), ("switch", "nvfp4, bf16 for the last 10% of steps"),
+           ("map", "nvfp4, recommended map (loss sensitivity)"),
+           ("map_gemm", "nvfp4, recommended map (GEMM error)"), ("switch", "nvfp4, bf16 for the last 10% of steps"),
            ("switch80", "nvfp4, bf16 for the last 20% of steps"),
            ("map_switch", "nvfp4, recommended map + bf16 for the last 10%")]
-seeds = sorted(int(p.name[1:]) for p in ROOT.glob("s*"))
 def load(s, c):
     p = ROOT / f"s{s}" / c / "results.json"
     return json.loads(p.read_text())[0] if p.exists() else None
+seeds = sorted(s for s in (int(p.name[1:]) for p in ROOT.glob("s*")) if load(s, "bf16") and load(s, "nvfp4"))
 rows, per = [], {}
 base = {s: load(s, "bf16") for s in seeds}
 for key, label in CONFIGS:
@@ -38,7 +45,7 @@ for key, label in CONFIGS:
         gn = 100 * (n["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
         gaps.append(g); closed.append(100 * (gn - g) / gn); shares.append(100 * r.get("four_bit_flop_share", 1.0))
         diffs.append(g - gn)
-    per[key] = (label, gaps)
+    per[key] = (label, gaps, diffs)
     if gaps:
         sd = statistics.stdev(gaps) if len(gaps) > 1 else float("nan")
         sdd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
@@ -55,17 +62,17 @@ print(f"| bf16 (val loss {' / '.join(f'{x:.4f}' for x in bl)}) | - | - | - | - |
 for r in rows: print(r)
 # plot: gap per config per seed, and seed 0's validation curves
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
-keys = [k for k, _ in CONFIGS if per.get(k, (0, []))[1]]
+keys = [k for k, _ in CONFIGS if per.get(k, (0, [], []))[1]]
 for i, k in enumerate(keys):
     gaps = per[k][1]
     a1.bar(i, statistics.mean(gaps), color="C%d" % i, alpha=0.5)
     a1.scatter([i] * len(gaps), gaps, color="k", s=12, zorder=3)
 a1.axhline(0, color="k", lw=0.8)
-a1.set_xticks(range(len(keys)), [per[k][0].replace("nvfp4, ", "").replace(" (TE's hand rule)", "\n(TE hand rule)").replace(" + ", "\n+ ") for k in keys], fontsize=7, rotation=15)
+a1.set_xticks(range(len(keys)), [per[k][0].replace("nvfp4, ", "").replace(" (TE's hand rule)", "\n(TE hand rule)").replace(" (", "\n(").replace(" + ", "\n+ ") for k in keys], fontsize=7, rotation=15)
 a1.set_ylabel("final validation loss gap to bf16 (%)")
 a1.set_title(f"NVFP4 gap to bf16, {len(seeds)} seeds (bar: mean, dots: seeds)")
 for i, k in enumerate(keys):
-    d = [per[k][1][j] - per["nvfp4"][1][j] for j in range(len(per[k][1]))]
+    d = per[k][2]
     a2.bar(i, statistics.mean(d), color="C%d" % i, alpha=0.5)
     a2.scatter(range(i, i + 1) if len(d) == 1 else [i] * len(d), d, color="k", s=12, zorder=3)
 a2.axhline(0, color="k", lw=0.8)
