@@ -57,7 +57,8 @@ def test_bf16_addmm_sizes_bit_exact_to_per_expert_linears(case: Case, monkeypatc
     y_ref.backward(dy)
     assert_bits(y, y_ref, "out")
     assert_bits(xg.grad, xr.grad, "dx")
-    grads = [getattr(module, f"weight{e}").grad for e in range(E)] + [getattr(module, f"bias{e}").grad for e in range(E)]
+    grads = [getattr(module, f"weight{e}").grad for e in range(E)] + \
+        [getattr(module, f"bias{e}").grad for e in range(E)]
     for e, (got, want) in enumerate(zip(grads, reference_grads(refs))):
         assert_bits(got, want, f"grad {e} (weights then biases)")
     if case.class_name in ("DelayedScaling", "MXFP8BlockScaling"):  # per-tensor FP8, E8M0 tiles: the native call's

@@ -103,7 +103,10 @@ def grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase], b: Sequence
 
 
 # ------------------------------------------------------------------------------ the CPU: one native call
-def _exact_pair(a_ops: Sequence[GemmOperand], b_ops: Sequence[GemmOperand]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+Tiles = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _exact_pair(a_ops: Sequence[GemmOperand], b_ops: Sequence[GemmOperand]) -> Tiles | None:
     """(a's tile, b's tile) when every pair is one general_gemm runs as the native exact GEMM (per-tensor FP8 both
     sides, or power-of-2 tiles both sides: engine.gemm.cpu.per_tensor / pow2_tiles) with one tile shape per side;
     else None."""

@@ -4,7 +4,8 @@ A token t has S routing *slots*: its top-k picks `indices[t, k]` (the index form
 per expert `routing_map[t, e]` (the mask form, [T, E] bool). Every kept slot becomes one row of the permuted
 tensor; rows are grouped by expert (expert 0's first), in token order within an expert, as Transformer Engine's
 `moe_permute` orders them. An expert keeps at most `capacity` rows (the earliest tokens; the rest are dropped;
-a list gives each expert its own, as expert parallel's global capacity does), and at most `num_out_tokens` rows are kept in all (the last ones in expert order dropped, TE's convention).
+a list gives each expert its own, as expert parallel's global capacity does), and at most `num_out_tokens` rows
+are kept in all (the last ones in expert order dropped, TE's convention).
 """
 
 from __future__ import annotations
