@@ -7,12 +7,14 @@ Three SGD steps under bf16-free fp32 activations, without autocast and under eve
 The reference runs the ranks' batches concatenated (so each expert sees the same rows in the same order, and
 per-tensor scales see the same amaxes) and the global mean loss; only the order of gradient sums can differ, so
 losses and weights agree within an fp32 bound. Under delayed scaling every rank's autocast reduces amaxes over a
-group of its own (the experts of two ranks are different modules). The aux loss is left out (coefficient 0): it is
-computed per rank, over the rank's tokens.
+group of its own (the experts of two ranks are different modules). The aux loss is left out (coefficient 0) but in
+the "balance" case (high precision, capacity factor 1 and the aux loss in the loss): there both are the group's, so
+the reference computes them once over the concatenated batch (an expert keeps its earliest rows of it).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -25,9 +27,11 @@ import engine
 from engine.moe import ExpertLinears, MoEMLP, expert_parallel
 
 D, FFN, EXPERTS, TOKENS, STEPS, LR = 32, 32, 8, 12, 2, 0.1
-CASES = [None] + [c.__name__ for c in specs.exported_recipe_classes()]
+BALANCE = "balance"  # high precision with a capacity and the aux loss, both over the group
+CASES = [None, BALANCE] + [c.__name__ for c in specs.exported_recipe_classes()]
 #: 4 ranks (4 processes on 2 cores: kept short): high precision and a 1 x block recipe
-CASES_4 = [None, "MXFP8BlockScaling"]
+CASES_4 = [None, BALANCE, "MXFP8BlockScaling"]
+CAPACITY, AUX = 1.0, 0.5  # the balance case's: 24 (48 on 4 ranks) tokens x 2 picks / 8 experts -> 6 (12) rows
 RANKS = {2: CASES, 4: CASES_4}
 
 
@@ -45,11 +49,12 @@ def pin_streams(moe: MoEMLP, first: int) -> None:
 
 
 class TinyMoE(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, balance: bool = False) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(D, D)
         self.norm = torch.nn.LayerNorm(D)
-        self.moe = MoEMLP(D, FFN, EXPERTS, top_k=2, aux_loss_coef=0.0, experts=ExpertLinears)  # names per expert
+        self.moe = MoEMLP(D, FFN, EXPERTS, top_k=2, aux_loss_coef=AUX if balance else 0.0,  # names per expert
+                          capacity_factor=CAPACITY if balance else None, experts=ExpertLinears)
         self.out = torch.nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,9 +62,9 @@ class TinyMoE(torch.nn.Module):
         return self.out(h + self.moe(self.norm(h)))
 
 
-def make_model() -> TinyMoE:
+def make_model(case: str | None = None) -> TinyMoE:
     torch.manual_seed(0)
-    return TinyMoE()
+    return TinyMoE(balance=case == BALANCE)
 
 
 def batch(step: int, world: int) -> torch.Tensor:
@@ -67,7 +72,7 @@ def batch(step: int, world: int) -> torch.Tensor:
 
 
 def recipe_of(case: str | None):
-    return None if case is None else specs.make_recipe(case)
+    return None if case in (None, BALANCE) else specs.make_recipe(case)
 
 
 def expert_weights(model: TinyMoE) -> dict[str, torch.Tensor]:
@@ -78,7 +83,7 @@ def expert_weights(model: TinyMoE) -> dict[str, torch.Tensor]:
 def _train(case: str | None, rank: int, world: int, own_group) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    model = make_model()
+    model = make_model(case)
     experts = expert_parallel(model)
     fully_shard(model.inp)
     fully_shard(model.out)
@@ -86,9 +91,10 @@ def _train(case: str | None, rank: int, world: int, own_group) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        with engine.fp8_autocast(enabled=case is not None, recipe=recipe_of(case), fp8_group=own_group):
-            loss = model(batch(step, world).chunk(world)[rank]).float().square().mean()
-        if step == 0 and case is not None:
+        recipe = recipe_of(case)
+        with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe, fp8_group=own_group):
+            loss = model(batch(step, world).chunk(world)[rank]).float().square().mean() + model.moe.aux_loss
+        if step == 0 and recipe is not None:
             pin_streams(model.moe, model.moe.local_experts[0])
         loss.backward()
         optimizer.step()
@@ -118,18 +124,26 @@ def ranks(request, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------ one process
-def moe_as_the_ranks_run_it(moe: MoEMLP, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+def moe_as_the_ranks_run_it(moe: MoEMLP, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The MoE layer over every rank's tokens, written out: each chunk routed on its own; each expert's engine.Linear
-    pair run once on the rows of every chunk that picked it (by chunk, then token, then pick); each token's picks
-    weighted and added in pick order in fp32."""
-    routes = []
+    pair run once on the rows of every chunk that picked it (by chunk, then token, then pick), its first
+    `capacity` of them over all chunks when the layer has a capacity factor; each token's kept picks weighted and
+    added in pick order in fp32. Also the aux loss E * sum_e f_e * P_e over all chunks' tokens (times its coef)."""
+    routes, all_probs = [], []
     for x in chunks:
-        top, picks = torch.softmax(moe.router(x.float()), dim=-1).topk(moe.top_k, dim=-1)
+        probs = torch.softmax(moe.router(x.float()), dim=-1)
+        top, picks = probs.topk(moe.top_k, dim=-1)
         routes.append((top / top.sum(-1, keepdim=True), picks))
+        all_probs.append(probs)
+    probs, picks = torch.cat(all_probs), torch.cat([p for _, p in routes])
+    share = torch.stack([(picks == e).sum() for e in range(moe.num_experts)]).float() / picks.numel()
+    aux = moe.aux_loss_coef * moe.num_experts * (share * probs.mean(dim=0)).sum()
+    limit = None if moe.capacity_factor is None else \
+        math.ceil(moe.capacity_factor * probs.shape[0] * moe.top_k / moe.num_experts)
     outputs = {}
     for e in range(moe.num_experts):
         keys = [(c, t, k) for c, (_, picks) in enumerate(routes) for t in range(picks.shape[0])
-                for k in range(moe.top_k) if int(picks[t, k]) == e]
+                for k in range(moe.top_k) if int(picks[t, k]) == e][:limit]
         if not keys:
             continue
         rows = torch.stack([chunks[c][t] for c, t, _ in keys])
@@ -141,25 +155,27 @@ def moe_as_the_ranks_run_it(moe: MoEMLP, chunks: list[torch.Tensor]) -> list[tor
         for t in range(top.shape[0]):
             acc = torch.zeros(D)
             for k in range(moe.top_k):
-                acc = acc + outputs[c, t, k].float() * top[t, k]
+                if (c, t, k) in outputs:  # else dropped by the capacity
+                    acc = acc + outputs[c, t, k].float() * top[t, k]
             tokens.append(acc)
         merged.append(torch.stack(tokens))
-    return merged
+    return merged, aux
 
 
 def reference(case: str | None, world: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process: every rank's micro-batch through the torch layers on its own (their GEMMs and gradient sums as
     FSDP2's ranks make them), the MoE layer as the ranks run it together; the mean of the ranks' losses."""
-    model = make_model()
+    model = make_model(case)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        with engine.fp8_autocast(enabled=case is not None, recipe=recipe_of(case)):
+        recipe = recipe_of(case)
+        with engine.fp8_autocast(enabled=recipe is not None, recipe=recipe):
             hs = [model.inp(x) for x in batch(step, world).chunk(world)]
-            ys = moe_as_the_ranks_run_it(model.moe, [model.norm(h) for h in hs])
+            ys, aux = moe_as_the_ranks_run_it(model.moe, [model.norm(h) for h in hs])
             parts = [model.out(h + y).float().square().mean() for h, y in zip(hs, ys)]
-        loss = torch.stack(parts).sum() / world
-        if step == 0 and case is not None:
+        loss = torch.stack(parts).sum() / world + aux
+        if step == 0 and recipe is not None:
             pin_streams(model.moe, 0)
         loss.backward()
         optimizer.step()

@@ -14,15 +14,17 @@ from engine.tensors import QuantizedTensor
 
 
 # ------------------------------------------------------------------------------------------ the reference
-def reference_rows(experts: torch.Tensor, num_experts: int, capacity: int | None, num_out: int | None
+def reference_rows(experts: torch.Tensor, num_experts: int, capacity: int | list[int] | None, num_out: int | None
                    ) -> list[tuple[int, int]]:
-    """(token, slot) of each permuted row: expert by expert, tokens in order, at most `capacity` per expert."""
+    """(token, slot) of each permuted row: expert by expert, tokens in order, at most `capacity` per expert (a
+    list: capacity[e] for expert e)."""
     rows = []
     for e in range(num_experts):
         taken = 0
+        limit = capacity[e] if isinstance(capacity, list) else capacity
         for t in range(experts.shape[0]):
             for s in range(experts.shape[1]):
-                if int(experts[t, s]) == e and (capacity is None or taken < capacity):
+                if int(experts[t, s]) == e and (limit is None or taken < limit):
                     rows.append((t, s))
                     taken += 1
     return rows if num_out is None else rows[:num_out]
@@ -70,6 +72,7 @@ CASES = {  # id: (tokens, top_k, experts, form, capacity, num_out_tokens, expert
     "index": (13, 2, 4, "index", None, None, ()),
     "index-top3-empty-expert": (11, 3, 6, "index", None, None, (2, 5)),
     "index-capacity": (17, 2, 4, "index", 3, None, ()),
+    "index-capacity-per-expert": (17, 2, 4, "index", [5, 0, 2, 100], None, ()),  # expert parallel's global capacity
     "index-num-out": (9, 2, 3, "index", None, 7, ()),
     "mask": (12, 2, 5, "mask", None, None, (0,)),
     "mask-capacity": (15, 3, 4, "mask", 2, None, ()),
@@ -192,6 +195,7 @@ def test_quantized_tokens_with_tiles_across_rows_are_refused() -> None:
     (torch.tensor([[0.5, 1.0]]), {"num_experts": 2}, "int indices or a bool map"),
     (torch.tensor([[0, 1], [1, 0]]), {"num_experts": 2}, "one row per token"),
     (torch.tensor([[0, 1]]), {"num_experts": 2, "capacity": -1}, "capacity"),
+    (torch.tensor([[0, 1]]), {"num_experts": 2, "capacity": [1, 2, 3]}, "one per expert"),
 ])
 def test_bad_routing_is_refused_with_the_fix(routing, kwargs, match) -> None:
     with pytest.raises((ValueError, TypeError), match=match):

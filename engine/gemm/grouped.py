@@ -100,3 +100,76 @@ def grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase], b: Sequence
                      b_scale=torch.stack([op.scale_inv for op in b_ops]), a_tile_rows=1,
                      b_tile_rows=b_ops[0].tile_rows, tile_cols=a_ops[0].tile_cols, bias=bias)
     return out.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------ the CPU: one native call
+Tiles = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _exact_pair(a_ops: Sequence[GemmOperand], b_ops: Sequence[GemmOperand]) -> Tiles | None:
+    """(a's tile, b's tile) when every pair is one general_gemm runs as the native exact GEMM (per-tensor FP8 both
+    sides, or power-of-2 tiles both sides: engine.gemm.cpu.per_tensor / pow2_tiles) with one tile shape per side;
+    else None."""
+    first_a, first_b = a_ops[0], b_ops[0]
+    a_tile, b_tile = first_a.tile, first_b.tile
+    for a, b in zip(a_ops, b_ops):
+        if a.amax is not None or b.amax is not None or a.tile != a_tile or b.tile != b_tile or a.k != b.k:
+            return None
+        if not ((a.per_tensor and b.per_tensor) or (a.kind == "pow2" and b.kind == "pow2")):
+            return None
+    if not first_a.per_tensor and (a_tile[1] != b_tile[1] or (a_tile[0] > 1 and b_tile[0] > 1)):
+        return None  # general_gemm refuses these pairs: let it say so
+    return a_tile, b_tile
+
+
+def _native_exact() -> bool:
+    """Whether general_gemm's exact GEMM is the native one here (no other backend forced, the extension built)."""
+    from engine.ops import native
+
+    return ops_backend.forced_backend() in (None, "native") and native.available() and \
+        hasattr(native._ext(), "grouped_exact_gemm")
+
+
+def cpu_grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase],
+                     b: Sequence[QuantizedTensor | QuantizedTensorBase], *, a_transposed: bool = False,
+                     b_transposed: bool = False, out_dtype: torch.dtype,
+                     biases: Sequence[torch.Tensor | None] | None = None,
+                     concat: bool = True) -> torch.Tensor | list[torch.Tensor] | None:
+    """general_gemm(a[g], b[g], ...) of every group g in one native call, the same bits: with `concat` the groups'
+    outputs one after the other in one [sum of rows, N] tensor (written in place, no concatenation), else a list.
+    None where a pair is not the native exact GEMM's (then run general_gemm per group)."""
+    from engine.gemm import general_gemm
+    from engine.ops import native
+
+    if not a or not all(isinstance(t, (QuantizedTensor, QuantizedTensorBase)) for t in (*a, *b)) \
+            or not _native_exact():
+        return None
+    a_ops = [gemm_operand(t, transposed=a_transposed, name="a") for t in a]
+    b_ops = [gemm_operand(t, transposed=b_transposed, name="b") for t in b]
+    if any(op.data.device.type != "cpu" for op in (*a_ops, *b_ops)):
+        return None
+    tiles = _exact_pair(a_ops, b_ops)
+    n = b_ops[0].rows
+    if tiles is None or (concat and any(op.rows != n for op in b_ops)):
+        return None
+    if biases is not None and all(x is None for x in biases):
+        biases = None
+    if biases is not None and (any(x is None for x in biases)
+                               or any(tuple(x.shape) != (op.rows,) for x, op in zip(biases, b_ops))):
+        return None
+    out = torch.empty(sum(op.rows for op in a_ops), n, dtype=out_dtype) if concat else None
+    results = native.grouped_exact_gemm([op.data for op in a_ops], [op.scale_inv for op in a_ops], tiles[0],
+                                        [op.data for op in b_ops], [op.scale_inv for op in b_ops], tiles[1],
+                                        biases, out_dtype, out)
+    first = 0
+    outs = []
+    for g, result in enumerate(results):
+        rows = a_ops[g].rows
+        if (concat and result is not None) or (not concat and result is None):  # not computed: the rescaled path
+            result = general_gemm(a[g], b[g], a_transposed=a_transposed, b_transposed=b_transposed, out_dtype=out_dtype,
+                                  bias=None if biases is None else biases[g])
+            if concat:
+                out[first:first + rows] = result
+        outs.append(result)
+        first += rows
+    return out if concat else outs

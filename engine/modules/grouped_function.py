@@ -10,8 +10,10 @@ Two paths, the same bits (tests/test_grouped_linear.py checks both against per-e
   scaling's 1x128, torchao's rowwise: no per-tensor scale, no state, no stochastic rounding, the same quantizer
   config for every expert), that operand is quantized in ONE pass over all tokens and each expert reads its rows
   as a slice (the bits of a per-expert quantization: no scale block spans two tokens). Per-tensor scaling (delayed, current) and NVFP4 (a per-tensor amax)
-  need one scale per expert: those operands are quantized per expert. The GEMMs run per expert (torch's CPU
-  `_grouped_mm` is itself a loop over the groups, and no faster), without an autograd node, a split and a cat each.
+  need one scale per expert: those operands are quantized per expert. On the CPU, where every pair is the native
+  exact GEMM's (per-tensor FP8, power-of-2 tiles), each pass's GEMMs (fprop, dgrad, the wgrads) run in one native
+  call (engine.gemm.grouped.cpu_grouped_gemm: each group's general_gemm bits, fprop and dgrad written into one
+  output, no concatenation); other pairs run one general_gemm per expert.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from engine import autocast
 from engine.dtensor import any_dtensor
 from engine.gemm import general_gemm
-from engine.gemm.grouped import grouped_gemm, uses_triton
+from engine.gemm.grouped import cpu_grouped_gemm, grouped_gemm, uses_triton
 from engine.modules.linear_function import (
     GemmInput, LinearArgs, quantize_uses, restore, same_rows, save_for_backward, torch_autocast_on, weight_uses,
 )
@@ -101,14 +103,33 @@ def rowwise_slices(t: torch.Tensor, state: RecipeState, role: Role, gemm: int,
 def _grouped_gemms(a: list[GemmInput], b: list[GemmInput], m_splits: Sequence[int], b_transposed: bool,
                    out_dtype: torch.dtype, biases: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
     """Row group e of the output = a[e] @ op(b[e])^T (+ biases[e]): on CUDA (or ENGINE_BACKEND=triton) one Triton
-    launch where it covers the pair (engine.gemm.grouped), else one general_gemm per group."""
+    launch where it covers the pair (engine.gemm.grouped), on the CPU one native call where every pair is the
+    native exact GEMM's (each group's general_gemm bits, written into the output), else one general_gemm per group."""
     if uses_triton(a[0].device if isinstance(a[0], torch.Tensor) else _device_of(a[0])):
         out = grouped_gemm(a, b, m_splits, b_transposed=b_transposed, out_dtype=out_dtype, biases=biases)
+        if out is not None:
+            return out
+    else:
+        out = cpu_grouped_gemm(a, b, b_transposed=b_transposed, out_dtype=out_dtype, biases=biases)
         if out is not None:
             return out
     outs = [general_gemm(a_e, b_e, b_transposed=b_transposed, out_dtype=out_dtype,
                          bias=None if biases is None else biases[e]) for e, (a_e, b_e) in enumerate(zip(a, b))]
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _wgrads(pairs: list[tuple[GemmInput, GemmInput]], out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """dW_e = dy_e^T x_e of each (dy_e, x_e) pair (their columnwise copies): one native call on the CPU where every
+    pair is the native exact GEMM's, else one general_gemm each."""
+    if not pairs:
+        return []
+    dys, xs = [p[0] for p in pairs], [p[1] for p in pairs]
+    outs = None
+    if not uses_triton(dys[0].device if isinstance(dys[0], torch.Tensor) else _device_of(dys[0])):
+        outs = cpu_grouped_gemm(dys, xs, a_transposed=True, b_transposed=True, out_dtype=out_dtype, concat=False)
+    if outs is None:
+        outs = [general_gemm(dy, x, a_transposed=True, b_transposed=True, out_dtype=out_dtype) for dy, x in pairs]
+    return outs
 
 
 def _device_of(t: QuantizedTensorBase) -> torch.device:
@@ -182,7 +203,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         dy_rows = rowwise_slices(dy, bwd, Role.GRAD_OUTPUT, gemms[0], m_splits) \
             if need_dgrad and row_local(bwd, Role.GRAD_OUTPUT, gemms) else None
         bounds = _offsets(m_splits)
-        dy_dgrads, w_dgrads, dws, dbs = [], [], [], []
+        dy_dgrads, w_dgrads, dbs, wgrad_pairs = [], [], [], {}
         for e in range(n):
             dy_e = dy[bounds[e]:bounds[e + 1]]
             x_wgrad, w_dgrad = operands[2 * e], operands[2 * e + 1]
@@ -196,14 +217,13 @@ class GroupedLinearFunction(torch.autograd.Function):
             if need_dgrad:
                 dy_dgrads.append(dy_dgrad)
                 w_dgrads.append(w_dgrad)
-            dw = None
             if need_wgrads[e]:
-                a, b = same_rows(dy_wgrad, x_wgrad)
-                dw = general_gemm(a, b, a_transposed=True, b_transposed=True, out_dtype=ctx.inp_dtype)
-                dw = dw.to(ctx.weight_dtypes[e])
-            dws.append(dw)
+                wgrad_pairs[e] = same_rows(dy_wgrad, x_wgrad)
             bias_dtype = ctx.bias_dtypes[e]
             dbs.append(dy_e.sum(0).to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[3 + n + e]
                        else None)
         dx = _grouped_gemms(dy_dgrads, w_dgrads, m_splits, True, ctx.inp_dtype, None) if need_dgrad else None
+        dws = [None] * n
+        for e, dw in zip(wgrad_pairs, _wgrads(list(wgrad_pairs.values()), ctx.inp_dtype)):
+            dws[e] = dw.to(ctx.weight_dtypes[e])
         return (dx, None, None, *dws, *dbs)

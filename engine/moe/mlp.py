@@ -6,7 +6,8 @@ rows grouped by expert (`engine.moe.permute`, an expert keeping at most capacity
 `capacity_factor` is set), run through the experts' fc1, the activation and fc2 (grouped modules: `experts`, by
 engine.GroupedLinear by default; engine.moe.ExpertLinears is the per-expert loop it is measured against), and merged back weighted by their probabilities (`unpermute`). After each forward,
 `aux_loss` holds the load-balancing loss times `aux_loss_coef` (add it to the training loss). With `expert_parallel`
-(engine.moe.parallel), this rank holds E / world of the experts and exchanges rows with the others.
+(engine.moe.parallel), this rank holds E / world of the experts and exchanges rows with the others; the aux loss
+and the capacity are then the group's (engine.moe.balance: one process's values over every rank's tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from engine.modules.activations import ACTIVATIONS, GATED, check_activation
 from engine.modules.grouped_linear import GroupedLinear
 from engine.moe.aux_loss import load_balancing_loss
+from engine.moe.balance import group_routing
 from engine.moe.experts import ExpertsFactory
 from engine.moe.parallel import expert_range, run_experts_parallel
 from engine.moe.permute import permute, unpermute
@@ -97,11 +99,15 @@ class MoEMLP(torch.nn.Module):
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         if self.normalize_top_k:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        rows, route, m_splits = permute(tokens, top_experts, num_experts=self.num_experts,
-                                        capacity=self.capacity(tokens.shape[0]))
+        if self.group is None:
+            capacity, aux_loss = self.capacity(tokens.shape[0]), load_balancing_loss(probs, top_experts)
+        else:  # the group's batch: the aux loss and capacity one process computes over every rank's tokens
+            stats = group_routing(probs, top_experts, self.capacity_factor, self.group)
+            capacity, aux_loss = stats.capacity, stats.aux_loss
+        rows, route, m_splits = permute(tokens, top_experts, num_experts=self.num_experts, capacity=capacity)
         if self.group is None:
             out = self._experts(rows, m_splits)
         else:
             out = run_experts_parallel(rows, m_splits, self._experts, self.group)
-        self.aux_loss = self.aux_loss_coef * load_balancing_loss(probs, top_experts)
+        self.aux_loss = self.aux_loss_coef * aux_loss
         return unpermute(out, route, top_probs).view(x.shape)

@@ -86,13 +86,14 @@ def _check_tokens(tokens: Any) -> None:
 
 
 def permute(tokens: torch.Tensor, routing_map_or_indices: torch.Tensor, num_out_tokens: int | None = None, *,
-            num_experts: int | None = None, capacity: int | None = None
+            num_experts: int | None = None, capacity: int | list[int] | None = None
             ) -> tuple[torch.Tensor, RowIdMap, list[int]]:
     """(rows grouped by expert, the row id map `unpermute` takes, rows per expert).
 
     `routing_map_or_indices`: [T, K] int expert indices (-1: a dropped slot; then `num_experts` is needed) or a
-    [T, E] bool routing map. `capacity`: rows an expert keeps at most (its earliest tokens). `num_out_tokens`: rows
-    kept at most (the last in expert order dropped; None or -1, TE's default: all). `tokens` may be a
+    [T, E] bool routing map. `capacity`: rows an expert keeps at most (its earliest tokens; a list: one limit per
+    expert). `num_out_tokens`: rows kept at most (the last in expert order dropped; None or -1, TE's default: all).
+    `tokens` may be a
     row-quantized QuantizedTensor (or storage): its rowwise data and scales move, unchanged.
     """
     _check_tokens(tokens)

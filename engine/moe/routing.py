@@ -3,8 +3,9 @@
 A token t has S routing *slots*: its top-k picks `indices[t, k]` (the index form, [T, K], -1 = dropped) or one slot
 per expert `routing_map[t, e]` (the mask form, [T, E] bool). Every kept slot becomes one row of the permuted
 tensor; rows are grouped by expert (expert 0's first), in token order within an expert, as Transformer Engine's
-`moe_permute` orders them. An expert keeps at most `capacity` rows (the earliest tokens; the rest are dropped),
-and at most `num_out_tokens` rows are kept in all (the last ones in expert order dropped, TE's convention).
+`moe_permute` orders them. An expert keeps at most `capacity` rows (the earliest tokens; the rest are dropped;
+a list gives each expert its own, as expert parallel's global capacity does), and at most `num_out_tokens` rows
+are kept in all (the last ones in expert order dropped, TE's convention).
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def _check_int(value: object, name: str, minimum: int) -> int | None:
     return value
 
 
+def _check_capacity(value: object, num_experts: int) -> int | list[int] | None:
+    """None, an int >= 0 (every expert), or a list of `num_experts` ints >= 0 (one per expert)."""
+    if not isinstance(value, (list, tuple)):
+        return _check_int(value, "capacity", 0)
+    if len(value) != num_experts or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in value):
+        raise ValueError(f"capacity: expected None, an int >= 0 or a list of {num_experts} ints >= 0 (one per "
+                         f"expert), got {list(value)!r:.200}")
+    return list(value)
+
+
 def slot_experts(routing: torch.Tensor, num_experts: int | None) -> tuple[torch.Tensor, int]:
     """([T, S] expert of every slot, -1 for a dropped one; E) from indices [T, K] or a bool routing map [T, E]."""
     if not isinstance(routing, torch.Tensor) or routing.dim() != 2:
@@ -80,12 +91,12 @@ def _describe(x: object) -> str:
     return f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def row_id_map(routing: torch.Tensor, *, num_experts: int | None = None, capacity: int | None = None,
-               num_out_tokens: int | None = None) -> RowIdMap:
+def row_id_map(routing: torch.Tensor, *, num_experts: int | None = None,
+               capacity: int | list[int] | None = None, num_out_tokens: int | None = None) -> RowIdMap:
     """The permutation of the kept slots of `routing` (indices [T, K] or a bool map [T, E]), grouped by expert."""
-    capacity = _check_int(capacity, "capacity", 0)
     num_out_tokens = _check_int(num_out_tokens, "num_out_tokens", 0)
     experts, num_experts = slot_experts(routing, num_experts)
+    capacity = _check_capacity(capacity, num_experts)
     tokens, slots = experts.shape
     flat = experts.reshape(-1)
     kept = flat >= 0
@@ -97,7 +108,8 @@ def row_id_map(routing: torch.Tensor, *, num_experts: int | None = None, capacit
         starts = torch.cumsum(counts, 0) - counts
         sorted_expert = flat[order].clamp(min=0)
         position = torch.arange(flat.numel(), device=flat.device) - starts[sorted_expert]
-        sorted_kept = sorted_kept & (position < capacity)
+        limit = torch.tensor(capacity, device=flat.device)[sorted_expert] if isinstance(capacity, list) else capacity
+        sorted_kept = sorted_kept & (position < limit)
     rows = order[sorted_kept]
     if num_out_tokens is not None:
         rows = rows[:num_out_tokens]

@@ -54,7 +54,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -651,6 +651,22 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
     bf16_gemm = out_dtype == torch.bfloat16 and native_bf16_gemm()
     return _ext().exact_gemm(a, a_scale_inv, a_tile[0], a_tile[1], b, b_scale_inv, b_tile[0], b_tile[1], bias,
                              out_dtype, bf16_gemm)
+
+
+def grouped_exact_gemm(a: Sequence[torch.Tensor], a_scale_inv: Sequence[torch.Tensor], a_tile: tuple[int, int],
+                       b: Sequence[torch.Tensor], b_scale_inv: Sequence[torch.Tensor], b_tile: tuple[int, int],
+                       biases: Sequence[torch.Tensor | None] | None, out_dtype: torch.dtype,
+                       out: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """`exact_gemm` of every group g (a[g], b[g], one tile shape per side) in one call, each with exact_gemm's bits.
+
+    With `out` (contiguous [sum of a's rows, N], out_dtype) each group's result is written into its rows, and the
+    list holds None for a group written and an empty tensor for one not written (a per-tensor scale product that
+    is not a normal number: the caller computes it). Without `out`: the groups' results, None where exact_gemm
+    gives None. (csrc/gemm/grouped_gemm_glue.cpp)"""
+    bf16_gemm = out_dtype == torch.bfloat16 and native_bf16_gemm()
+    return _ext().grouped_exact_gemm(list(a), list(a_scale_inv), a_tile[0], a_tile[1], list(b), list(b_scale_inv),
+                                     b_tile[0], b_tile[1], [] if biases is None else list(biases), out_dtype,
+                                     bf16_gemm, out)
 
 
 # ------------------------------------------------------------------------------ MXFP4 / MXFP6

@@ -96,7 +96,7 @@ class Attention(torch.nn.Module):
 
 
 class MoEFeedForward(torch.nn.Module):
-    """LayerNorm (fp32) then a mixture of experts (engine.moe.MoEMLP: fp32 router, experts of engine.Linear)."""
+    """LayerNorm (fp32) then a mixture of experts (engine.moe.MoEMLP: fp32 router, engine.GroupedLinear experts)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
