@@ -190,6 +190,8 @@ class FP8Module(torch.nn.Module):
         on the high-precision path only."""
         for name in self.weight_names:
             weight = self._parameters.get(name)  # where a registered weight is (getattr: Module.__getattr__)
+            if type(weight) is torch.nn.Parameter:  # a plain parameter (what training holds): no such weight
+                continue
             if weight is None:
                 weight = getattr(self, name, None)
             if getattr(type(weight), "inference_only", False) is True:
