@@ -166,12 +166,20 @@ class FP8Module(torch.nn.Module):
             if self._recipe is None or (recipe is not self._recipe and recipe != self._recipe):
                 self._build_states(recipe, device)
         fwd = recompute.register_states(self._fwd_state, self._bwd_state, fp8=fp8, grad=grad)  # engine.checkpoint
-        return [
+        # the same arguments as the last call's unless something they hold changed: made once, not every step
+        # (LinearArgs are never modified: wrappers make changed copies)
+        key = (fp8, fwd, self._bwd_state, self._weight_caches, is_first_microbatch, self.fuse_wgrad_accumulation, grad)
+        last = self.__dict__.get("_last_args")
+        if last is not None and len(last[0]) == len(key) and all(a is b for a, b in zip(last[0], key)):
+            return list(last[1])
+        args = [
             LinearArgs(fp8=fp8, fwd=fwd, bwd=self._bwd_state, gemm=g, cache=self._weight_caches[g],
                        is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
                        grad_enabled=grad)
             for g in range(self.num_gemms)
         ]
+        self.__dict__["_last_args"] = (key, tuple(args))
+        return args
 
     def _high_precision_args(self, grad: bool) -> list[LinearArgs]:
         return [LinearArgs(fp8=False, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, grad_enabled=grad)
@@ -182,6 +190,8 @@ class FP8Module(torch.nn.Module):
         on the high-precision path only."""
         for name in self.weight_names:
             weight = self._parameters.get(name)  # where a registered weight is (getattr: Module.__getattr__)
+            if type(weight) is torch.nn.Parameter:  # a plain parameter (what training holds): no such weight
+                continue
             if weight is None:
                 weight = getattr(self, name, None)
             if getattr(type(weight), "inference_only", False) is True:

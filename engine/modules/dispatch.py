@@ -12,6 +12,9 @@ from engine.dtensor import any_dtensor
 from engine.hooks import Hook
 from engine.modules.linear_function import LinearArgs, LinearFunction, torch_autocast_on
 
+#: the exact types no DTensor has
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 #: y = x W^T + b when any of them is a DTensor (tensor parallel): engine.distributed.dtensor_linear, above this
 #: layer, registers it
 DTENSOR_LINEAR: Hook = Hook("engine linear layers on DTensors", "engine.distributed")
@@ -33,8 +36,11 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
 
 
 def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> torch.Tensor:
-    # no DTensor can exist before torch.distributed.tensor is imported (engine.dtensor): skip the three checks
-    if "torch.distributed.tensor" in sys.modules and any_dtensor(inp, weight, bias):  # tensor parallel
+    # no DTensor can exist before torch.distributed.tensor is imported (engine.dtensor), nor be a plain tensor or
+    # parameter: skip the three checks then (a type test each)
+    if "torch.distributed.tensor" in sys.modules and not (type(inp) in PLAIN and type(weight) in PLAIN
+                                                          and (bias is None or type(bias) in PLAIN)) \
+            and any_dtensor(inp, weight, bias):  # tensor parallel
         return DTENSOR_LINEAR(inp, weight, bias, args)
     if torch.compiler.is_compiling():
         from engine.modules.linear_op import compiled_linear

@@ -149,7 +149,9 @@ def fprop(inp2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     w_fprop, w_dgrad = weight_uses(weight, args, need_dgrad)
     if not isinstance(w_fprop, QuantizedTensorBase):
         w_fprop = w_fprop.to(inp2d.dtype)
-    out = general_gemm(x_fprop, w_fprop, out_dtype=inp2d.dtype, bias=None if bias is None else bias.to(inp2d.dtype))
+    if bias is not None and bias.dtype != inp2d.dtype:
+        bias = bias.to(inp2d.dtype)
+    out = general_gemm(x_fprop, w_fprop, out_dtype=inp2d.dtype, bias=bias)
     return out, x_wgrad, w_dgrad
 
 
@@ -174,7 +176,8 @@ def bprop(dy: torch.Tensor, x_wgrad: GemmInput | None, w_dgrad: GemmInput | None
             # in the activation dtype, as Transformer Engine does (and torch.autocast's Linear): an fp32 GEMM
             # would cost 2.2x a bf16 one on the CPU; accumulation is fp32 either way, then one rounding
             dw = general_gemm(dy_wgrad, x_wgrad, a_transposed=True, b_transposed=True, out_dtype=inp_dtype)
-            dw = dw.to(weight_dtype)
+            if dw.dtype != weight_dtype:
+                dw = dw.to(weight_dtype)
     return dx, dw
 
 
