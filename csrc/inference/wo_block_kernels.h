@@ -23,6 +23,10 @@ namespace {
 constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+// Every lane = s, one broadcast (wo_gemm_kernels.cpp's splat, a loop over lanes, became 16 masked broadcasts
+// at AVX-512); s - 0 keeps -0.
+WO_INLINE fv bcast(float s) { return s - fv{}; }
+
 WO_INLINE float bits_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -50,7 +54,7 @@ WO_INLINE fv element_value(uv code) {
   constexpr int shift = KIND == kWoE2M3 ? 20 : 21;                             // mantissa bits 3 / 2
   constexpr float bias = KIND == kWoE2M3 ? 8.507059173023462e37f : 2.126764793255866e37f;  // 2^126 / 2^124
   const uv bits = ((code & 0x20u) << 26) | ((code & 0x1Fu) << shift);
-  return reinterpret_cast<const fv&>(bits) * splat(bias);
+  return reinterpret_cast<const fv&>(bits) * bcast(bias);
 }
 
 WO_INLINE float element_scalar(int kind, uint32_t code) {
@@ -82,7 +86,7 @@ struct Fp4Table {
 
 WO_INLINE Fp4Table fp4_table(float s) {
   Fp4Table t;
-  const fv sv = splat(s);
+  const fv sv = bcast(s);
   for (int i = 0; i < 16 / L; ++i) t.t[i] = load<fv>(kE2M1 + i * L) * sv;
   return t;
 }
@@ -146,24 +150,30 @@ void fp4_tile(const WoBlockJob& job, int64_t m0, int64_t n0) {
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < NR; ++r) acc[m][r] = fv{};
   }
-  for (int64_t b0 = 0; b0 < kv; b0 += BS) {
+  const auto step = [&](int64_t k0, const Fp4Table* t) __attribute__((always_inline)) {
+    fv wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = fp4_lookup(t[r], fp4_indices(w[r] + k0 / 2));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const fv xv = load<fv>(x + m * ldx + k0);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[m][r] = madd(xv, wv[r], acc[m][r]);
+    }
+  };
+  int64_t b0 = 0;
+  for (; b0 + BS <= kv; b0 += BS) {  // whole blocks
+    Fp4Table t[NR];
+    for (int r = 0; r < NR; ++r) {
+      if (b0 % 128 == 0) prefetch(w[r] + b0 / 2);
+      t[r] = fp4_table(block_scale(job, sc[r][b0 / BS]));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < BS / L; ++i) step(b0 + i * L, t);
+  }
+  if (b0 < kv) {  // the vectors of a last, partial block
     Fp4Table t[NR];
     for (int r = 0; r < NR; ++r) t[r] = fp4_table(block_scale(job, sc[r][b0 / BS]));
-    const int64_t end = std::min<int64_t>(b0 + BS, kv);
-#pragma GCC unroll 2
-    for (int64_t k0 = b0; k0 < end; k0 += L) {
-      fv wv[NR];
-      for (int r = 0; r < NR; ++r) {
-        if (k0 % 128 == 0) prefetch(w[r] + k0 / 2);
-        wv[r] = fp4_lookup(t[r], fp4_indices(w[r] + k0 / 2));
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        const fv xv = load<fv>(x + m * ldx + k0);
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] = madd(xv, wv[r], acc[m][r]);
-      }
-    }
+    for (int64_t k0 = b0; k0 < kv; k0 += L) step(k0, t);
   }
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < NR; ++r) {
@@ -192,7 +202,7 @@ void byte_elem_tile(const WoBlockJob& job, int64_t m0, int64_t n0) {
     fv s[NR][kBlocks];
     for (int r = 0; r < NR; ++r) {
       if (k % 64 == 0) prefetch(w[r] + k);
-      for (int b = 0; b < kBlocks; ++b) s[r][b] = splat(block_scale(job, sc[r][k / 32 + b]));
+      for (int b = 0; b < kBlocks; ++b) s[r][b] = bcast(block_scale(job, sc[r][k / 32 + b]));
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
