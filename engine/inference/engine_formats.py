@@ -6,8 +6,10 @@ data as its bytes (uint8), as MX and NVFP4 codes are, so a checkpoint's `weight`
 without engine's own component keys (engine.Linear refuses those).
 
 Per-row FP8 weight-only runs engine's C++ GEMV/GEMM at small M (`native.fp8_linear`: E4M3 decoded in registers,
-fp32 sums, times the row's power-of-2 scale, rounded once; + bias). Otherwise the weight-only GEMMs decode the
-weight exactly into the compute dtype and run one high-precision GEMM:
+fp32 sums, times the row's power-of-2 scale, rounded once; + bias); MX and NVFP4 weight-only likewise
+(`native.block_linear`: each weight decoded in registers to the reference's fp32 value, element * block scale,
+fp32 sums). Otherwise (larger M) the weight-only GEMMs decode the weight exactly into the compute dtype and run
+one high-precision GEMM:
 E4M3 times a power of two and MX elements times E8M0 are exact in bf16, so bf16 activations compute
 in bf16 (fp32 accumulation); NVFP4's per-tensor factor amax/2688 is not a power of two, so NVFP4
 computes in fp32. fp16 activations compute in fp32 (bf16 values need not fit fp16).
