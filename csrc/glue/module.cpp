@@ -75,6 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_size"), py::arg("n"));
   m.def("int8_linear", &wo_gemm_glue::byte_linear, py::arg("x"), py::arg("data"), py::arg("scale"),
         py::arg("e4m3") = false);
+  m.def("block_linear", &wo_gemm_glue::block_linear, py::arg("x"), py::arg("data"), py::arg("scale"), py::arg("kind"),
+        py::arg("block"), py::arg("amax"), py::arg("factor"));
   // optim: the fused Adam step over compressed states
   m.def("adam_step", &adam_glue::adam_step, py::arg("w"), py::arg("grad"), py::arg("w_bf16"), py::arg("m"),
         py::arg("m_scale"), py::arg("m_kind"), py::arg("v"), py::arg("v_scale"), py::arg("v_kind"), py::arg("v_sqrt"),

@@ -45,6 +45,26 @@ struct WoInt8Job {
   bool e4m3;           // w holds E4M3 codes: each decodes to its exact value (NaN codes to a quiet NaN)
 };
 
+// Block-scaled float weights (MXWeightOnly, NVFP4WeightOnly): element codes and one scale code per block of
+// `block` elements along K; y[m, n] = sum_k x[m, k] * (element * block scale), each weight the reference's fp32
+// value (one fp32 multiplication), fp32 sums in any order (wo_block_kernels.h).
+constexpr int kWoE2M1 = 0, kWoE2M3 = 1, kWoE3M2 = 2, kWoE4M3 = 3;  // the element kinds
+
+struct WoBlockJob {
+  const float* x;        // [M, ldx]: the vector part of x (k < kv) in the variant's order (WoKernels::block_pack_x)
+  const float* xraw;     // [M, K] fp32, for the k >= kv the kernel sums by scalar code
+  int64_t M, K, ldx, kv;  // kv = WoKernels::block_vector_k(kind, K) = ldx
+  const uint8_t* w;      // row n at w + n * w_ld: E2M1 two codes a byte along K (low nibble first), else a byte each
+  int64_t w_ld;
+  const uint8_t* scale;  // [N, scale_ld] codes, block j of row n at scale[n * scale_ld + j]: E8M0, or E4M3 (nvfp4)
+  int64_t scale_ld;
+  int kind, block;       // kWo*, 16 or 32
+  bool nvfp4;            // block scale = (E4M3 value * amax) * factor (fp32, in that order), else E8M0's 2^(e - 127)
+  float amax, factor;
+  float* y;              // [M, ldy] fp32
+  int64_t ldy;
+};
+
 // What each instruction-set variant exports. The x orders differ between variants (each reads a run of
 // weight bytes as whole 32-bit words and wants x in the order of the codes they hold), so x goes through the
 // same variant's pack function as the kernel that reads it.
@@ -67,6 +87,11 @@ struct WoKernels {
   // sum_k x * (q - 8) per group from exact bf16 products, then * scale, plus zero * the group's x sum: the
   // same value up to the order (and grouping) of fp32 additions. x must hold no subnormal (read as 0).
   void (*int4_rows_bf16)(const WoInt4Job& job, int64_t n0, int64_t n1);
+  // Block-scaled float weights: the vector part of K, x [M, K] -> out [M, ldx = that part] in block_rows's order,
+  // and rows [n0, n1) of y.
+  int64_t (*block_vector_k)(int kind, int64_t K);
+  void (*block_pack_x)(int kind, const float* x, int64_t M, int64_t K, float* out, int64_t ldx);
+  void (*block_rows)(const WoBlockJob& job, int64_t n0, int64_t n1);
   // Whether x [n] fp32 holds a subnormal.
   bool (*has_subnormal)(const float* x, int64_t n);
   // fp32 [n] -> bf16 bits, round to nearest even, NaN -> quiet NaN with the sign kept.

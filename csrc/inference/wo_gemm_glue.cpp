@@ -152,5 +152,53 @@ Tensor byte_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale_i
   return output(k, y, x_in.scalar_type());
 }
 
+Tensor block_linear(const Tensor& x_in, const Tensor& data, const Tensor& scale, int64_t kind, int64_t block,
+                    const std::optional<Tensor>& amax, double factor) {
+  NoPythonDispatch no_python;
+  const WoKernels& k = wo_kernels(active_isa());
+  const Tensor x = input_fp32(x_in);
+  check_plain(data, "data");
+  check_plain(scale, "scale");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK_VALUE(kind >= kWoE2M1 && kind <= kWoE4M3, "kind: expected 0 (E2M1), 1 (E2M3), 2 (E3M2) or 3 (E4M3), got ",
+                    kind);
+  TORCH_CHECK_VALUE(block == 16 || block == 32, "block: expected 16 or 32, got ", block);
+  TORCH_CHECK_VALUE(kind == kWoE2M1 || block == 32, "block: expected 32 for a byte per element, got ", block);
+  TORCH_CHECK_TYPE(data.scalar_type() == at::kByte || data.scalar_type() == at::kFloat8_e4m3fn,
+                   "data: expected uint8 codes (or float8_e4m3fn), got ", data.scalar_type());
+  const int64_t packed = kind == kWoE2M1 ? (K + 1) / 2 : K;
+  TORCH_CHECK_VALUE(data.dim() == 2 && data.size(1) == packed, "data: expected shape [N, ", packed, "], got ",
+                    data.sizes());
+  check_contiguous(data, "data");
+  const int64_t N = data.size(0), blocks = (K + block - 1) / block;
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kByte || scale.scalar_type() == at::kFloat8_e4m3fn,
+                   "scale: expected uint8 codes (or float8_e4m3fn), got ", scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == blocks, "scale: expected shape [", N,
+                    ", ", blocks, "], got ", scale.sizes());
+  check_contiguous(scale, "scale");
+  float amax_value = 0.0f;
+  if (amax.has_value()) {
+    check_plain(*amax, "amax");
+    TORCH_CHECK_TYPE(amax->scalar_type() == at::kFloat, "amax: expected float32, got ", amax->scalar_type());
+    TORCH_CHECK_VALUE(amax->numel() == 1, "amax: expected one element, got ", amax->numel());
+    amax_value = amax->data_ptr<float>()[0];
+  }
+  const int64_t kv = k.block_vector_k(static_cast<int>(kind), K);
+  Tensor xp = at::empty({M, kv}, x.options());
+  k.block_pack_x(static_cast<int>(kind), x.data_ptr<float>(), M, K, xp.data_ptr<float>(), kv);
+  Tensor y = at::empty({M, N}, x.options());
+  const WoBlockJob job{xp.data_ptr<float>(), x.data_ptr<float>(), M, K, kv, kv,
+                       static_cast<const uint8_t*>(data.data_ptr()), packed,
+                       static_cast<const uint8_t*>(scale.data_ptr()), blocks, static_cast<int>(kind),
+                       static_cast<int>(block), amax.has_value(), amax_value, static_cast<float>(factor),
+                       y.data_ptr<float>(), N};
+  if (M > 0 && K > 0) {
+    parallel_rows(M * N * K / 4 + N * K, N, [&](int64_t n0, int64_t n1) { k.block_rows(job, n0, n1); });
+  } else {
+    y.zero_();
+  }
+  return output(k, y, x_in.scalar_type());
+}
+
 }  // namespace wo_gemm_glue
 }  // namespace engine_native

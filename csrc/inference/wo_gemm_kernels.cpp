@@ -496,6 +496,7 @@ void to_bf16(const float* y, int64_t n, uint16_t* out) {
 }  // namespace ENGINE_ISA_NS
 }  // namespace engine_native
 
+#include "inference/wo_block_kernels.h"
 #ifdef ENGINE_WO_BF16
 #include "inference/wo_gemm_bf16_kernels.h"
 #endif
@@ -512,6 +513,9 @@ const WoKernels& wo_kernels() {
     t.int8_block = kInt8Block;
     t.int8_pack_x = int8_pack_x;
     t.int8_rows = int8_rows;
+    t.block_vector_k = block_vector_k;
+    t.block_pack_x = block_pack_x;
+    t.block_rows = block_rows;
     t.has_subnormal = has_subnormal;
     t.to_bf16 = to_bf16;
 #ifdef ENGINE_WO_BF16

@@ -87,7 +87,7 @@ class Float8DynamicActivationFloat8Weight(InferenceConfig):
 
 @dataclass(frozen=True)
 class MXWeightOnly(InferenceConfig):
-    """OCP MX weights (1x32 blocks, E8M0 scales) by engine's MXQuantizer; decoded exactly to bf16."""
+    """OCP MX weights (1x32 blocks, E8M0 scales) by engine's MXQuantizer; engine's C++ GEMV/GEMM at small M."""
 
     element: str = "e4m3"
     scale_mode: str = "rceil"

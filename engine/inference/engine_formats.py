@@ -6,8 +6,10 @@ data as its bytes (uint8), as MX and NVFP4 codes are, so a checkpoint's `weight`
 without engine's own component keys (engine.Linear refuses those).
 
 Per-row FP8 weight-only runs engine's C++ GEMV/GEMM at small M (`native.fp8_linear`: E4M3 decoded in registers,
-fp32 sums, times the row's power-of-2 scale, rounded once; + bias). Otherwise the weight-only GEMMs decode the
-weight exactly into the compute dtype and run one high-precision GEMM:
+fp32 sums, times the row's power-of-2 scale, rounded once; + bias); MX and NVFP4 weight-only likewise
+(`native.block_linear`: each weight decoded in registers to the reference's fp32 value, element * block scale,
+fp32 sums). Otherwise (larger M) the weight-only GEMMs decode the weight exactly into the compute dtype and run
+one high-precision GEMM:
 E4M3 times a power of two and MX elements times E8M0 are exact in bf16, so bf16 activations compute
 in bf16 (fp32 accumulation); NVFP4's per-tensor factor amax/2688 is not a power of two, so NVFP4
 computes in fp32. fp16 activations compute in fp32 (bf16 values need not fit fp16).
@@ -15,8 +17,12 @@ computes in fp32. fp16 activations compute in fp32 (bf16 values need not fit fp1
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
+from engine.formats import element_name
 from engine.gemm import general_gemm
 from engine.ops import native
 from engine.ops import quantize as qops
@@ -105,16 +111,53 @@ class EngineWeightFormat(WeightFormat):
     #: the largest M at which per-row E4M3 weights (Float8WeightOnly) run engine's C++ GEMV/GEMM (E4M3 decoded in
     #: registers, fp32 sums times the row scale); above it the decode-then-one-GEMM path is faster
     native_max_m = 32
+    #: the same for MX and NVFP4 weights (`native.block_linear`: each weight decoded in registers to its fp32 value)
+    native_max_m_block = 32
+
+    def native_block(self) -> tuple[str, int] | None:
+        """(element, block) of `native.block_linear` for MX (E8M0 scales) and NVFP4 weights in 1xB blocks along K,
+        else None."""
+        name = element_name(self.scheme.element).upper()
+        block = self.scheme.stored_block(False)
+        if name not in native.BLOCK_ELEMENTS or block.rows != 1 or block.cols not in (16, 32):
+            return None
+        if self.scheme.scale is ScaleEncoding.E8M0 and not self.scheme.tensor_scale:
+            return name, block.cols
+        if isinstance(self, NVFP4Format) and name == "E2M1" and block.cols == 16:
+            return name, block.cols
+        return None
 
     def linear(self, x: torch.Tensor, ops: dict[str, torch.Tensor], shape: tuple[int, int],
                bias: torch.Tensor | None) -> torch.Tensor:
         if self.per_row and x.shape[0] <= self.native_max_m and native.available():
             out = native.fp8_linear(x, ops["data"], ops["scale_inv"].view(-1))
             return out if bias is None else out + bias.to(out.dtype)
+        block = self.native_block()
+        if block is not None and x.shape[0] <= self.native_max_m_block and native.available():
+            amax = ops.get("amax")
+            factor = 0.0 if amax is None else float(_f32(1.0) / _f32(6.0 * self.scheme.tensor_scale_max))
+            scale = ops["scale_inv"]
+            out = native.block_linear(x.contiguous(), ops["data"].view(torch.uint8), scale.view(torch.uint8),
+                                      block[0], block[1], amax, factor)
+            return out if bias is None else out + bias.to(out.dtype)
+        if not native.available():
+            warn_slow_once(type(self).__name__)
         dtype = self.compute_dtype(x.dtype)
         w = self.decode(ops, shape, dtype)
         out = torch.nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
         return out.to(x.dtype)
+
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_slow_once(name: str) -> None:
+    """The project's rule: a slow path announced once per process (here: MX / NVFP4 weights decoded in torch ops
+    and one GEMM at small M, without engine's C++ kernels)."""
+    warnings.warn(f"{name}: engine's C++ kernels are not available ({native.why_unavailable()}); the weight is "
+                  f"decoded in torch ops on every call (slow). {native.INSTALL_HINT}", RuntimeWarning, stacklevel=3)
 
 
 class NVFP4Format(EngineWeightFormat):

@@ -877,6 +877,29 @@ def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torc
     return _ext().int8_linear(x, data, scale, True)
 
 
+#: the element kinds of `block_linear` (csrc/inference/wo_gemm.h)
+BLOCK_ELEMENTS = {"E2M1": 0, "E2M3": 1, "E3M2": 2, "E4M3": 3}
+
+
+def block_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, element: str, block: int,
+                 amax: torch.Tensor | None = None, factor: float = 0.0) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype for a block-scaled float weight [N, K]: element codes `data` uint8
+    (E2M1 two a byte along K, low nibble first: [N, ceil(K/2)]; else [N, K]) and a scale code per `block` (16 or
+    32) elements `scale` uint8 [N, ceil(K/block)]: E8M0 (MX), or, given the fp32 `amax` [1], NVFP4's E4M3 codes,
+    the block scale being (e4m3 * amax) * `factor` in fp32. Each weight is the reference's fp32 value (element *
+    block scale, one fp32 multiplication) and the sums are fp32: the fp32 reference up to the order of additions."""
+    _wo_input(x)
+    check_cpu_tensor(data, "data")
+    check_cpu_tensor(scale, "scale")
+    if element not in BLOCK_ELEMENTS:
+        raise ValueError(f"element: expected one of {sorted(BLOCK_ELEMENTS)}, got {element!r}")
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"block: expected an int, got {type(block).__name__}")
+    if amax is not None:
+        check_cpu_tensor(amax, "amax")
+    return _ext().block_linear(x, data, scale, BLOCK_ELEMENTS[element], block, amax, float(factor))
+
+
 def int8_quantize_rows(x: torch.Tensor, biased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of x [M, K] in one pass: (q int8 [M, K], scale fp32 [M]), the bits of
     `engine.inference.int_formats.rowwise_int8` (scale = max(amax / 127, fp32 tiny), q = round-half-even(x /
