@@ -1,6 +1,7 @@
 """Bandwidth of the NVFP4 quantize kernel, against a plain copy and the reference path.
 
     python benchmarks/bench_nvfp4.py [--size 4096 4096] [--dtype bf16] [--runs 15] [--threads 1,2] [--isa auto]
+                                     [--stages]
 
 As bench_quantize.py (the same table): for each variant (both usages, plain or with the RHT'd columnwise
 usage, round-to-nearest or stochastic rounding; the weights' 16x16 tiles; one usage alone; 4over6, MAE and
@@ -9,6 +10,9 @@ time of the C++ kernel into preallocated outputs, the bandwidth counted as bytes
 pass over it: twice, since the per-tensor amax comes before any scale; each usage's packed data and E4M3
 scales once), and that as a fraction of `y.copy_(x)` timed alternately with it; the module path
 (`NVFP4Quantizer(...)(x)`, new outputs per call) and the reference. One table per thread count.
+`--stages`: instead, where the time goes, on one thread in CPU time (what a loaded machine distorts least): the
+kernel's passes and usages measured alone (the amaxes given, or not), and the cost of each option and of the module
+path as the difference of two of them (`stage_rows`).
 `main(argv)` is the entry point for `python -m engine bench nvfp4`.
 """
 
@@ -16,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -78,6 +85,86 @@ def run(m: int, k: int, dtype: torch.dtype, runs: int, warmup: int, reference_ru
     return measure(x, schemes(x), runs, warmup, reference_runs)
 
 
+def thread_ms(fn: Callable[[], object], runs: int) -> float:
+    """Median CPU time of this thread per call of fn, in ms (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e3
+
+
+# (stage, what it runs): the kernel into preallocated outputs with the options named; "given": both amaxes given (no
+# amax pass); "module": NVFP4Quantizer(...)(x), new outputs per call.
+STAGES = {
+    "copy_": ("copy",),
+    "both usages": ("native", True, True, False, False, False),
+    "both usages, amaxes given": ("native", True, True, False, False, True),
+    "rowwise alone, amax given": ("native", True, False, False, False, True),
+    "columnwise alone, amax given": ("native", False, True, False, False, True),
+    "columnwise alone rht, amax given": ("native", False, True, True, False, True),
+    "both usages rht": ("native", True, True, True, False, False),
+    "both usages rht, amaxes given": ("native", True, True, True, False, True),
+    "both usages sr, amaxes given": ("native", True, True, False, True, True),
+    "both usages rht sr": ("native", True, True, True, True, False),
+    "module path, both usages": ("module", False, False),
+    "module path, both usages rht sr": ("module", True, True),
+}
+# (derived stage, minuend, subtrahend): the cost of one pass or option as the difference of two measured stages.
+DERIVED = (
+    ("amax pass (x read once more)", "both usages", "both usages, amaxes given"),
+    ("rht amax pass (the RHT of x^T's max)", "both usages rht", "both usages rht, amaxes given"),
+    ("fused both vs rowwise + columnwise alone", "both usages, amaxes given", None),
+    ("rht in the quantize pass", "columnwise alone rht, amax given", "columnwise alone, amax given"),
+    ("stochastic rounding (bits + rounding)", "both usages sr, amaxes given", "both usages, amaxes given"),
+    ("module path over the kernel (outputs, Python)", "module path, both usages", "both usages"),
+)
+
+
+def stage_rows(x: torch.Tensor, runs: int) -> list[tuple[str, float]]:
+    """(stage, single-thread CPU ms) for STAGES, then DERIVED (the difference of two stages; the fused row: both
+    usages less the sum of the two usages alone, negative when the one read of x saves time)."""
+    m, k = x.shape
+    amax = x.float().abs().amax().reshape(1)
+    counter = torch.tensor([1234, 0])
+    y = torch.empty_like(x)
+    bufs = {"out_row_data": torch.empty(m, -(-k // 2), dtype=torch.uint8),
+            "out_row_scales": torch.empty(m, -(-k // 16), dtype=torch.float8_e4m3fn),
+            "out_col_data": torch.empty(k, -(-m // 2), dtype=torch.uint8),
+            "out_col_scales": torch.empty(k, -(-m // 16), dtype=torch.float8_e4m3fn)}
+
+    def runner(spec: tuple) -> Callable[[], object]:
+        if spec[0] == "copy":
+            return lambda: y.copy_(x)
+        if spec[0] == "module":
+            quantizer = NVFP4Quantizer(with_rht=spec[1], stochastic_rounding=spec[2])
+            return lambda: quantizer(x)
+        _, rows, cols, rht, sr, given = spec
+        kw = {name: t for name, t in bufs.items() if ("row" in name and rows) or ("col" in name and cols)}
+        if given:
+            kw |= {"amax": amax if rows else None, "amax_t": amax if cols else None}
+        return lambda: native.quantize_nvfp4(x, rowwise=rows, columnwise=cols, rht=rht,
+                                             counter=counter if sr else None, **kw)
+
+    with torch_threads(1):
+        ms = {name: thread_ms(runner(spec), runs) for name, spec in STAGES.items()}
+    out = list(ms.items())
+    for name, a, b in DERIVED:
+        less = ms[b] if b else ms["rowwise alone, amax given"] + ms["columnwise alone, amax given"]
+        out.append((f"= {name}", ms[a] - less))
+    return out
+
+
+def format_stages(rows: list[tuple[str, float]], header: str) -> str:
+    width = max(len(name) for name, _ in rows)
+    copy_ms = rows[0][1]
+    lines = [header, f"{'stage':{width}s}  thread ms  x copy_", f"{'-' * width}  ---------  -------"]
+    lines += [f"{name:{width}s}  {t:9.3f}  {t / copy_ms:7.2f}" for name, t in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, nargs=2, default=(4096, 4096), metavar=("M", "K"))
@@ -87,6 +174,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--reference-runs", type=int, default=1)
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: torch's)")
     parser.add_argument("--isa", choices=("auto", *native.ISA_ORDER), default="auto")
+    parser.add_argument("--stages", action="store_true",
+                        help="single-thread CPU time per stage (passes, usages, options, module path) instead")
     args = parser.parse_args(argv)
     if not native.available():
         print(f"the C++ kernels are unavailable: {native.why_unavailable()}")
@@ -94,6 +183,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     m, k = args.size
     counts = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     with native.use_isa(args.isa):
+        if args.stages:
+            x = bench_input(m, k, DTYPES[args.dtype])
+            header = (f"NVFP4 quantize stages {m}x{k} {args.dtype}, kernels: {native.isa()}, 1 thread, CPU time, "
+                      f"median of {args.runs} runs\n{machine_line()}")
+            print(format_stages(stage_rows(x, args.runs), header))
+            return 0
         for threads in counts:
             with torch_threads(threads):
                 rows, back_to_back = run(m, k, DTYPES[args.dtype], args.runs, args.warmup, args.reference_runs)

@@ -423,3 +423,28 @@ def test_the_extension_checks_its_arguments_too():
         ext.quantize_nvfp4(x[None], True, True, False, False, None, None, None)
     with pytest.raises(ValueError, match="multiple of 16"):
         ext.quantize_nvfp4(x[:5], True, True, False, True, None, None, None)
+
+
+def test_the_stages_benchmark_names_every_stage_and_derives_the_differences(capsys):
+    """`python -m engine bench nvfp4 --stages` on a tiny shape: a row per measured stage, and each derived row the
+    difference of the two measured rows it names (recomputed here from the printed table)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_nvfp4
+
+    threads = torch.get_num_threads()
+    assert bench_nvfp4.main(["--stages", "--size", "32", "64", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"kernels: {native.isa()}, 1 thread" in out
+    printed = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[-1].replace(".", "", 1).lstrip("-").isdigit():
+            printed[" ".join(parts[:-2])] = float(parts[-2])
+    assert set(bench_nvfp4.STAGES) <= set(printed)
+    for name, a, b in bench_nvfp4.DERIVED:
+        less = printed[b] if b else printed["rowwise alone, amax given"] + printed["columnwise alone, amax given"]
+        assert printed[f"= {name}"] == pytest.approx(printed[a] - less, abs=2.5e-3)
+    assert torch.get_num_threads() == threads  # measured on one thread, this process's setting given back
