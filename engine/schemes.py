@@ -184,6 +184,13 @@ class Scheme:
         return self.element.torch_dtype if isinstance(self.element, IntFormat) and self.element.torch_dtype \
             else torch.uint8
 
+    @functools.cached_property
+    def per_tensor_fp8_usages(self) -> tuple[bool, bool]:
+        """(rowwise, columnwise): is that usage's 2-D data one FP8 scale per tensor, as a GEMM reads it directly.
+        Built once per scheme: every GEMM asks."""
+        plain = self.rowwise_block.is_tensor and not self.tensor_scale and not self.coded
+        return plain, plain and self.columnwise_transposed
+
     @property
     def coded(self) -> bool:
         """The data holds uint8 float element codes (E2M1 / E2M3 / E3M2), not a torch dtype's values."""

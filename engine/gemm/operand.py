@@ -91,19 +91,6 @@ def is_high_precision(t: object) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, QuantizedTensor)
 
 
-#: id(scheme) -> (scheme, (rowwise, columnwise) usage read as one FP8 scale per tensor when its data is 2D): what
-#: `gemm_operand` asks of a scheme on every GEMM, answered once per scheme (schemes are long-lived registry entries)
-_PER_TENSOR_USAGES: dict[int, tuple[object, tuple[bool, bool]]] = {}
-
-
-def _per_tensor_usages(scheme) -> tuple[bool, bool]:
-    known = _PER_TENSOR_USAGES.get(id(scheme))
-    if known is None or known[0] is not scheme:
-        plain = scheme.rowwise_block.is_tensor and not scheme.tensor_scale and not scheme.coded
-        known = _PER_TENSOR_USAGES[id(scheme)] = (scheme, (plain, plain and scheme.columnwise_transposed))
-    return known[1]
-
-
 def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, name: str = "a") -> GemmOperand:
     """The K-major operand for op(t): rowwise data, or columnwise data when `transposed`."""
     st = t if isinstance(t, QuantizedTensorBase) else storage_of(t, name)
@@ -114,7 +101,7 @@ def gemm_operand(t: QuantizedTensor | QuantizedTensorBase, *, transposed: bool, 
         raise ValueError(f"{name}: the GEMM needs its {usage} data, but this {type(st).__name__} has only "
                          f"{'rowwise' if transposed else 'columnwise'} data; quantize with {usage} usage")
     scheme = st.scheme
-    if _per_tensor_usages(scheme)[transposed] and data.dim() == 2:
+    if scheme.per_tensor_fp8_usages[transposed] and data.dim() == 2:
         return GemmOperand(data, scale_inv, True, scheme.scale)  # per-tensor FP8, 2D: what every step reads
     nvfp4 = scheme.tensor_scale  # two scale levels: the block scales times the usage amax / (6 * 448)
     codes = None
