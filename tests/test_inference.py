@@ -259,7 +259,8 @@ def mx_expected(w: torch.Tensor, element: str, scale_mode: str) -> tuple[torch.T
 @pytest.mark.parametrize("element", ["e4m3", "e2m3", "e3m2", "e2m1"])
 def test_mx_weight_only(element: str, scale_mode: str) -> None:
     """The E8M0 scale codes and the decoded weight equal the OCP MX rules computed here (`mx_expected`), bit for
-    bit; the decoded weight is exact in bf16; the layer is one bf16 GEMM of x with that weight (bit for bit)."""
+    bit; the decoded weight is exact in bf16; above the C++ kernel's M the layer is one bf16 GEMM of x with that
+    weight (bit for bit), at small M (engine's GEMV/GEMM) within fp32 accumulation and one bf16 rounding."""
     m = layer(torch.nn.Linear, 64, 32)
     codes, expected = mx_expected(m.weight.detach(), element, scale_mode)
     engine.quantize_(m, engine.MXWeightOnly(element, scale_mode))
@@ -267,8 +268,12 @@ def test_mx_weight_only(element: str, scale_mode: str) -> None:
     deq = m.weight.dequantize(torch.float64)
     assert torch.equal(deq, expected)
     assert torch.equal(m.weight.dequantize(torch.bfloat16).double(), expected)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 20, 64, dtype=torch.bfloat16)  # M = 40
     assert torch.equal(m(x), torch.nn.functional.linear(x, expected.bfloat16(), m.bias))
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    ref = fp64_linear(x, expected, m.bias)
+    bound = rounding_bound(x, expected, ref, torch.bfloat16) + FP32_U * 64 * m.bias.double().abs() + BF16_U * ref.abs()
+    assert_within(m(x), ref, bound, f"mx {element}")
 
 
 def test_nvfp4_weight_only() -> None:

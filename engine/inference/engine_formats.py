@@ -136,10 +136,11 @@ class EngineWeightFormat(WeightFormat):
         if block is not None and x.shape[0] <= self.native_max_m_block and native.available():
             amax = ops.get("amax")
             factor = 0.0 if amax is None else float(_f32(1.0) / _f32(6.0 * self.scheme.tensor_scale_max))
-            scale = ops["scale_inv"]
-            out = native.block_linear(x.contiguous(), ops["data"].view(torch.uint8), scale.view(torch.uint8),
+            # with a bias: fp32 out, + bias in fp32, one rounding to x's dtype (as the decode-and-GEMM path)
+            xin = x.contiguous() if bias is None else x.float().contiguous()
+            out = native.block_linear(xin, ops["data"].view(torch.uint8), ops["scale_inv"].view(torch.uint8),
                                       block[0], block[1], amax, factor)
-            return out if bias is None else out + bias.to(out.dtype)
+            return out if bias is None else (out + bias.float()).to(x.dtype)
         if not native.available():
             warn_slow_once(type(self).__name__)
         dtype = self.compute_dtype(x.dtype)
