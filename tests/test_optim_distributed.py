@@ -58,6 +58,10 @@ CASES = ([("AdamW", f) for f in FORMATS] + [("AdamW-fused", f) for f in ("fp32",
          + [("SGD", f) for f in ("fp32", "bf16_sr", "int8")] + [(BF16_WEIGHTS, "bf16_sr")])
 
 
+#: (checkpoint's formats, DCP template's formats) that differ
+MISMATCHES = [("int8", "fp32"), ("bf16", "fp32"), ("fp32", "bf16")]
+
+
 def local_states(opt, params) -> list[dict]:  # noqa: ANN001
     return [{k: getattr(v, "_local_tensor", v).clone() for k, v in opt.state[p].items()} for p in params]
 
@@ -104,6 +108,13 @@ def _worker(rank: int, out_dir: str) -> dict:
     int8_opt = make_opt(model.parameters(), "int8")
     int8_opt.load_state_dict(fp32_opt.state_dict())
     out["fp32->int8"] = local_states(int8_opt, [model.weight, model.bias])
+    # a DCP template of other formats than the checkpoint's (dcp.load casts into the template's tensors)
+    for saved, template in MISMATCHES:
+        try:
+            load(template, os.path.join(out_dir, f"ckpt-AdamW-{saved}"))
+            out["mismatch", saved, template] = "loaded"
+        except ValueError as e:
+            out["mismatch", saved, template] = str(e)
     for case_id in case_ids():
         model = fp8_model(case_id)
         whole = shard(model)  # FP8 weights FSDP2 can shard by whole blocks are DTensors, the others whole on each rank
@@ -294,3 +305,14 @@ def test_an_fp32_checkpoint_loads_into_int8_states_under_fsdp2(results):
         for name, value, signed in (("exp_avg", m, True), ("exp_avg_sq", formats.sqrt_rn(v), False)):
             data, scale = formats.encode(int8, value, signed=signed)
             assert same(got[name], data) and same(got[name + "_scale"], scale), (rank, name)
+
+
+@pytest.mark.parametrize(("saved", "template"), MISMATCHES)
+def test_a_dcp_template_of_other_formats_is_refused_with_the_fix(results, saved, template):
+    """dcp.load fills a template of other formats with the checkpoint's values cast to its dtypes (an int8
+    checkpoint's codes as fp32 numbers): load_state_dict refuses it on every rank, naming the checkpoint's formats
+    and the way to convert."""
+    for rank, result in enumerate(results):
+        message = result["mismatch", saved, template]
+        assert f"saved format {saved!r}" in message, (rank, message)
+        assert f"state_dtype={{'exp_avg': '{saved}'" in message and "load_state_dict" in message, (rank, message)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace engine_native {
 namespace adam_glue {
@@ -79,12 +80,13 @@ StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64
   TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 4, name, ": expected a state kind 0..4, got ", kind_code);
   const StateKind kind = static_cast<StateKind>(kind_code);
   check_plain(data, name);
+  TORCH_CHECK_VALUE(data.is_contiguous(), name, ": expected a contiguous state");
   TORCH_CHECK_TYPE(data.scalar_type() == dtype_of(kind), name, ": expected ", dtype_of(kind), ", got ",
                    data.scalar_type());
   TORCH_CHECK_VALUE(data.numel() == n, name, ": expected ", n, " elements (the parameter's), got ", data.numel());
   StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), nullptr, sqrt_form};
   if (kind == StateKind::INT8_256) {
-    search.emplace(mids.data_ptr<float>());
+    if (!search.has_value()) search.emplace(mids.data_ptr<float>());
     ref.mids = search->mids;
     ref.lo = search->lo;
   }
@@ -92,12 +94,97 @@ StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64
   if (block) {
     TORCH_CHECK_VALUE(scale.has_value(), name, ": a blocked state needs its scales");
     check_plain(*scale, name);
+    TORCH_CHECK_VALUE(scale->is_contiguous(), name, " scales: expected a contiguous tensor");
     TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, name, " scales: expected float32, got ", scale->scalar_type());
     TORCH_CHECK_VALUE(scale->numel() == (n + block - 1) / block, name, " scales: expected ", (n + block - 1) / block,
                       " blocks, got ", scale->numel());
     ref.scale = scale->data_ptr<float>();
   }
   return ref;
+}
+
+struct Job {
+  float* w;
+  const void* grad;
+  bool grad_bf16;
+  uint16_t* w_bf16;
+  StateRef m, v;
+  AdamScalars s;
+  int64_t n;
+};
+
+void check_tables(const Tensor& signed_codes, const Tensor& signed_mids, const Tensor& unsigned_codes,
+                  const Tensor& unsigned_mids) {
+  for (const Tensor* t : {&signed_codes, &unsigned_codes}) {
+    check_plain(*t, "codes");
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 256, "codes: expected 256 float32 values");
+  }
+  for (const Tensor* t : {&signed_mids, &unsigned_mids}) {
+    check_plain(*t, "mids");
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 255, "mids: expected 255 float32 values");
+  }
+}
+
+// One tensor's arguments checked and bound (the int8 search tables built into `msearch` / `vsearch` on first use).
+Job make_job(const Tensor& w, const Tensor& grad, const std::optional<Tensor>& w_bf16, const Tensor& m,
+             const std::optional<Tensor>& m_scale, int64_t m_kind, const Tensor& v,
+             const std::optional<Tensor>& v_scale, int64_t v_kind, bool v_sqrt, const Tensor& signed_codes,
+             const Tensor& signed_mids, const Tensor& unsigned_codes, const Tensor& unsigned_mids,
+             std::optional<Int8Search>& msearch, std::optional<Int8Search>& vsearch) {
+  check_plain(w, "w");
+  check_plain(grad, "grad");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "w: expected float32, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+                   "grad: expected float32 or bfloat16, got ", grad.scalar_type());
+  TORCH_CHECK_VALUE(w.is_contiguous() && grad.is_contiguous(), "w, grad: expected contiguous tensors");
+  const int64_t n = w.numel();
+  TORCH_CHECK_VALUE(grad.numel() == n, "grad: expected ", n, " elements, got ", grad.numel());
+  Job job{w.data_ptr<float>(), grad.data_ptr(), grad.scalar_type() == at::kBFloat16, nullptr,
+          state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids, msearch),
+          state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids, vsearch), AdamScalars{}, n};
+  if (w_bf16.has_value()) {
+    check_plain(*w_bf16, "w_bf16");
+    TORCH_CHECK_TYPE(w_bf16->scalar_type() == at::kBFloat16, "w_bf16: expected bfloat16, got ", w_bf16->scalar_type());
+    TORCH_CHECK_VALUE(w_bf16->numel() == n, "w_bf16: expected ", n, " elements, got ", w_bf16->numel());
+    job.w_bf16 = static_cast<uint16_t*>(w_bf16->data_ptr());
+  }
+  return job;
+}
+
+// The jobs' 256-element chunks (whole state blocks) as one sequence, split evenly over up to
+// (total elements / 2^15) OpenMP threads: a thread may run the end of one tensor and the start of the next.
+void run_jobs(const std::vector<Job>& jobs) {
+  const AdamKernels& kernels = adam_kernels(active_isa());
+  std::vector<int64_t> first(jobs.size() + 1, 0);  // the first global chunk of each job
+  int64_t total_n = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    first[i + 1] = first[i] + (jobs[i].n + 255) / 256;
+    total_n += jobs[i].n;
+  }
+  const int64_t chunks = first.back();
+  const auto run = [&](int64_t c0, int64_t c1) {
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const int64_t a = std::max(c0, first[i]), b = std::min(c1, first[i + 1]);
+      if (a >= b) continue;
+      const Job& j = jobs[i];
+      kernels.step(j.w, j.grad, j.grad_bf16, j.w_bf16, j.m, j.v, j.s, j.n, (a - first[i]) * 256,
+                   std::min<int64_t>((b - first[i]) * 256, j.n));
+    }
+  };
+  const int threads = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()),
+                                                          std::max<int64_t>(1, total_n / (1 << 15)),
+                                                          std::max<int64_t>(1, chunks)}));
+  if (threads <= 1 || omp_in_parallel()) {
+    DefaultFpEnv env;
+    run(0, chunks);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    DefaultFpEnv env;
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    run(chunks * t / nt, chunks * (t + 1) / nt);
+  }
 }
 
 }  // namespace
@@ -109,55 +196,58 @@ void adam_step(const Tensor& w, const Tensor& grad, const std::optional<Tensor>&
                double one_minus_beta1, double beta2, double one_minus_beta2, double step_size, double inv_bc2_sqrt,
                double eps, double decay, double wd, bool maximize) {
   NoPythonDispatch no_python;
-  const AdamKernels& kernels = adam_kernels(active_isa());
-  check_plain(w, "w");
-  check_plain(grad, "grad");
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "w: expected float32, got ", w.scalar_type());
-  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
-                   "grad: expected float32 or bfloat16, got ", grad.scalar_type());
-  const int64_t n = w.numel();
-  TORCH_CHECK_VALUE(grad.numel() == n, "grad: expected ", n, " elements, got ", grad.numel());
-  for (const Tensor* t : {&signed_codes, &unsigned_codes}) {
-    check_plain(*t, "codes");
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 256, "codes: expected 256 float32 values");
-  }
-  for (const Tensor* t : {&signed_mids, &unsigned_mids}) {
-    check_plain(*t, "mids");
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == 255, "mids: expected 255 float32 values");
-  }
+  check_tables(signed_codes, signed_mids, unsigned_codes, unsigned_mids);
   std::optional<Int8Search> msearch, vsearch;
-  const StateRef mref = state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids, msearch);
-  const StateRef vref = state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids, vsearch);
-  uint16_t* wb = nullptr;
-  if (w_bf16.has_value()) {
-    check_plain(*w_bf16, "w_bf16");
-    TORCH_CHECK_TYPE(w_bf16->scalar_type() == at::kBFloat16, "w_bf16: expected bfloat16, got ", w_bf16->scalar_type());
-    TORCH_CHECK_VALUE(w_bf16->numel() == n, "w_bf16: expected ", n, " elements, got ", w_bf16->numel());
-    wb = static_cast<uint16_t*>(w_bf16->data_ptr());
-  }
-  const AdamScalars s{static_cast<float>(beta1), static_cast<float>(one_minus_beta1), static_cast<float>(beta2),
+  Job job = make_job(w, grad, w_bf16, m, m_scale, m_kind, v, v_scale, v_kind, v_sqrt, signed_codes, signed_mids,
+                     unsigned_codes, unsigned_mids, msearch, vsearch);
+  job.s = AdamScalars{static_cast<float>(beta1), static_cast<float>(one_minus_beta1), static_cast<float>(beta2),
                       static_cast<float>(one_minus_beta2), static_cast<float>(step_size),
                       static_cast<float>(inv_bc2_sqrt), static_cast<float>(eps), static_cast<float>(decay),
                       static_cast<float>(wd), maximize};
-  float* wp = w.data_ptr<float>();
-  const void* gp = grad.data_ptr();
-  const bool gb = grad.scalar_type() == at::kBFloat16;
-  const int64_t chunks = (n + 255) / 256;
-  const int threads = static_cast<int>(std::min<int64_t>(
-      {static_cast<int64_t>(omp_get_max_threads()), std::max<int64_t>(1, n / (1 << 15)), std::max<int64_t>(1, chunks)}));
-  if (threads <= 1 || omp_in_parallel()) {
-    DefaultFpEnv env;
-    kernels.step(wp, gp, gb, wb, mref, vref, s, n, 0, n);
-    return;
+  run_jobs(std::vector<Job>{job});
+}
+
+void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& grads, const std::vector<Tensor>& ms,
+                     const std::vector<std::optional<Tensor>>& m_scales, int64_t m_kind, const std::vector<Tensor>& vs,
+                     const std::vector<std::optional<Tensor>>& v_scales, int64_t v_kind, bool v_sqrt,
+                     const std::vector<Tensor>& steps, const Tensor& signed_codes, const Tensor& signed_mids,
+                     const Tensor& unsigned_codes, const Tensor& unsigned_mids, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, bool decoupled, bool maximize) {
+  NoPythonDispatch no_python;
+  const size_t count = ws.size();
+  TORCH_CHECK_VALUE(grads.size() == count && ms.size() == count && m_scales.size() == count && vs.size() == count &&
+                        v_scales.size() == count && steps.size() == count,
+                    "adam_step_group: expected lists of one length (ws has ", count, "), got grads ", grads.size(),
+                    ", ms ", ms.size(), ", m_scales ", m_scales.size(), ", vs ", vs.size(), ", v_scales ",
+                    v_scales.size(), ", steps ", steps.size());
+  check_tables(signed_codes, signed_mids, unsigned_codes, unsigned_mids);
+  for (const Tensor& t : steps) {
+    check_plain(t, "steps");
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat && t.numel() == 1,
+                     "steps: expected one-element float32 step counters (torch.optim's), got ", t.scalar_type(),
+                     " of ", t.numel(), " elements");
   }
-#pragma omp parallel num_threads(threads)
-  {
-    DefaultFpEnv env;
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
-    const int64_t b = c0 * 256, e = std::min<int64_t>(c1 * 256, n);
-    if (b < e) kernels.step(wp, gp, gb, wb, mref, vref, s, n, b, e);
+  // the int8 search tables once for the group (every parameter's state of a kind shares its map)
+  std::optional<Int8Search> msearch, vsearch;
+  std::vector<Job> jobs;
+  jobs.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    jobs.push_back(make_job(ws[i], grads[i], std::nullopt, ms[i], m_scales[i], m_kind, vs[i], v_scales[i], v_kind,
+                            v_sqrt, signed_codes, signed_mids, unsigned_codes, unsigned_mids, msearch, vsearch));
   }
+  // the scalars of Adam.scalars, in double as Python computes them (pow / sqrt of the C library, as Python's
+  // float ** float and math.sqrt), after the step counter's float32 increment (torch's `step += 1`)
+  for (size_t i = 0; i < count; ++i) {
+    float* counter = steps[i].data_ptr<float>();
+    *counter = *counter + 1.0f;
+    const double step = *counter;
+    jobs[i].s = AdamScalars{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+                            static_cast<float>(1.0 - beta2), static_cast<float>(lr / (1.0 - std::pow(beta1, step))),
+                            static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, step))),
+                            static_cast<float>(eps), static_cast<float>(decoupled ? 1.0 - lr * weight_decay : 1.0),
+                            static_cast<float>(decoupled ? 0.0 : weight_decay), maximize};
+  }
+  run_jobs(jobs);
 }
 
 }  // namespace adam_glue

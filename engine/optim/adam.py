@@ -59,9 +59,11 @@ class Adam(LowPrecisionOptimizer):
     def step_group(self, group: dict, params: list[torch.Tensor]) -> None:
         if self.all_fp32(group):
             self._torch_step(group, params)
-        else:
-            for p in params:
-                self._compressed_step(group, p)
+            return
+        if group["fused"]:  # one native call for the parameters the kernel takes
+            params = native_step.adam_group(self, group, params)
+        for p in params:
+            self._compressed_step(group, p)
 
     # ------------------------------------------------------------------------------ fp32: torch's step
     def _torch_step(self, group: dict, params: list[torch.Tensor]) -> None:

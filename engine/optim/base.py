@@ -141,17 +141,19 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def _reencode(self, p: torch.Tensor, state: dict, group: dict, old: dict, mode: str, index: int) -> None:
         """A loaded state (of p, or of its local shard) re-encoded from its saved formats `old` into the group's.
-        A float32 tensor without scales is read as fp32 whatever `old` says (how `state_dict` writes blocked
-        states whose shards are not whole blocks)."""
+        The states `state_dict` wrote decoded to fp32 (blocked states of shards that are not whole blocks) are
+        listed under DECODED and read as fp32. A tensor whose dtype is not its saved format's is refused
+        (`check_loaded`): a DCP template of other formats than the checkpoint's gets its values cast."""
         start = state.get(sharded.SHARD_OFFSET, 0)
+        decoded = tuple(state.pop(DECODED, ()))
         stochastic = any(self.format_of(group, n).stochastic for n in self.STATES)
         if stochastic and "state_counter" not in state:
             state["state_counter"] = torch.tensor([group.get("seed", 0) * 65537 + index, start], dtype=torch.int64)
         for name in self.STATES:
             if name not in state:
                 continue
-            plain = state[name].dtype == torch.float32 and name + "_scale" not in state
-            source = formats.NAMES["fp32"] if plain else formats.parse(old.get(name, "fp32"))
+            source = formats.NAMES["fp32"] if name in decoded else formats.parse(old.get(name, "fp32"))
+            check_loaded(state, name, source, old, index)
             if source == self.format_of(group, name):
                 continue
             self.store(state, group, name, self.load(state, group, name, source), state.get("state_counter"))
@@ -179,6 +181,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     view[name] = self.load(view, group, name)
                     del view[name + "_scale"], state[name + "_scale"]
                     state[name] = sharded.rewrap(p, {name: view[name]}, {})[name]
+                state[DECODED] = list(local_scales)
                 out["state"][pid] = state
         return out
 
@@ -197,6 +200,29 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def warn_fallback(self, why: str) -> None:
         """A warning, shown once per call site by Python's default filter (no state of ours)."""
         warnings.warn(f"engine.optim: fused=True runs the Python reference step: {why}", stacklevel=3)
+
+
+#: a state dict entry: the states `state_dict` wrote decoded to fp32 (a list of names)
+DECODED = "decoded_fp32"
+
+
+def check_loaded(state: dict, name: str, source: StateFormat, old: dict, index: int) -> None:
+    """ValueError unless state[name] (and its scales) are stored as the saved format `source` says. A DCP load
+    into a template of other formats fills the template's tensors with the checkpoint's values cast to the
+    template's dtypes (and the param groups with the checkpoint's formats): that is caught here."""
+    expected = formats.storage_dtype(source)
+    data = sharded.local(state[name])
+    scaled = name + "_scale" in state
+    if data.dtype == expected and scaled == source.blocked:
+        return
+    got = f"a {data.dtype} tensor" + (" with block scales" if scaled else " without block scales")
+    raise ValueError(
+        f"load_state_dict: state {name!r} of parameter {index} is {got}, but its saved format {source.name!r} "
+        f"stores {expected}" + (" with block scales" if source.blocked else "") + ". A distributed checkpoint "
+        "loaded (dcp.load) into a template of other state formats than the checkpoint's gets the checkpoint's "
+        "values cast into the template's tensors. Load it into an optimizer with the checkpoint's formats "
+        f"(state_dtype={dict(old) or 'fp32'}) and hand that optimizer's state_dict() to this one's "
+        "load_state_dict, which converts across formats.")
 
 
 def formats_advance(counter: torch.Tensor, count: int) -> None:

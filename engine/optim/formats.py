@@ -21,6 +21,7 @@ on by default): see `dynamic_map` for why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import torch
@@ -114,6 +115,14 @@ def parse(value: str | StateFormat, what: str = "state_dtype") -> StateFormat:
             return StateFormat("int8", sqrt_second_moment=False)
         raise ValueError(f"{what}: expected one of {', '.join(NAMES)} (or a StateFormat), got {value!r}")
     raise TypeError(f"{what}: expected a str or StateFormat, got {type(value).__name__}")
+
+
+@functools.cache
+def storage_dtype(fmt: StateFormat) -> torch.dtype:
+    """The dtype of a state's data in `fmt` (what `encode` returns)."""
+    if fmt.kind == "fp8":
+        return encode(fmt, torch.zeros(1))[0].dtype
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[fmt.kind]
 
 
 # ------------------------------------------------------------------------------------------ reference

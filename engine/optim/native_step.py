@@ -6,12 +6,17 @@ from __future__ import annotations
 import torch
 
 from engine.ops import native
-from engine.optim import dynamic_map
+from engine.optim import dynamic_map, weights
 from engine.optim.formats import StateFormat
 
 
 def why_not(opt, group: dict, p: torch.Tensor, state: dict) -> str:  # noqa: ANN001
     """'' when the native kernel runs this step, else why not."""
+    return why_not_group(opt, group) or why_not_param(p, state)
+
+
+def why_not_group(opt, group: dict) -> str:  # noqa: ANN001
+    """'' when the kernel takes the group's state formats (and this build has it), else why not."""
     if not native.available():
         return f"the native kernels are not available ({native.why_unavailable()})"
     if not hasattr(native._ext(), "adam_step"):
@@ -22,6 +27,11 @@ def why_not(opt, group: dict, p: torch.Tensor, state: dict) -> str:  # noqa: ANN
             return f"{name}: the kernel takes fp8 states in 1x128 blocks, got {fmt.scheme}"
         if fmt.stochastic:
             return f"{name}: the kernel does not round bf16 states stochastically"
+    return ""
+
+
+def why_not_param(p: torch.Tensor, state: dict) -> str:
+    """'' when the kernel takes this parameter, its gradient and its states, else why not."""
     if not all(t.is_contiguous() for t in state.values() if isinstance(t, torch.Tensor)):
         return "the states are not contiguous"
     if not p.is_contiguous() or p.device.type != "cpu" or type(p.data) is not torch.Tensor and "master" not in state:
@@ -52,3 +62,31 @@ def adam(opt, group: dict, p: torch.Tensor, state: dict, w: torch.Tensor, c: dic
     native.adam_step(w, p.grad, state["exp_avg"], state.get("exp_avg_scale"), kind_code(fm), state["exp_avg_sq"],
                      state.get("exp_avg_sq_scale"), kind_code(fv), fv.stores_sqrt(True), tables, scalars,
                      bool(group["maximize"]))
+
+
+@torch.compiler.disable  # under torch.compile the compressed step runs eagerly (a graph break)
+def adam_group(opt, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:  # noqa: ANN001
+    """One native call for every parameter of the group the kernel takes (their step counters advanced, the
+    scalars computed from them in the kernel's glue as `Adam.scalars` does): returns the others, for the
+    per-parameter path. A tensor learning rate is left to that path (its scalars are tensor arithmetic)."""
+    if isinstance(group["lr"], torch.Tensor) or why_not_group(opt, group):
+        return list(params)
+    take, rest = [], []
+    for p in params:
+        (rest if why_not_param(p, opt.state[p]) else take).append(p)
+    if not take:
+        return rest
+    fm, fv = opt.format_of(group, "exp_avg"), opt.format_of(group, "exp_avg_sq")
+    states = [opt.state[p] for p in take]
+    ws = [weights.working_value(p, s) for p, s in zip(take, states)]
+    beta1, beta2 = group["betas"]
+    native._ext().adam_step_group(
+        ws, [p.grad for p in take], [s["exp_avg"] for s in states], [s.get("exp_avg_scale") for s in states],
+        kind_code(fm), [s["exp_avg_sq"] for s in states], [s.get("exp_avg_sq_scale") for s in states], kind_code(fv),
+        fv.stores_sqrt(True), [s["step"] for s in states], dynamic_map.signed_codes(), dynamic_map.midpoints(True),
+        dynamic_map.unsigned_codes(), dynamic_map.midpoints(False), float(group["lr"]), float(beta1), float(beta2),
+        float(group["eps"]), float(group["weight_decay"]), bool(opt.DECOUPLED), bool(group["maximize"]))
+    for p, w, s in zip(take, ws, states):
+        if not weights.in_place(p):
+            weights.write_back(p, w, s)
+    return rest
