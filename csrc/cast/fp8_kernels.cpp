@@ -101,8 +101,7 @@ raw_t<T> cast_strip(const void* x, int64_t base, int64_t ld, int64_t rows, int64
   alignas(64) uint8_t buf[64 * kBufLd];
   for (int64_t r = 0; r < rows; ++r) {
     const raw_t<T>* row = at<T>(x, base + r * ld);
-    prefetch<T>(row + next, cols);
-    key = cast_keyed_g<T, K>(row, cols, scale, out_t ? buf + kBufLd * r : out + r * ld_out, key);
+    key = cast_keyed_g<T, K>(row, cols, scale, out_t ? buf + kBufLd * r : out + r * ld_out, key, row + next);
   }
   if (!out_t) return key;
   for (int64_t c = 0; c < cols; c += 64) {
@@ -180,10 +179,10 @@ void block_tiles(Src x, int64_t r0, int64_t r1, int64_t c0, int64_t c_end, int64
   const int64_t c1 = imin(c_end, c0 + n * tile_cols);
   const int64_t next = next_unit_offset(c0, c1, c_end, r1 - r0, x.ld);
   for (int64_t r = r0; r < r1; ++r) {
-    prefetch<T>(at<T>(x.data, r * x.ld + c0 + next), c1 - c0);
     for (int j = 0; j < n; ++j) {
       const int64_t t0 = c0 + j * tile_cols, t1 = imin(c_end, t0 + tile_cols);
-      cast_run_g<T, K>(at<T>(x.data, r * x.ld + t0), t1 - t0, scale[j], out + r * ld_out + t0);
+      cast_run_g<T, K>(at<T>(x.data, r * x.ld + t0), t1 - t0, scale[j], out + r * ld_out + t0,
+                       at<T>(x.data, r * x.ld + t0 + next));
     }
   }
 }
@@ -270,8 +269,7 @@ void block_transposed_t(Src x, int64_t A, int64_t B, const BlockParams& p, int64
     const int64_t rows = imin(64, a1 - a);
     for (int64_t r = 0; r < rows; ++r) {
       const raw_t<T>* row = at<T>(x.data, (a + r) * x.ld + b0);
-      prefetch<T>(row + next, width);
-      cast_scaled_g<T, K>(row, width, col_scale, arranged, buf + kBufLd * r);
+      cast_scaled_g<T, K>(row, width, col_scale, arranged, buf + kBufLd * r, row + next);
     }
     for (int64_t c = 0; c < width; c += 64) {
       transpose::transpose64_store(buf + c, kBufLd, rows, imin(64, width - c), out + (b0 + c) * A + a, A, stream);
@@ -378,8 +376,7 @@ void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t
     const int64_t next = next_unit_offset(c0, c1, Kc, kMx, x.ld);
     for (int64_t r = r0; r < r1; ++r) {
       const raw_t<T>* row = at<T>(x.data, r * x.ld + c0);
-      prefetch<T>(row + next, width);
-      cast_scaled_g<T, K>(row, width, col_scale, arranged, out + r * Kc + c0);
+      cast_scaled_g<T, K>(row, width, col_scale, arranged, out + r * Kc + c0, row + next);
     }
   }
 }

@@ -298,16 +298,38 @@ FP8_LANE raw_t<T> fold_keys(const keyv<T> k[], raw_t<T> key) {
   return r > key ? r : key;
 }
 
+// The prefetches of one group's worth of elements at pf (nullptr: none): the casts below spread the fetch of the
+// next unit over their groups, one line at a time, instead of asking for all its lines at once (a burst of
+// prefetches stalls once the core's miss buffers are full: 22% of block_transposed's time at avx2, 1 thread).
+template <InType T>
+FP8_LANE void prefetch_group(const raw_t<T>* pf) {
+  if (pf == nullptr) return;
+  const char* p = reinterpret_cast<const char*>(pf);
+  for (int64_t b = 0; b < kGroup * static_cast<int64_t>(sizeof(raw_t<T>)); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+// The prefetches of the elements [i, n) at pf that prefetch_group did not cover (nullptr: none).
+template <InType T>
+FP8_LANE void prefetch_tail(const raw_t<T>* pf, int64_t i, int64_t n) {
+  if (pf == nullptr || i >= n) return;
+  const char* p = reinterpret_cast<const char*>(pf + i);
+  for (int64_t b = 0; b < (n - i) * static_cast<int64_t>(sizeof(raw_t<T>)); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // cast_keyed in groups: out[i] = fp8(x[i] * s) for i < n; returns max(key, the max key of x[0, n)).
 template <InType T, Fp8Kind K>
 FP8_LANE raw_t<T> cast_keyed_g(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out,
-                               raw_t<T> key = 0) {
+                               raw_t<T> key = 0, const raw_t<T>* pf = nullptr) {
   keyv<T> k[4] = {};
   const vec::f32n sv = vec::splat<vec::f32n>(abs_scale(s));
   const vec::f32n sc[4] = {sv, sv, sv, sv};
   const uint32_t flip = scale_flip(s);
   int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) cast_group<T, K>(x + i, sc, flip, out + i, k);
+  for (; i + kGroup <= n; i += kGroup) {
+    prefetch_group<T>(pf ? pf + i : nullptr);
+    cast_group<T, K>(x + i, sc, flip, out + i, k);
+  }
+  prefetch_tail<T>(pf, i, n);
   if (i < n) {
     const raw_t<T> t = cast_keyed<T, K>(x + i, n - i, s, out + i);
     key = t > key ? t : key;
@@ -317,13 +339,18 @@ FP8_LANE raw_t<T> cast_keyed_g(const raw_t<T>* __restrict x, int64_t n, float s,
 
 // cast_run in groups.
 template <InType T, Fp8Kind K>
-FP8_LANE void cast_run_g(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out) {
+FP8_LANE void cast_run_g(const raw_t<T>* __restrict x, int64_t n, float s, uint8_t* __restrict out,
+                         const raw_t<T>* pf = nullptr) {
   keyv<T> k[4] = {};
   const vec::f32n sv = vec::splat<vec::f32n>(abs_scale(s));
   const vec::f32n sc[4] = {sv, sv, sv, sv};
   const uint32_t flip = scale_flip(s);
   int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) cast_group<T, K>(x + i, sc, flip, out + i, k);
+  for (; i + kGroup <= n; i += kGroup) {
+    prefetch_group<T>(pf ? pf + i : nullptr);
+    cast_group<T, K>(x + i, sc, flip, out + i, k);
+  }
+  prefetch_tail<T>(pf, i, n);
   if (i < n) cast_run<T, K>(x + i, n - i, s, out + i);
 }
 
@@ -352,14 +379,16 @@ FP8_LANE bool arrange_scales(const float* __restrict s, int64_t n, float* __rest
 // returned false: then all one by one).
 template <InType T, Fp8Kind K>
 FP8_LANE void cast_scaled_g(const raw_t<T>* __restrict x, int64_t n, const float* __restrict s,
-                            const float* __restrict arranged, uint8_t* __restrict out) {
+                            const float* __restrict arranged, uint8_t* __restrict out, const raw_t<T>* pf = nullptr) {
   keyv<T> k[4] = {};
   int64_t i = 0;
   for (; arranged && i + kGroup <= n; i += kGroup) {
+    prefetch_group<T>(pf ? pf + i : nullptr);
     vec::f32n sc[4];
     for (int j = 0; j < 4; ++j) sc[j] = vec::load<vec::f32n>(arranged + i + j * kL);
     cast_group<T, K>(x + i, sc, 0, out + i, k);
   }
+  prefetch_tail<T>(pf, i, n);
   if (i < n) cast_scaled<T, K>(x + i, n - i, s + i, out + i);
 }
 
