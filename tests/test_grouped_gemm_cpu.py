@@ -1,10 +1,12 @@
-"""The CPU grouped GEMM (engine.gemm.grouped.cpu_grouped_gemm: every group's exact GEMM in one native call, fprop
-and dgrad written into one output) against one general_gemm per group, bit for bit.
+"""The CPU grouped GEMM (engine.gemm.grouped.cpu_grouped_gemm: every group's CPU GEMM in one native call, fprop
+and dgrad written into one output) against per-expert engine.Linear modules and general_gemm per group, bit for bit.
 
 tests/test_grouped_linear.py checks GroupedLinear against per-expert engine.Linear modules at small fp32 shapes
 (the small GEMM kernel's sizes); here the bf16 shapes where the native exact GEMM runs oneDNN's addmm, which the
-grouped call runs into a row slice of the output, under every recipe class (its default build), and the
-per-tensor pair whose scale product is not a normal number (computed outside the native call, as general_gemm does).
+grouped call runs into a row slice of the output, under every recipe and option variant (the native call must run
+every pass whose operands are quantized: per-tensor FP8, power-of-2 tiles, NVFP4, fp32 tiles, per-tensor by
+tiles), the per-tensor pair whose scale product is not a normal number (computed outside the native call, as
+general_gemm does), and NVFP4 amaxes whose factor leaves fp32's normal range.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import pytest
 import torch
 
 import engine
-from conformance.recipes import DEFAULTS, Case
+from conformance.recipes import CASES, Case
 from engine.gemm import general_gemm
 from engine.gemm.grouped import cpu_grouped_gemm
 from engine.ops import native
+from engine.recipes import Gemm, NVFP4BlockScaling, Role
+from engine.tensors.quantized import storage_of
 from test_grouped_linear import assert_bits, reference_grads, share_streams
 
 
@@ -41,7 +45,19 @@ def bf16_linears(module: engine.GroupedLinear) -> list[engine.Linear]:
     return refs
 
 
-@pytest.mark.parametrize("case", DEFAULTS, ids=str)
+def quantized_passes(module: engine.GroupedLinear) -> int:
+    """How many of fprop, dgrad, wgrad have both operands quantized for every expert (read from the recipe's
+    states): the passes the native grouped call must run."""
+    passes = 0
+    for gemm, roles in ((Gemm.FPROP, (Role.INPUT, Role.WEIGHT)), (Gemm.DGRAD, (Role.GRAD_OUTPUT, Role.WEIGHT)),
+                        (Gemm.WGRAD, (Role.GRAD_OUTPUT, Role.INPUT))):
+        states = [module._bwd_state if role is Role.GRAD_OUTPUT else module._fwd_state for role in roles]
+        passes += all(state.operand((gemm, role), e) is not None
+                      for state, role in zip(states, roles) for e in range(E))
+    return passes
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
 def test_bf16_addmm_sizes_bit_exact_to_per_expert_linears(case: Case, monkeypatch):
     calls = []
     grouped = native.grouped_exact_gemm
@@ -66,8 +82,7 @@ def test_bf16_addmm_sizes_bit_exact_to_per_expert_linears(case: Case, monkeypatc
         [getattr(module, f"bias{e}").grad for e in range(E)]
     for e, (got, want) in enumerate(zip(grads, reference_grads(refs))):
         assert_bits(got, want, f"grad {e} (weights then biases)")
-    if case.class_name in ("DelayedScaling", "MXFP8BlockScaling"):  # per-tensor FP8, E8M0 tiles: the native call's
-        assert calls, "the native grouped GEMM did not run"
+    assert len(calls) == quantized_passes(module), "the native grouped GEMM did not run every quantized pass"
 
 
 def per_tensor(x: torch.Tensor, scale_inv: float) -> engine.Float8Tensor:
@@ -88,3 +103,35 @@ def test_per_tensor_scale_product_below_fp32_normals_matches_general_gemm():
     listed = cpu_grouped_gemm(a, b, out_dtype=torch.float32, concat=False)
     for got, x, w in zip(listed, a, b):
         assert_bits(got, general_gemm(x, w, out_dtype=torch.float32), "group")
+
+
+def test_fp32_output_beyond_the_small_gemm_matches_general_gemm():
+    """fp32 output with K above the small GEMM kernel's limit (512): an fp32 addmm into each group's rows."""
+    g = torch.Generator().manual_seed(4)
+    a = [per_tensor(torch.randn(m, 640, generator=g), 0.5) for m in (7, 0, 12)]
+    b = [per_tensor(torch.randn(24, 640, generator=g), 0.25) for _ in range(3)]
+    out = cpu_grouped_gemm(a, b, out_dtype=torch.float32)
+    assert out is not None
+    assert_bits(out, torch.cat([general_gemm(x, w, out_dtype=torch.float32) for x, w in zip(a, b)]), "out")
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nvfp4_factor_outside_fp32_normals_matches_general_gemm(out_dtype: torch.dtype):
+    """amax_a * amax_b / 2688^2 below fp32's normals (applied as mantissas and powers of two), and a bias."""
+    recipe = NVFP4BlockScaling()
+    state = recipe.make_state(forward=True, num_gemms=3)
+    quantizers = [state.operand((Gemm.FPROP, role), 0) for role in (Role.INPUT, Role.WEIGHT)]
+    for q in quantizers:
+        q.set_usage(rowwise=True, columnwise=False)
+    g = torch.Generator().manual_seed(3)
+    a = [quantizers[0](torch.randn(m, 64, generator=g) * s) for m, s in ((5, 2.0**-60), (0, 1.0), (9, 1.0))]
+    b = [quantizers[1](torch.randn(16, 64, generator=g) * s) for s in (2.0**-60, 2.0**60, 1.0)]
+    biases = [torch.randn(16, generator=g).to(out_dtype) for _ in range(3)]
+    out = cpu_grouped_gemm(a, b, out_dtype=out_dtype, biases=biases)
+    want = torch.cat([general_gemm(x, w, out_dtype=out_dtype, bias=c) for x, w, c in zip(a, b, biases)])
+    assert out is not None
+    assert_bits(out, want, "out")
+    listed = cpu_grouped_gemm(a, b, out_dtype=out_dtype, concat=False)
+    for got, x, w in zip(listed, a, b):
+        assert_bits(got, general_gemm(x, w, out_dtype=out_dtype), "group")
+    factor = storage_of(a[0], "a").amax_rowwise * storage_of(b[0], "b").amax_rowwise / 2688.0**2
+    assert factor < torch.finfo(torch.float32).tiny and listed[0].abs().max() > 0  # a factor fp32 would flush

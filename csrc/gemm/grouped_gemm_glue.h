@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace engine_native {
@@ -12,9 +13,11 @@ using at::Tensor;
 using c10::optional;
 
 std::vector<optional<Tensor>> grouped_exact_gemm(
-    const std::vector<Tensor>& a, const std::vector<Tensor>& a_scale_inv, int64_t a_tile_rows, int64_t a_tile_cols,
-    const std::vector<Tensor>& b, const std::vector<Tensor>& b_scale_inv, int64_t b_tile_rows, int64_t b_tile_cols,
-    const std::vector<optional<Tensor>>& biases, at::ScalarType out_dtype, bool bf16_gemm, const optional<Tensor>& out);
+    const std::vector<Tensor>& a, const std::vector<Tensor>& a_scale_inv, const std::vector<int64_t>& a_tiles,
+    const std::vector<Tensor>& b, const std::vector<Tensor>& b_scale_inv, const std::vector<int64_t>& b_tiles,
+    const std::string& numerics, const std::vector<Tensor>& a_amax, const std::vector<Tensor>& b_amax,
+    double a_amax_divisor, double b_amax_divisor, const std::vector<optional<Tensor>>& biases,
+    at::ScalarType out_dtype, bool bf16_gemm, const optional<Tensor>& out);
 
 }  // namespace grouped_gemm_glue
 }  // namespace engine_native

@@ -60,8 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"), py::arg("b_tile_cols"),
         py::arg("bias"), py::arg("out_dtype"), py::arg("bf16_gemm"));
   m.def("grouped_exact_gemm", &grouped_gemm_glue::grouped_exact_gemm, py::arg("a"), py::arg("a_scale_inv"),
-        py::arg("a_tile_rows"), py::arg("a_tile_cols"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tile_rows"),
-        py::arg("b_tile_cols"), py::arg("biases"), py::arg("out_dtype"), py::arg("bf16_gemm"), py::arg("out"));
+        py::arg("a_tiles"), py::arg("b"), py::arg("b_scale_inv"), py::arg("b_tiles"), py::arg("numerics"),
+        py::arg("a_amax"), py::arg("b_amax"), py::arg("a_amax_divisor"), py::arg("b_amax_divisor"), py::arg("biases"),
+        py::arg("out_dtype"), py::arg("bf16_gemm"), py::arg("out"));
   m.def("quantize_nvfp4", &nvfp4_glue::quantize, py::arg("x2d"), py::arg("rowwise"), py::arg("columnwise"),
         py::arg("two_d"), py::arg("rht"), py::arg("amax"), py::arg("amax_t"), py::arg("counter"),
         py::arg("out_row_data") = py::none(), py::arg("out_row_scales") = py::none(),

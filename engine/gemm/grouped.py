@@ -1,4 +1,5 @@
-"""grouped_gemm: out[rows of group g] = op(a_g) @ op(b_g)^T (+ bias_g) for all groups in one Triton launch.
+"""grouped_gemm: out[rows of group g] = op(a_g) @ op(b_g)^T (+ bias_g) for all groups in one Triton launch;
+cpu_grouped_gemm: the same in one native call on the CPU (below), for every pair general_gemm runs there.
 
 A mixture of experts' fprop and dgrad: each expert's row group of the activation against that expert's
 weight. On CUDA tensors (or with ENGINE_BACKEND=triton, which is how the CPU tests run it under
@@ -18,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from engine.gemm.mixed import as_tiles
 from engine.gemm.operand import GemmOperand, gemm_operand
 from engine.gemm.scales import pow2
 from engine.ops import backend as ops_backend
@@ -103,23 +105,21 @@ def grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase], b: Sequence
 
 
 # ------------------------------------------------------------------------------ the CPU: one native call
-Tiles = tuple[tuple[int, int], tuple[int, int]]
-
-
-def _exact_pair(a_ops: Sequence[GemmOperand], b_ops: Sequence[GemmOperand]) -> Tiles | None:
-    """(a's tile, b's tile) when every pair is one general_gemm runs as the native exact GEMM (per-tensor FP8 both
-    sides, or power-of-2 tiles both sides: engine.gemm.cpu.per_tensor / pow2_tiles) with one tile shape per side;
-    else None."""
-    first_a, first_b = a_ops[0], b_ops[0]
-    a_tile, b_tile = first_a.tile, first_b.tile
-    for a, b in zip(a_ops, b_ops):
-        if a.amax is not None or b.amax is not None or a.tile != a_tile or b.tile != b_tile or a.k != b.k:
-            return None
-        if not ((a.per_tensor and b.per_tensor) or (a.kind == "pow2" and b.kind == "pow2")):
-            return None
-    if not first_a.per_tensor and (a_tile[1] != b_tile[1] or (a_tile[0] > 1 and b_tile[0] > 1)):
-        return None  # general_gemm refuses these pairs: let it say so
-    return a_tile, b_tile
+def _cpu_numerics(a: GemmOperand, b: GemmOperand) -> tuple[str, GemmOperand, GemmOperand] | None:
+    """(numerics, a, b) of the CPU GEMM general_gemm runs for this pair (engine.gemm.PAIRINGS on the CPU): "exact"
+    (cpu.per_tensor, cpu.pow2_tiles), "nvfp4" (cpu.nvfp4) or "fp32_tiles" (cpu.fp32_tiles), with a per-tensor side
+    of a mixed pair read as tiles (mixed.tensor_by_tiles); None for a pair general_gemm refuses (let it say so)."""
+    if a.k != b.k:
+        return None
+    if a.kind == "nvfp4" or b.kind == "nvfp4":
+        return ("nvfp4", a, b) if a.kind == b.kind == "nvfp4" and a.tile == b.tile else None
+    if a.per_tensor and b.per_tensor:
+        return "exact", a, b
+    if a.per_tensor or b.per_tensor:
+        a, b = (as_tiles(a, b), b) if a.per_tensor else (a, as_tiles(b, a))
+    elif a.tile_cols != b.tile_cols or (a.tile_rows > 1 and b.tile_rows > 1):
+        return None  # general_gemm's _check_pair refuses these
+    return ("exact" if a.kind == b.kind == "pow2" else "fp32_tiles"), a, b
 
 
 def _native_exact() -> bool:
@@ -137,7 +137,8 @@ def cpu_grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase],
                      concat: bool = True) -> torch.Tensor | list[torch.Tensor] | None:
     """general_gemm(a[g], b[g], ...) of every group g in one native call, the same bits: with `concat` the groups'
     outputs one after the other in one [sum of rows, N] tensor (written in place, no concatenation), else a list.
-    None where a pair is not the native exact GEMM's (then run general_gemm per group)."""
+    Every pair general_gemm runs on the CPU takes it (per-tensor FP8, power-of-2 tiles, NVFP4, fp32 tiles, and
+    per-tensor by tiles), when all groups' pairs have one numerics; None otherwise (then run general_gemm per group)."""
     from engine.gemm import general_gemm
     from engine.ops import native
 
@@ -148,19 +149,36 @@ def cpu_grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase],
     b_ops = [gemm_operand(t, transposed=b_transposed, name="b") for t in b]
     if any(op.data.device.type != "cpu" for op in (*a_ops, *b_ops)):
         return None
-    tiles = _exact_pair(a_ops, b_ops)
+    pairs = [_cpu_numerics(x, y) for x, y in zip(a_ops, b_ops)]
+    if any(p is None for p in pairs) or len({p[0] for p in pairs}) != 1:
+        return None
+    numerics = pairs[0][0]
+    a_ops, b_ops = [p[1] for p in pairs], [p[2] for p in pairs]
     n = b_ops[0].rows
-    if tiles is None or (concat and any(op.rows != n for op in b_ops)):
+    if concat and any(op.rows != n for op in b_ops):
         return None
     if biases is not None and all(x is None for x in biases):
         biases = None
     if biases is not None and (any(x is None for x in biases)
                                or any(tuple(x.shape) != (op.rows,) for x, op in zip(biases, b_ops))):
         return None
+    kwargs = {}
+    if numerics == "nvfp4":
+        divisors = {(x.amax_divisor, y.amax_divisor) for x, y in zip(a_ops, b_ops)}
+        if len(divisors) != 1:
+            return None
+        kwargs = {"numerics": numerics, "amax_divisors": divisors.pop(),
+                  "amaxes": ([op.amax.float() for op in a_ops], [op.amax.float() for op in b_ops])}
+        a_scales, b_scales = [op.scale_inv for op in a_ops], [op.scale_inv for op in b_ops]
+    elif numerics == "fp32_tiles":
+        kwargs = {"numerics": numerics}
+        a_scales, b_scales = [op.tile_scales() for op in a_ops], [op.tile_scales() for op in b_ops]
+    else:
+        a_scales, b_scales = [op.scale_inv for op in a_ops], [op.scale_inv for op in b_ops]
     out = torch.empty(sum(op.rows for op in a_ops), n, dtype=out_dtype) if concat else None
-    results = native.grouped_exact_gemm([op.data for op in a_ops], [op.scale_inv for op in a_ops], tiles[0],
-                                        [op.data for op in b_ops], [op.scale_inv for op in b_ops], tiles[1],
-                                        biases, out_dtype, out)
+    results = native.grouped_exact_gemm([op.data for op in a_ops], a_scales, [op.tile for op in a_ops],
+                                        [op.data for op in b_ops], b_scales, [op.tile for op in b_ops],
+                                        biases, out_dtype, out, **kwargs)
     first = 0
     outs = []
     for g, result in enumerate(results):

@@ -10,10 +10,11 @@ Two paths, the same bits (tests/test_grouped_linear.py checks both against per-e
   scaling's 1x128, torchao's rowwise: no per-tensor scale, no state, no stochastic rounding, the same quantizer
   config for every expert), that operand is quantized in ONE pass over all tokens and each expert reads its rows
   as a slice (the bits of a per-expert quantization: no scale block spans two tokens). Per-tensor scaling (delayed, current) and NVFP4 (a per-tensor amax)
-  need one scale per expert: those operands are quantized per expert. On the CPU, where every pair is the native
-  exact GEMM's (per-tensor FP8, power-of-2 tiles), each pass's GEMMs (fprop, dgrad, the wgrads) run in one native
-  call (engine.gemm.grouped.cpu_grouped_gemm: each group's general_gemm bits, fprop and dgrad written into one
-  output, no concatenation); other pairs run one general_gemm per expert.
+  need one scale per expert: those operands are quantized per expert. On the CPU each pass's GEMMs (fprop, dgrad,
+  the wgrads) run in one native call for every pair general_gemm runs there (per-tensor FP8, power-of-2 tiles,
+  NVFP4, fp32 tiles, per-tensor by tiles; engine.gemm.grouped.cpu_grouped_gemm: each group's general_gemm bits,
+  fprop and dgrad written into one output, no concatenation); a pass mixing numerics over its experts, or with
+  a high-precision operand, runs one general_gemm per expert.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def rowwise_slices(t: torch.Tensor, state: RecipeState, role: Role, gemm: int,
 def _grouped_gemms(a: list[GemmInput], b: list[GemmInput], m_splits: Sequence[int], b_transposed: bool,
                    out_dtype: torch.dtype, biases: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
     """Row group e of the output = a[e] @ op(b[e])^T (+ biases[e]): on CUDA (or ENGINE_BACKEND=triton) one Triton
-    launch where it covers the pair (engine.gemm.grouped), on the CPU one native call where every pair is the
-    native exact GEMM's (each group's general_gemm bits, written into the output), else one general_gemm per group."""
+    launch where it covers the pair (engine.gemm.grouped), on the CPU one native call where all pairs have one
+    numerics (each group's general_gemm bits, written into the output), else one general_gemm per group."""
     if uses_triton(a[0].device if isinstance(a[0], torch.Tensor) else _device_of(a[0])):
         out = grouped_gemm(a, b, m_splits, b_transposed=b_transposed, out_dtype=out_dtype, biases=biases)
         if out is not None:
@@ -119,8 +120,8 @@ def _grouped_gemms(a: list[GemmInput], b: list[GemmInput], m_splits: Sequence[in
 
 
 def _wgrads(pairs: list[tuple[GemmInput, GemmInput]], out_dtype: torch.dtype) -> list[torch.Tensor]:
-    """dW_e = dy_e^T x_e of each (dy_e, x_e) pair (their columnwise copies): one native call on the CPU where every
-    pair is the native exact GEMM's, else one general_gemm each."""
+    """dW_e = dy_e^T x_e of each (dy_e, x_e) pair (their columnwise copies): one native call on the CPU where all
+    pairs have one numerics, else one general_gemm each."""
     if not pairs:
         return []
     dys, xs = [p[0] for p in pairs], [p[1] for p in pairs]

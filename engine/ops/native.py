@@ -653,19 +653,27 @@ def exact_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_tile: tuple[int, in
                              out_dtype, bf16_gemm)
 
 
-def grouped_exact_gemm(a: Sequence[torch.Tensor], a_scale_inv: Sequence[torch.Tensor], a_tile: tuple[int, int],
-                       b: Sequence[torch.Tensor], b_scale_inv: Sequence[torch.Tensor], b_tile: tuple[int, int],
+def grouped_exact_gemm(a: Sequence[torch.Tensor], a_scale_inv: Sequence[torch.Tensor],
+                       a_tiles: Sequence[tuple[int, int]], b: Sequence[torch.Tensor],
+                       b_scale_inv: Sequence[torch.Tensor], b_tiles: Sequence[tuple[int, int]],
                        biases: Sequence[torch.Tensor | None] | None, out_dtype: torch.dtype,
-                       out: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """`exact_gemm` of every group g (a[g], b[g], one tile shape per side) in one call, each with exact_gemm's bits.
+                       out: torch.Tensor | None, *, numerics: str = "exact",
+                       amaxes: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] = ((), ()),
+                       amax_divisors: tuple[float, float] = (2688.0, 2688.0)) -> list[torch.Tensor | None]:
+    """The CPU GEMM general_gemm runs for every group g (a[g], b[g], each side's tile shape per group) in one call,
+    with its bits. `numerics`: "exact" (per-tensor FP8 or power-of-2 tile pairs: `exact_gemm`), "nvfp4" (fp32 block
+    scales and one fp32 amax per operand in `amaxes`, divided by `amax_divisors`: engine.gemm.cpu.nvfp4) or
+    "fp32_tiles" (fp32 tile scales: engine.gemm.cpu.fp32_tiles).
 
     With `out` (contiguous [sum of a's rows, N], out_dtype) each group's result is written into its rows, and the
     list holds None for a group written and an empty tensor for one not written (a per-tensor scale product that
     is not a normal number: the caller computes it). Without `out`: the groups' results, None where exact_gemm
     gives None. (csrc/gemm/grouped_gemm_glue.cpp)"""
     bf16_gemm = out_dtype == torch.bfloat16 and native_bf16_gemm()
-    return _ext().grouped_exact_gemm(list(a), list(a_scale_inv), a_tile[0], a_tile[1], list(b), list(b_scale_inv),
-                                     b_tile[0], b_tile[1], [] if biases is None else list(biases), out_dtype,
+    return _ext().grouped_exact_gemm(list(a), list(a_scale_inv), [v for tile in a_tiles for v in tile], list(b),
+                                     list(b_scale_inv), [v for tile in b_tiles for v in tile], numerics,
+                                     list(amaxes[0]), list(amaxes[1]), float(amax_divisors[0]),
+                                     float(amax_divisors[1]), [] if biases is None else list(biases), out_dtype,
                                      bf16_gemm, out)
 
 
