@@ -27,11 +27,14 @@ from common import machine_line, median_seconds, print_table, torch_threads  # n
 
 import engine  # noqa: E402
 from engine.recipes import (  # noqa: E402
-    DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+    DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling,
+    NVFP4BlockScaling,
 )
 
 RECIPES = {"delayed": DelayedScaling(), "current": Float8CurrentScaling(), "block": Float8BlockScaling(),
-           "mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling()}
+           "mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling(),
+           "block-f32": Float8BlockScaling(use_f32_scales=True),  # fp32 tile scales
+           "rowwise": Float8RowwiseScaling(), "rowwise-f32": Float8RowwiseScaling(use_power_2_scales=False)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
