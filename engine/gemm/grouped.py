@@ -112,7 +112,8 @@ def _cpu_numerics(a: GemmOperand, b: GemmOperand) -> tuple[str, GemmOperand, Gem
     if a.k != b.k:
         return None
     if a.kind == "nvfp4" or b.kind == "nvfp4":
-        return ("nvfp4", a, b) if a.kind == b.kind == "nvfp4" and a.tile == b.tile else None
+        nvfp4 = a.kind == b.kind == "nvfp4" and a.tile == b.tile and a.amax is not None and b.amax is not None
+        return ("nvfp4", a, b) if nvfp4 else None
     if a.per_tensor and b.per_tensor:
         return "exact", a, b
     if a.per_tensor or b.per_tensor:
