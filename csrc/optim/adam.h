@@ -11,8 +11,9 @@
 namespace engine_native {
 
 // How a state is stored (engine/optim/formats.py): fp32, bf16 (nearest even), FP8 E4M3 / E5M2 with an fp32
-// scale_inv per 128 elements (the block1d scheme), or uint8 codes of a 256-entry map with an fp32 absmax per 256.
-enum class StateKind : int { F32 = 0, BF16 = 1, E4M3_128 = 2, E5M2_128 = 3, INT8_256 = 4 };
+// scale_inv per 128 elements (the block1d scheme), uint8 codes of a 256-entry map with an fp32 absmax per 256, or
+// bf16 rounded stochastically (formats.round_bf16_stochastic with engine.ops.nvfp4_sr.random_bits' bytes).
+enum class StateKind : int { F32 = 0, BF16 = 1, E4M3_128 = 2, E5M2_128 = 3, INT8_256 = 4, BF16_SR = 5 };
 
 // The int8 code search as a table lookup: a value's bucket (its sign and the top bits of its magnitude, clamped to
 // [2^-26, 1], in value order) holds `lo`, the number of decision points below every value of the bucket, and at
@@ -42,6 +43,8 @@ struct StateRef {
   const float* mids;     // int8: the 255 decision points (nearest code, ties down), then kInt8Probes +inf
   const int32_t* lo;     // int8: [kInt8Buckets] the bucket table above
   bool sqrt_form;        // the second moment stored as sqrt(v)
+  uint32_t sr_key;       // BF16_SR: the random bits' key of the counter's seed (nvfp4_sr: h(seed) ^ seed >> 32)
+  uint64_t sr_offset;    // BF16_SR: the counter index of element 0 of this tensor (the offset, mod 2^64)
 };
 
 struct AdamScalars {

@@ -31,7 +31,8 @@ int64_t block_of(StateKind kind) {
 at::ScalarType dtype_of(StateKind kind) {
   switch (kind) {
     case StateKind::F32: return at::kFloat;
-    case StateKind::BF16: return at::kBFloat16;
+    case StateKind::BF16:
+    case StateKind::BF16_SR: return at::kBFloat16;
     case StateKind::E4M3_128: return at::kFloat8_e4m3fn;
     case StateKind::E5M2_128: return at::kFloat8_e5m2;
     default: return at::kByte;
@@ -77,14 +78,15 @@ struct Int8Search {
 StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64_t kind_code, int64_t n,
                    const char* name, bool sqrt_form, const Tensor& codes, const Tensor& mids,
                    std::optional<Int8Search>& search) {
-  TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 4, name, ": expected a state kind 0..4, got ", kind_code);
+  TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 5, name, ": expected a state kind 0..5, got ", kind_code);
   const StateKind kind = static_cast<StateKind>(kind_code);
   check_plain(data, name);
   TORCH_CHECK_VALUE(data.is_contiguous(), name, ": expected a contiguous state");
   TORCH_CHECK_TYPE(data.scalar_type() == dtype_of(kind), name, ": expected ", dtype_of(kind), ", got ",
                    data.scalar_type());
   TORCH_CHECK_VALUE(data.numel() == n, name, ": expected ", n, " elements (the parameter's), got ", data.numel());
-  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), nullptr, sqrt_form};
+  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), nullptr, sqrt_form,
+               0u, 0u};
   if (kind == StateKind::INT8_256) {
     if (!search.has_value()) search.emplace(mids.data_ptr<float>());
     ref.mids = search->mids;
@@ -101,6 +103,41 @@ StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64
     ref.scale = scale->data_ptr<float>();
   }
   return ref;
+}
+
+uint32_t lowbias32(uint32_t v) {
+  v ^= v >> 16;
+  v *= 0x7FEB352Du;
+  v ^= v >> 15;
+  v *= 0x846CA68Bu;
+  return v ^ (v >> 16);
+}
+
+// Binds the stochastic bf16 states of (m, v) to the state's random-bit counter (int64 [2] = seed, offset: the
+// reference's `state_counter`) and advances it as the reference does: m's bits at the offset, then v's after
+// `global_n` more (the whole tensor's count: a shard's counter starts at its position), offset += global_n per
+// stochastic state.
+void bind_counter(StateRef& m, StateRef& v, const std::optional<Tensor>& counter, int64_t global_n) {
+  const bool msr = m.kind == StateKind::BF16_SR, vsr = v.kind == StateKind::BF16_SR;
+  if (!msr && !vsr) return;
+  TORCH_CHECK_VALUE(counter.has_value(), "counters: a stochastically rounded bf16 state needs its (seed, offset) "
+                    "counter, got None");
+  check_plain(*counter, "counters");
+  TORCH_CHECK_TYPE(counter->scalar_type() == at::kLong && counter->numel() == 2 && counter->is_contiguous(),
+                   "counters: expected contiguous int64 tensors of 2 elements (seed, offset), got ",
+                   counter->scalar_type(), " of ", counter->numel(), " elements");
+  TORCH_CHECK_VALUE(global_n >= 0, "global_numels: expected counts >= 0, got ", global_n);
+  int64_t* c = counter->data_ptr<int64_t>();
+  const uint64_t seed = static_cast<uint64_t>(c[0]);
+  uint64_t offset = static_cast<uint64_t>(c[1]);
+  const uint32_t key = lowbias32(static_cast<uint32_t>(seed)) ^ static_cast<uint32_t>(seed >> 32);
+  for (StateRef* s : {&m, &v}) {
+    if (s->kind != StateKind::BF16_SR) continue;
+    s->sr_key = key;
+    s->sr_offset = offset;
+    offset += static_cast<uint64_t>(global_n);
+  }
+  c[1] = static_cast<int64_t>(offset);
 }
 
 struct Job {
@@ -198,6 +235,8 @@ void adam_step(const Tensor& w, const Tensor& grad, const std::optional<Tensor>&
   NoPythonDispatch no_python;
   check_tables(signed_codes, signed_mids, unsigned_codes, unsigned_mids);
   std::optional<Int8Search> msearch, vsearch;
+  TORCH_CHECK_VALUE(m_kind != 5 && v_kind != 5, "m_kind, v_kind: stochastically rounded bf16 states (kind 5) "
+                    "need their random-bit counters: call adam_step_group");
   Job job = make_job(w, grad, w_bf16, m, m_scale, m_kind, v, v_scale, v_kind, v_sqrt, signed_codes, signed_mids,
                      unsigned_codes, unsigned_mids, msearch, vsearch);
   job.s = AdamScalars{static_cast<float>(beta1), static_cast<float>(one_minus_beta1), static_cast<float>(beta2),
@@ -212,9 +251,14 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
                      const std::vector<std::optional<Tensor>>& v_scales, int64_t v_kind, bool v_sqrt,
                      const std::vector<Tensor>& steps, const Tensor& signed_codes, const Tensor& signed_mids,
                      const Tensor& unsigned_codes, const Tensor& unsigned_mids, double lr, double beta1, double beta2,
-                     double eps, double weight_decay, bool decoupled, bool maximize) {
+                     double eps, double weight_decay, bool decoupled, bool maximize,
+                     const std::vector<std::optional<Tensor>>& counters, const std::vector<int64_t>& global_numels) {
   NoPythonDispatch no_python;
   const size_t count = ws.size();
+  const bool stochastic = m_kind == 5 || v_kind == 5;
+  TORCH_CHECK_VALUE(!stochastic || (counters.size() == count && global_numels.size() == count),
+                    "counters, global_numels: stochastically rounded bf16 states need one counter and one count per "
+                    "tensor (", count, "), got ", counters.size(), " and ", global_numels.size());
   TORCH_CHECK_VALUE(grads.size() == count && ms.size() == count && m_scales.size() == count && vs.size() == count &&
                         v_scales.size() == count && steps.size() == count,
                     "adam_step_group: expected lists of one length (ws has ", count, "), got grads ", grads.size(),
@@ -235,6 +279,7 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
     jobs.push_back(make_job(ws[i], grads[i], std::nullopt, ms[i], m_scales[i], m_kind, vs[i], v_scales[i], v_kind,
                             v_sqrt, signed_codes, signed_mids, unsigned_codes, unsigned_mids, msearch, vsearch));
   }
+  for (size_t i = 0; stochastic && i < count; ++i) bind_counter(jobs[i].m, jobs[i].v, counters[i], global_numels[i]);
   // the scalars of Adam.scalars, in double as Python computes them (pow / sqrt of the C library, as Python's
   // float ** float and math.sqrt), after the step counter's float32 increment (torch's `step += 1`)
   for (size_t i = 0; i < count; ++i) {

@@ -40,6 +40,42 @@ inline __attribute__((always_inline)) uint16_t bf16_nearest_even(float v) {
       pick((u & 0x7FFFFFFFu) > 0x7F800000u, (u >> 16) | 0x40u, (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
 }
 
+// ------------------------------------------------------------------ stochastic rounding of bf16 states
+// engine.ops.nvfp4_sr.random_bits: the byte of counter index j = offset + i is byte j & 3 of
+// h(h(lo32(j >> 2)) ^ key ^ hi32(j >> 2) * 0x9E3779B9), h the "lowbias32" mixer (our own vector code of that spec).
+template <typename U>
+inline __attribute__((always_inline)) U lowbias32(U v) {
+  v ^= v >> 16;
+  v *= 0x7FEB352Du;
+  v ^= v >> 15;
+  v *= 0x846CA68Bu;
+  return v ^ (v >> 16);
+}
+
+// The random byte of index j (scalar).
+inline __attribute__((always_inline)) uint32_t sr_byte(uint32_t key, uint64_t j) {
+  const uint64_t word = j >> 2;
+  const uint32_t mix = lowbias32(lowbias32(static_cast<uint32_t>(word)) ^ key ^
+                                 static_cast<uint32_t>(word >> 32) * 0x9E3779B9u);
+  return (mix >> (8 * (j & 3))) & 0xFFu;
+}
+
+// The random bytes of indices j0 .. j0 + lanes - 1 (a carry out of the low 32 bits per lane).
+inline __attribute__((always_inline)) vec::u32n sr_bytes(uint32_t key, uint64_t j0) {
+  vec::u32n lane;
+  for (int l = 0; l < vec::kNativeLanes; ++l) lane[l] = static_cast<uint32_t>(l);
+  const uint32_t lo0 = static_cast<uint32_t>(j0);
+  const vec::u32n jlo = lo0 + lane;
+  const vec::u32n jhi = static_cast<uint32_t>(j0 >> 32) - vec::bits<vec::u32n>(jlo < lo0);  // + the carry
+  const vec::u32n mix = lowbias32(lowbias32((jlo >> 2) | (jhi << 30)) ^ key ^ (jhi >> 2) * 0x9E3779B9u);
+  return (mix >> ((jlo & 3u) << 3)) & 0xFFu;
+}
+
+// formats.round_bf16_stochastic of x with the random byte r: (bits + (r << 8)) >> 16; NaN the quiet 0x7FC0.
+inline __attribute__((always_inline)) uint16_t bf16_stochastic(float x, uint32_t r) {
+  return static_cast<uint16_t>(x != x ? 0x7FC0u : (bits_of(x) + (r << 8)) >> 16);
+}
+
 // The value of an FP8 code (exact in bf16: fp8v::bf16_word's word is its top half; NaN 0x7FC00000).
 template <Fp8Kind K>
 inline __attribute__((always_inline)) float fp8_value(uint8_t code) {
@@ -165,6 +201,15 @@ void encode_decode(const StateRef& s, float* __restrict x, int64_t at, int64_t c
       }
       return;
     }
+    case StateKind::BF16_SR: {
+      uint16_t* __restrict d = static_cast<uint16_t*>(s.data) + at;
+      for (int64_t i = 0; i < count; ++i) {
+        const uint16_t h = bf16_stochastic(x[i], sr_byte(s.sr_key, s.sr_offset + static_cast<uint64_t>(at + i)));
+        d[i] = h;
+        x[i] = float_of(static_cast<uint32_t>(h) << 16);
+      }
+      return;
+    }
     case StateKind::E4M3_128: encode_decode_fp8<Fp8Kind::E4M3>(s, x, at, count); return;
     case StateKind::E5M2_128: encode_decode_fp8<Fp8Kind::E5M2>(s, x, at, count); return;
     case StateKind::INT8_256: {
@@ -193,7 +238,8 @@ void decode(const StateRef& s, float* __restrict x, int64_t at, int64_t count) {
     case StateKind::F32:
       std::memcpy(x, static_cast<const float*>(s.data) + at, count * 4);
       return;
-    case StateKind::BF16: {
+    case StateKind::BF16:
+    case StateKind::BF16_SR: {
       const uint16_t* __restrict d = static_cast<const uint16_t*>(s.data) + at;
       for (int64_t i = 0; i < count; ++i) x[i] = float_of(static_cast<uint32_t>(d[i]) << 16);
       return;
@@ -250,11 +296,19 @@ inline __attribute__((always_inline)) vec::u32n bf16_n(vec::f32n x) {
   return x != x ? vec::splat<vec::u32n>(0x7FC0u) : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // NaN: canonical's
 }
 
-// Stores the state (fp32 or bf16) of x at p (NaN as canonical()'s); returns the value stored.
-template <bool BF16>
-inline __attribute__((always_inline)) vec::f32n store_state(void* p, vec::f32n x) {
-  if constexpr (BF16) {
-    const vec::u32n h = bf16_n(x);
+// How step_plain stores a state: fp32, bf16 nearest even, bf16 stochastic.
+enum PlainKind : int { kPF32 = 0, kPBF16 = 1, kPBF16SR = 2 };
+
+// Stores the state of x (kind K) at p (NaN as canonical()'s); returns the value stored. `r`: the random bytes.
+template <int K>
+inline __attribute__((always_inline)) vec::f32n store_state(void* p, vec::f32n x, vec::u32n r) {
+  if constexpr (K != kPF32) {
+    vec::u32n h;
+    if constexpr (K == kPBF16SR) {
+      h = x != x ? vec::splat<vec::u32n>(0x7FC0u) : (vec::bits<vec::u32n>(x) + (r << 8)) >> 16;
+    } else {
+      h = bf16_n(x);
+    }
     vec::store(p, vec::convert<u16h>(h));
     return vec::bits<vec::f32n>(h << 16);
   } else {
@@ -267,9 +321,13 @@ inline __attribute__((always_inline)) vec::f32n store_state(void* p, vec::f32n x
 // The step over [begin, end) in one pass of native vectors for fp32 / bf16 states with a plain second moment (no
 // blocks, no L1 buffers): the operations of `step` below in the same order (the same bits); returns where it
 // stopped (the tail, shorter than a vector, is left to `step`).
-template <bool GB, bool MB, bool VB>
+template <bool GB, int MK, int VK>
 int64_t step_plain(float* __restrict w, const void* __restrict grad, uint16_t* __restrict w_bf16,
-                   void* __restrict md, void* __restrict vd, const AdamScalars& s, int64_t begin, int64_t end) {
+                   void* __restrict md, void* __restrict vd, const StateRef& mref, const StateRef& vref,
+                   const AdamScalars& s, int64_t begin, int64_t end) {
+  constexpr bool MB = MK != kPF32, VB = VK != kPF32;
+  const uint32_t mkey = mref.sr_key, vkey = vref.sr_key;
+  const uint64_t moff = mref.sr_offset, voff = vref.sr_offset;
   using namespace vec;
   constexpr int L = kNativeLanes;
   const f32n beta1 = splat<f32n>(s.beta1), omb1 = splat<f32n>(s.one_minus_beta1), beta2 = splat<f32n>(s.beta2),
@@ -289,8 +347,8 @@ int64_t step_plain(float* __restrict w, const void* __restrict grad, uint16_t* _
     char* vp = static_cast<char*>(vd) + at * vs;
     m = load_f32<MB>(mp) * beta1 + g * omb1;
     v = load_f32<VB>(vp) * beta2 + (g * g) * omb2;
-    m = store_state<MB>(mp, m);
-    v = store_state<VB>(vp, v);
+    m = store_state<MK>(mp, m, MK == kPBF16SR ? sr_bytes(mkey, moff + at) : u32n{});
+    v = store_state<VK>(vp, v, VK == kPBF16SR ? sr_bytes(vkey, voff + at) : u32n{});
     if (has_decay) wv = wv * decay;
   };
   const auto finish = [&](int64_t at, f32n wv) {
@@ -316,24 +374,23 @@ int64_t step_plain(float* __restrict w, const void* __restrict grad, uint16_t* _
 }
 
 // step_plain for the kinds at run time, or begin where it does not apply.
+int PlainKindOf(StateKind k) { return k == StateKind::F32 ? kPF32 : k == StateKind::BF16 ? kPBF16 : kPBF16SR; }
+
 int64_t step_plain_any(float* w, const void* grad, bool grad_bf16, uint16_t* w_bf16, const StateRef& m,
                        const StateRef& v, const AdamScalars& s, int64_t begin, int64_t end) {
-  const auto plain = [](StateKind k) { return k == StateKind::F32 || k == StateKind::BF16; };
+  const auto plain = [](StateKind k) {
+    return k == StateKind::F32 || k == StateKind::BF16 || k == StateKind::BF16_SR;
+  };
   if (!plain(m.kind) || !plain(v.kind) || v.sqrt_form) return begin;
-  const int code = (grad_bf16 ? 4 : 0) + (m.kind == StateKind::BF16 ? 2 : 0) + (v.kind == StateKind::BF16 ? 1 : 0);
-#define ENGINE_ADAM_PLAIN(c, gb, mb, vb) \
-  case c: return step_plain<gb, mb, vb>(w, grad, w_bf16, m.data, v.data, s, begin, end);
-  switch (code) {
-    ENGINE_ADAM_PLAIN(0, false, false, false)
-    ENGINE_ADAM_PLAIN(1, false, false, true)
-    ENGINE_ADAM_PLAIN(2, false, true, false)
-    ENGINE_ADAM_PLAIN(3, false, true, true)
-    ENGINE_ADAM_PLAIN(4, true, false, false)
-    ENGINE_ADAM_PLAIN(5, true, false, true)
-    ENGINE_ADAM_PLAIN(6, true, true, false)
-    default: return step_plain<true, true, true>(w, grad, w_bf16, m.data, v.data, s, begin, end);
-  }
-#undef ENGINE_ADAM_PLAIN
+  using Fn = int64_t (*)(float*, const void*, uint16_t*, void*, void*, const StateRef&, const StateRef&,
+                         const AdamScalars&, int64_t, int64_t);
+#define ENGINE_ADAM_PLAIN3(gb, mk) &step_plain<gb, mk, 0>, &step_plain<gb, mk, 1>, &step_plain<gb, mk, 2>
+  static constexpr Fn kTable[18] = {ENGINE_ADAM_PLAIN3(false, 0), ENGINE_ADAM_PLAIN3(false, 1),
+                                    ENGINE_ADAM_PLAIN3(false, 2), ENGINE_ADAM_PLAIN3(true, 0),
+                                    ENGINE_ADAM_PLAIN3(true, 1), ENGINE_ADAM_PLAIN3(true, 2)};
+#undef ENGINE_ADAM_PLAIN3
+  const int code = (grad_bf16 ? 9 : 0) + 3 * PlainKindOf(m.kind) + PlainKindOf(v.kind);
+  return kTable[code](w, grad, w_bf16, m.data, v.data, m, v, s, begin, end);
 }
 
 // ---------------------------------------------------------------- both states blocked, one format (fused)
