@@ -149,3 +149,35 @@ def test_int8_codes_at_the_search_tables_bucket_edges():
                 opt.step()
             got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
         assert same_bits(*got), isa
+
+
+def test_int8_codes_around_every_decision_point_and_binade_edge():
+    """At AVX-512 the kernel computes an int8 code from the map's runs of equal steps (csrc/optim/adam.h: a region
+    per run, found from the value's binade and one comparison, then a linear index with a margin, and a compare
+    with the decision point where the margin leaves two candidates): values 0-3 ulps either side of every decision
+    point of both maps and of every binade edge, both signs, and random values over 10 decades (betas (0, 0): m = g
+    and sqrt(v) = |g| exactly, each block's absmax 1.0) give the codes of torch.bucketize in the reference."""
+    from engine.optim import dynamic_map
+
+    mids = torch.cat([dynamic_map.midpoints(True), dynamic_map.midpoints(False)])
+    edges = (torch.arange(96, 128, dtype=torch.int32) << 23).view(torch.float32)
+    base = torch.cat([mids.abs(), edges]).view(torch.int32)
+    mags = (base[:, None] + torch.arange(-3, 4, dtype=torch.int32)[None, :]).reshape(-1).view(torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    rand = 10.0 ** (-10 * torch.rand(20000, generator=gen))
+    mags = torch.cat([mags, rand]).clamp(max=1.0)
+    g = torch.cat([mags, -mags, torch.tensor([0.0, -0.0, float("nan")])])
+    g = torch.cat([g, torch.ones((-g.numel()) % 256)]).reshape(-1, 256)
+    g[:, 0] = 1.0
+    g = g.reshape(-1)
+    for isa in ISAS:
+        got = []
+        for fused in (False, True):
+            p = torch.zeros(g.numel(), requires_grad=True)
+            opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.0), fused=fused, state_dtype="int8")
+            p.grad = g.clone()
+            with native.use_isa(isa):
+                opt.step()
+            got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
+        assert same_bits(*got), isa
+

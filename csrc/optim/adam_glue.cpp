@@ -45,18 +45,70 @@ float f32_of(uint32_t u) {
   return f;
 }
 
-// The int8 map's search table (adam.h: int8_bucket): the decision points padded with +inf and, per bucket, the
-// number of decision points below its smallest value; two pointers sweep the buckets in value order.
-struct Int8Search {
-  float mids[255 + kInt8Probes];
-  int32_t lo[kInt8Buckets];
+uint32_t u32_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
-  explicit Int8Search(const float* m) {
-    std::memcpy(mids, m, 255 * 4);
-    for (int j = 0; j < kInt8Probes; ++j) mids[255 + j] = INFINITY;
+// The kernel's int8 code rule (adam.h) in scalar form: what the glue proves against the decision points.
+int32_t region_of(const Int8Map& t, float v) {
+  const int32_t r0 = t.bin_region[int8_bin(u32_of(v))];
+  return r0 + (t.lower[r0 + 1] < v ? 1 : 0);
+}
+int32_t linear_code(const Int8Map& t, int32_t r, float v, bool upper) {
+  const float p = v * t.a[r];
+  const float x = p + (upper ? t.b2[r] : t.b1[r]);
+  const int32_t c = static_cast<int32_t>(x);  // truncation, as the kernel's conversion (|x| < 2^31 here)
+  return std::min(std::max(c, t.first[r]), t.last[r]);
+}
+
+// The int8 map's code-search tables (adam.h: Int8Map), built from its codes and decision points, and the proof
+// that the kernel's rule gives torch.bucketize's code for every value in [-1, 1] (else a ValueError: a map the
+// rule does not fit).
+struct Int8Tables {
+  Int8Map map;
+
+  Int8Tables(const float* codes, const float* mids) {
+    std::memcpy(map.codes, codes, 256 * 4);
+    std::memcpy(map.mids, mids, 255 * 4);
+    map.mids[255] = INFINITY;
     for (int i = 1; i < 255; ++i) {
-      TORCH_CHECK_VALUE(mids[i - 1] <= mids[i], "mids: expected sorted decision points");
+      TORCH_CHECK_VALUE(mids[i - 1] < mids[i], "mids: expected increasing decision points");
     }
+    // regions: runs of codes of one step (to 1e-3 of it, in double)
+    int regions = 0;
+    for (int k = 0; k < 256;) {
+      int j = k;
+      if (k + 1 < 256) {
+        const double h = static_cast<double>(codes[k + 1]) - codes[k];
+        j = k + 1;
+        while (j + 1 < 256 && std::abs((static_cast<double>(codes[j + 1]) - codes[j]) - h) <= 1e-3 * h) ++j;
+      }
+      TORCH_CHECK_VALUE(regions < kInt8Regions - 1, "codes: more than ", kInt8Regions - 1,
+                        " runs of equally spaced codes; the int8 kernel's code search does not fit this map");
+      const int r = regions++;
+      map.lower[r] = r == 0 ? -INFINITY : mids[k - 1];
+      map.first[r] = k;
+      map.last[r] = j;
+      map.a[r] = map.b1[r] = map.b2[r] = 0.0f;
+      if (j > k) {
+        const double h = (static_cast<double>(codes[j]) - codes[k]) / (j - k);
+        const double b = k + 0.5 - codes[k] / h;
+        constexpr double kMargin = 1.0 / 4096;
+        map.a[r] = static_cast<float>(1.0 / h);
+        map.b1[r] = static_cast<float>(b - kMargin);
+        map.b2[r] = static_cast<float>(b + kMargin);
+      }
+      k = j + 1;
+    }
+    for (int r = regions; r < kInt8Regions; ++r) {
+      map.lower[r] = INFINITY;
+      map.first[r] = map.last[r] = 255;
+      map.a[r] = map.b1[r] = map.b2[r] = 0.0f;
+    }
+    // the bucket table (adam.h: int8_bucket): per bucket, the decision points below its smallest value; two
+    // pointers sweep the buckets in value order
     int32_t below_min = 0, below_max = 0;
     for (int k = 0; k < kInt8Buckets; ++k) {
       const bool neg = k < kInt8Half;
@@ -70,14 +122,40 @@ struct Int8Search {
       while (below_max < 255 && mids[below_max] < vmax) ++below_max;
       TORCH_CHECK_VALUE(below_max - below_min <= kInt8Probes, "mids: more than ", kInt8Probes,
                         " decision points in one bucket of the int8 search table (adam.h); the map is too fine");
-      lo[k] = below_min;
+      map.bucket_lo[k] = below_min;
+    }
+    // bins: the region of the lowest value, and no second region boundary inside
+    const auto exact_region = [&](float v) {
+      int r = 0;
+      while (r + 1 < regions && map.lower[r + 1] < v) ++r;
+      return r;
+    };
+    for (int bin = 0; bin < kInt8Bins; ++bin) {
+      const bool neg = bin >= 32;
+      const uint32_t e = static_cast<uint32_t>(bin % 32 + kInt8ExpBase);
+      const float small = bin % 32 == 0 ? 0.0f : f32_of(e << 23);
+      const float large = bin % 32 == 31 ? INFINITY : f32_of(((e + 1) << 23) - 1u);
+      const float vmin = neg ? -large : small, vmax = neg ? -small : large;
+      map.bin_region[bin] = exact_region(vmin);
+      TORCH_CHECK_VALUE(exact_region(vmax) - map.bin_region[bin] <= 1, "mids: two region boundaries in one "
+                        "binade; the int8 kernel's code search does not fit this map");
+    }
+    // the rule, one ulp either side of every decision point (both sides monotone in v: that covers the rest)
+    for (int k = 0; k < 255; ++k) {
+      for (const float v : {mids[k], std::nextafter(mids[k], INFINITY)}) {
+        const int32_t want = v <= mids[k] ? k : k + 1;
+        const int32_t r = region_of(map, v);
+        const int32_t c1 = linear_code(map, r, v, false), c2 = linear_code(map, r, v, true);
+        TORCH_CHECK_VALUE(r == exact_region(v) && c1 <= want && want <= c2 && c2 - c1 <= 1,
+                          "codes, mids: the int8 kernel's code search does not fit this map at decision point ", k);
+      }
     }
   }
 };
 
 StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64_t kind_code, int64_t n,
                    const char* name, bool sqrt_form, const Tensor& codes, const Tensor& mids,
-                   std::optional<Int8Search>& search) {
+                   std::optional<Int8Tables>& search) {
   TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 5, name, ": expected a state kind 0..5, got ", kind_code);
   const StateKind kind = static_cast<StateKind>(kind_code);
   check_plain(data, name);
@@ -85,12 +163,11 @@ StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64
   TORCH_CHECK_TYPE(data.scalar_type() == dtype_of(kind), name, ": expected ", dtype_of(kind), ", got ",
                    data.scalar_type());
   TORCH_CHECK_VALUE(data.numel() == n, name, ": expected ", n, " elements (the parameter's), got ", data.numel());
-  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), mids.data_ptr<float>(), nullptr, sqrt_form,
-               0u, 0u};
+  StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), nullptr, sqrt_form, 0u, 0u};
   if (kind == StateKind::INT8_256) {
-    if (!search.has_value()) search.emplace(mids.data_ptr<float>());
-    ref.mids = search->mids;
-    ref.lo = search->lo;
+    if (!search.has_value()) search.emplace(codes.data_ptr<float>(), mids.data_ptr<float>());
+    ref.codes = search->map.codes;
+    ref.map = &search->map;
   }
   const int64_t block = block_of(kind);
   if (block) {
@@ -167,7 +244,7 @@ Job make_job(const Tensor& w, const Tensor& grad, const std::optional<Tensor>& w
              const std::optional<Tensor>& m_scale, int64_t m_kind, const Tensor& v,
              const std::optional<Tensor>& v_scale, int64_t v_kind, bool v_sqrt, const Tensor& signed_codes,
              const Tensor& signed_mids, const Tensor& unsigned_codes, const Tensor& unsigned_mids,
-             std::optional<Int8Search>& msearch, std::optional<Int8Search>& vsearch) {
+             std::optional<Int8Tables>& msearch, std::optional<Int8Tables>& vsearch) {
   check_plain(w, "w");
   check_plain(grad, "grad");
   TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "w: expected float32, got ", w.scalar_type());
@@ -234,7 +311,7 @@ void adam_step(const Tensor& w, const Tensor& grad, const std::optional<Tensor>&
                double eps, double decay, double wd, bool maximize) {
   NoPythonDispatch no_python;
   check_tables(signed_codes, signed_mids, unsigned_codes, unsigned_mids);
-  std::optional<Int8Search> msearch, vsearch;
+  std::optional<Int8Tables> msearch, vsearch;
   TORCH_CHECK_VALUE(m_kind != 5 && v_kind != 5, "m_kind, v_kind: stochastically rounded bf16 states (kind 5) "
                     "need their random-bit counters: call adam_step_group");
   Job job = make_job(w, grad, w_bf16, m, m_scale, m_kind, v, v_scale, v_kind, v_sqrt, signed_codes, signed_mids,
@@ -272,7 +349,7 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
                      " of ", t.numel(), " elements");
   }
   // the int8 search tables once for the group (every parameter's state of a kind shares its map)
-  std::optional<Int8Search> msearch, vsearch;
+  std::optional<Int8Tables> msearch, vsearch;
   std::vector<Job> jobs;
   jobs.reserve(count);
   for (size_t i = 0; i < count; ++i) {
