@@ -153,9 +153,28 @@ struct Int8Tables {
   }
 };
 
+// A map's tables as handed back by adam_int8_tables (checked: uint8 bytes of an Int8Map whose indices stay in
+// range), or null for None.
+const Int8Map* tables_of(const std::optional<Tensor>& t, const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_plain(*t, name);
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kByte && t->is_contiguous() &&
+                       t->numel() == static_cast<int64_t>(sizeof(Int8Map)) &&
+                       reinterpret_cast<uintptr_t>(t->data_ptr()) % 64 == 0,
+                   name, ": expected the 64-byte aligned uint8 tensor of adam_int8_tables (", sizeof(Int8Map),
+                   " bytes), got ", t->scalar_type(), " of ", t->numel(), " elements");
+  const Int8Map* map = reinterpret_cast<const Int8Map*>(t->data_ptr());
+  bool ok = true;
+  for (int b = 0; b < kInt8Bins; ++b) ok &= map->bin_region[b] >= 0 && map->bin_region[b] < kInt8Regions - 1;
+  for (int r = 0; r < kInt8Regions; ++r) ok &= map->first[r] >= 0 && map->last[r] <= 255 && map->first[r] <= map->last[r];
+  for (int k = 0; k < kInt8Buckets; ++k) ok &= map->bucket_lo[k] >= 0 && map->bucket_lo[k] <= 255;
+  TORCH_CHECK_VALUE(ok, name, ": not the tables of adam_int8_tables (an index out of range); build them with it");
+  return map;
+}
+
 StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64_t kind_code, int64_t n,
                    const char* name, bool sqrt_form, const Tensor& codes, const Tensor& mids,
-                   std::optional<Int8Tables>& search) {
+                   std::optional<Int8Tables>& search, const Int8Map* built) {
   TORCH_CHECK_VALUE(kind_code >= 0 && kind_code <= 5, name, ": expected a state kind 0..5, got ", kind_code);
   const StateKind kind = static_cast<StateKind>(kind_code);
   check_plain(data, name);
@@ -165,9 +184,12 @@ StateRef state_ref(const Tensor& data, const std::optional<Tensor>& scale, int64
   TORCH_CHECK_VALUE(data.numel() == n, name, ": expected ", n, " elements (the parameter's), got ", data.numel());
   StateRef ref{kind, data.data_ptr(), nullptr, codes.data_ptr<float>(), nullptr, sqrt_form, 0u, 0u};
   if (kind == StateKind::INT8_256) {
-    if (!search.has_value()) search.emplace(codes.data_ptr<float>(), mids.data_ptr<float>());
-    ref.codes = search->map.codes;
-    ref.map = &search->map;
+    if (built == nullptr) {
+      if (!search.has_value()) search.emplace(codes.data_ptr<float>(), mids.data_ptr<float>());
+      built = &search->map;
+    }
+    ref.codes = built->codes;
+    ref.map = built;
   }
   const int64_t block = block_of(kind);
   if (block) {
@@ -244,7 +266,8 @@ Job make_job(const Tensor& w, const Tensor& grad, const std::optional<Tensor>& w
              const std::optional<Tensor>& m_scale, int64_t m_kind, const Tensor& v,
              const std::optional<Tensor>& v_scale, int64_t v_kind, bool v_sqrt, const Tensor& signed_codes,
              const Tensor& signed_mids, const Tensor& unsigned_codes, const Tensor& unsigned_mids,
-             std::optional<Int8Tables>& msearch, std::optional<Int8Tables>& vsearch) {
+             std::optional<Int8Tables>& msearch, std::optional<Int8Tables>& vsearch,
+             const Int8Map* mbuilt = nullptr, const Int8Map* vbuilt = nullptr) {
   check_plain(w, "w");
   check_plain(grad, "grad");
   TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "w: expected float32, got ", w.scalar_type());
@@ -254,8 +277,9 @@ Job make_job(const Tensor& w, const Tensor& grad, const std::optional<Tensor>& w
   const int64_t n = w.numel();
   TORCH_CHECK_VALUE(grad.numel() == n, "grad: expected ", n, " elements, got ", grad.numel());
   Job job{w.data_ptr<float>(), grad.data_ptr(), grad.scalar_type() == at::kBFloat16, nullptr,
-          state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids, msearch),
-          state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids, vsearch), AdamScalars{}, n};
+          state_ref(m, m_scale, m_kind, n, "m", false, signed_codes, signed_mids, msearch, mbuilt),
+          state_ref(v, v_scale, v_kind, n, "v", v_sqrt, unsigned_codes, unsigned_mids, vsearch, vbuilt), AdamScalars{},
+          n};
   if (w_bf16.has_value()) {
     check_plain(*w_bf16, "w_bf16");
     TORCH_CHECK_TYPE(w_bf16->scalar_type() == at::kBFloat16, "w_bf16: expected bfloat16, got ", w_bf16->scalar_type());
@@ -329,7 +353,8 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
                      const std::vector<Tensor>& steps, const Tensor& signed_codes, const Tensor& signed_mids,
                      const Tensor& unsigned_codes, const Tensor& unsigned_mids, double lr, double beta1, double beta2,
                      double eps, double weight_decay, bool decoupled, bool maximize,
-                     const std::vector<std::optional<Tensor>>& counters, const std::vector<int64_t>& global_numels) {
+                     const std::vector<std::optional<Tensor>>& counters, const std::vector<int64_t>& global_numels,
+                     const std::optional<Tensor>& signed_tables, const std::optional<Tensor>& unsigned_tables) {
   NoPythonDispatch no_python;
   const size_t count = ws.size();
   const bool stochastic = m_kind == 5 || v_kind == 5;
@@ -350,11 +375,14 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
   }
   // the int8 search tables once for the group (every parameter's state of a kind shares its map)
   std::optional<Int8Tables> msearch, vsearch;
+  const Int8Map* mbuilt = tables_of(signed_tables, "signed_tables");
+  const Int8Map* vbuilt = tables_of(unsigned_tables, "unsigned_tables");
   std::vector<Job> jobs;
   jobs.reserve(count);
   for (size_t i = 0; i < count; ++i) {
     jobs.push_back(make_job(ws[i], grads[i], std::nullopt, ms[i], m_scales[i], m_kind, vs[i], v_scales[i], v_kind,
-                            v_sqrt, signed_codes, signed_mids, unsigned_codes, unsigned_mids, msearch, vsearch));
+                            v_sqrt, signed_codes, signed_mids, unsigned_codes, unsigned_mids, msearch, vsearch,
+                            mbuilt, vbuilt));
   }
   for (size_t i = 0; stochastic && i < count; ++i) bind_counter(jobs[i].m, jobs[i].v, counters[i], global_numels[i]);
   // the scalars of Adam.scalars, in double as Python computes them (pow / sqrt of the C library, as Python's
@@ -370,6 +398,20 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
                             static_cast<float>(decoupled ? 0.0 : weight_decay), maximize};
   }
   run_jobs(jobs);
+}
+
+Tensor adam_int8_tables(const Tensor& codes, const Tensor& mids) {
+  check_plain(codes, "codes");
+  check_plain(mids, "mids");
+  TORCH_CHECK_VALUE(codes.scalar_type() == at::kFloat && codes.numel() == 256 && codes.is_contiguous(),
+                    "codes: expected 256 contiguous float32 values");
+  TORCH_CHECK_VALUE(mids.scalar_type() == at::kFloat && mids.numel() == 255 && mids.is_contiguous(),
+                    "mids: expected 255 contiguous float32 values");
+  const Int8Tables tables(codes.data_ptr<float>(), mids.data_ptr<float>());
+  Tensor out = at::empty({static_cast<int64_t>(sizeof(Int8Map))}, codes.options().dtype(at::kByte));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0, "adam_int8_tables: an unaligned allocation");
+  std::memcpy(out.data_ptr(), &tables.map, sizeof(Int8Map));
+  return out;
 }
 
 }  // namespace adam_glue

@@ -29,7 +29,13 @@ void adam_step_group(const std::vector<Tensor>& ws, const std::vector<Tensor>& g
                      const std::vector<Tensor>& steps, const Tensor& signed_codes, const Tensor& signed_mids,
                      const Tensor& unsigned_codes, const Tensor& unsigned_mids, double lr, double beta1, double beta2,
                      double eps, double weight_decay, bool decoupled, bool maximize,
-                     const std::vector<std::optional<Tensor>>& counters, const std::vector<int64_t>& global_numels);
+                     const std::vector<std::optional<Tensor>>& counters, const std::vector<int64_t>& global_numels,
+                     const std::optional<Tensor>& signed_tables, const std::optional<Tensor>& unsigned_tables);
+
+// The int8 code search's tables of a map (optim/adam.h: Int8Map) as uint8 bytes, built and proven once (a
+// ValueError for a map the kernel's rule does not fit): adam_step_group's signed_tables / unsigned_tables, so that
+// a step does not rebuild them.
+Tensor adam_int8_tables(const Tensor& codes, const Tensor& mids);
 
 }  // namespace adam_glue
 }  // namespace engine_native

@@ -3,6 +3,8 @@ them and writes the fp32 weight, bit for bit `Adam.reference_step`. Which states
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.ops import native
@@ -46,6 +48,14 @@ def why_not_param(p: torch.Tensor, state: dict) -> str:
 
 def runs(opt, group: dict, p: torch.Tensor, state: dict) -> bool:  # noqa: ANN001
     return why_not(opt, group, p, state) == ""
+
+
+@functools.cache
+def int8_tables(signed: bool) -> torch.Tensor:
+    """The kernel's int8 code-search tables of a map (csrc/optim/adam.h: Int8Map; built and proven once)."""
+    if signed:
+        return native._ext().adam_int8_tables(dynamic_map.signed_codes(), dynamic_map.midpoints(True))
+    return native._ext().adam_int8_tables(dynamic_map.unsigned_codes(), dynamic_map.midpoints(False))
 
 
 def kind_code(fmt: StateFormat) -> int:
@@ -92,7 +102,8 @@ def adam_group(opt, group: dict, params: list[torch.Tensor]) -> list[torch.Tenso
         dynamic_map.unsigned_codes(), dynamic_map.midpoints(False), float(group["lr"]), float(beta1), float(beta2),
         float(group["eps"]), float(group["weight_decay"]), bool(opt.DECOUPLED), bool(group["maximize"]),
         # stochastic bf16 states: the random bits' counters, advanced by the whole tensor's count per such state
-        [s.get("state_counter") for s in states], [int(s.get(GLOBAL_NUMEL, p.numel())) for p, s in zip(take, states)])
+        [s.get("state_counter") for s in states], [int(s.get(GLOBAL_NUMEL, p.numel())) for p, s in zip(take, states)],
+        int8_tables(True) if fm.kind == "int8" else None, int8_tables(False) if fv.kind == "int8" else None)
     for p, w, s in zip(take, ws, states):
         if not weights.in_place(p):
             weights.write_back(p, w, s)
