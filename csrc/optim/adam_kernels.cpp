@@ -87,7 +87,8 @@ inline void sr_fill(uint32_t key, uint64_t j0, uint32_t* __restrict out, int64_t
     const uint64_t w0 = (j0 + static_cast<uint64_t>(i)) >> 2;
     const uint32_t lo0 = static_cast<uint32_t>(w0);
     const u32n wlo = lo0 + lane;
-    const u32n whi = static_cast<uint32_t>(w0 >> 32) - bits<u32n>(wlo < lo0);  // + the carry
+    // + the carry, mod 2^30: words are (j mod 2^64) >> 2, below 2^62 (an index that wraps at 2^64 wraps its word)
+    const u32n whi = (static_cast<uint32_t>(w0 >> 32) - bits<u32n>(wlo < lo0)) & 0x3FFFFFFFu;
     const u32n mix = lowbias32(lowbias32(wlo) ^ key ^ whi * 0x9E3779B9u);
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
