@@ -25,6 +25,7 @@ ROWS = {  # name: (factory, state bytes of torch's fp32 AdamW or None)
     "torch AdamW foreach fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "engine AdamW fp32 (fused)": lambda ps: optim.AdamW(ps, lr=1e-3, fused=True),
     "engine AdamW bf16 (native)": lambda ps: optim.AdamW(ps, lr=1e-3, fused=True, state_dtype="bf16"),
+    "engine AdamW bf16_sr (native)": lambda ps: optim.AdamW(ps, lr=1e-3, fused=True, state_dtype="bf16_sr"),
     "engine AdamW fp8 1x128 (native)": lambda ps: optim.AdamW(ps, lr=1e-3, fused=True, state_dtype="fp8"),
     "engine AdamW int8 (native)": lambda ps: optim.AdamW(ps, lr=1e-3, fused=True, state_dtype="int8"),
     "engine AdamW int8 (reference)": lambda ps: optim.AdamW(ps, lr=1e-3, state_dtype="int8"),

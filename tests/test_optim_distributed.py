@@ -54,7 +54,7 @@ def make_opt(params, state_dtype: str, kind: str = "AdamW"):  # noqa: ANN001, AN
 
 
 #: (optimizer, state format): AdamW with each format; the fused paths and SGD with a few
-CASES = ([("AdamW", f) for f in FORMATS] + [("AdamW-fused", f) for f in ("fp32", "bf16", "fp8", "int8")]
+CASES = ([("AdamW", f) for f in FORMATS] + [("AdamW-fused", f) for f in ("fp32", "bf16", "bf16_sr", "fp8", "int8")]
          + [("SGD", f) for f in ("fp32", "bf16_sr", "int8")] + [(BF16_WEIGHTS, "bf16_sr")])
 
 

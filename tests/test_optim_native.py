@@ -15,9 +15,10 @@ from engine.optim import native_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels did not build")
 
-KERNEL_FORMATS = ["bf16", "fp8", "fp8_e5m2", "int8", "fp8:block1d_e4m3:plain_v", "int8:plain_v",
+KERNEL_FORMATS = ["bf16", "bf16_sr", "fp8", "fp8_e5m2", "int8", "fp8:block1d_e4m3:plain_v", "int8:plain_v",
                   {"exp_avg": "fp32", "exp_avg_sq": "int8"}, {"exp_avg": "fp8_e5m2", "exp_avg_sq": "bf16"},
-                  {"exp_avg": "fp32", "exp_avg_sq": "bf16"}]
+                  {"exp_avg": "fp32", "exp_avg_sq": "bf16"}, {"exp_avg": "bf16_sr", "exp_avg_sq": "int8"},
+                  {"exp_avg": "fp32", "exp_avg_sq": "bf16_sr"}]
 ISAS = native.available_isas() if native.available() else []
 
 
@@ -63,13 +64,38 @@ def test_fused_step_is_the_reference(state_dtype, isa):
     assert same_bits(fused, trajectory(state_dtype, False, isa, special=False))
 
 
-@pytest.mark.parametrize("state_dtype", ["fp8", "int8", "bf16"])
+@pytest.mark.parametrize("state_dtype", ["fp8", "int8", "bf16", "bf16_sr"])
 def test_fused_step_edge_cases_and_adam_options(state_dtype):
     """Zero blocks, overflowing and subnormal squares, -0.0; Adam's L2 decay with maximize; bf16 weights (an fp32
     master) and gradients."""
     for isa in ISAS:
         kw = dict(special=True, cls=optim.Adam, weight_decay=0.1, maximize=True, grad_dtype=torch.bfloat16)
         assert same_bits(trajectory(state_dtype, True, isa, **kw), trajectory(state_dtype, False, isa, **kw)), isa
+
+
+@pytest.mark.parametrize("offset", [2**32 - 7, 2**34 - 6, 2**34 - 20, 2**64 - 9, 2**64 - 20])
+def test_stochastic_bf16_states_random_bits_across_counter_carries(offset):
+    """The kernel's random bytes of bf16_sr states follow engine.ops.nvfp4_sr.random_bits (the reference's) where
+    the counter index carries into its high 32 bits, where the hashed word does, and where it wraps at 2^64 (an
+    offset near each, a large seed; offsets that are multiples of 4 take the kernel's one-hash-per-4-bytes path, there
+    with a carry inside one vector of hashed words, the others its per-byte path), and the counter ends where the reference's does."""
+    for isa in ISAS:
+        got = []
+        for fused in (False, True):
+            p = torch.randn(300, generator=torch.Generator().manual_seed(0)).requires_grad_()
+            opt = optim.AdamW([p], lr=1e-2, fused=fused, state_dtype="bf16_sr")
+            p.grad = torch.randn(300, generator=torch.Generator().manual_seed(1))
+            opt.step()  # states made (their counter advanced by the zeros' encode)
+            counter = opt.state[p]["state_counter"]
+            counter.copy_(torch.tensor([(-1 << 62) + 12345, offset - (1 << 64 if offset >= 1 << 63 else 0)]))
+            with native.use_isa(isa), warnings.catch_warnings():
+                warnings.simplefilter("error")  # the kernel runs: no fallback warning
+                for _ in range(2):
+                    p.grad = torch.randn(300, generator=torch.Generator().manual_seed(2))
+                    opt.step()
+            state = opt.state[p]
+            got.append([p.detach().clone()] + [state[k].clone() for k in sorted(state) if k != "step"])
+        assert same_bits(*got), isa
 
 
 def test_what_the_kernel_does_not_take_runs_the_reference_with_a_warning():
@@ -124,3 +150,35 @@ def test_int8_codes_at_the_search_tables_bucket_edges():
                 opt.step()
             got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
         assert same_bits(*got), isa
+
+
+def test_int8_codes_around_every_decision_point_and_binade_edge():
+    """At AVX-512 the kernel computes an int8 code from the map's runs of equal steps (csrc/optim/adam.h: a region
+    per run, found from the value's binade and one comparison, then a linear index with a margin, and a compare
+    with the decision point where the margin leaves two candidates): values 0-3 ulps either side of every decision
+    point of both maps and of every binade edge, both signs, and random values over 10 decades (betas (0, 0): m = g
+    and sqrt(v) = |g| exactly, each block's absmax 1.0) give the codes of torch.bucketize in the reference."""
+    from engine.optim import dynamic_map
+
+    mids = torch.cat([dynamic_map.midpoints(True), dynamic_map.midpoints(False)])
+    edges = (torch.arange(96, 128, dtype=torch.int32) << 23).view(torch.float32)
+    base = torch.cat([mids.abs(), edges]).view(torch.int32)
+    mags = (base[:, None] + torch.arange(-3, 4, dtype=torch.int32)[None, :]).reshape(-1).view(torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    rand = 10.0 ** (-10 * torch.rand(20000, generator=gen))
+    mags = torch.cat([mags, rand]).clamp(max=1.0)
+    g = torch.cat([mags, -mags, torch.tensor([0.0, -0.0, float("nan")])])
+    g = torch.cat([g, torch.ones((-g.numel()) % 256)]).reshape(-1, 256)
+    g[:, 0] = 1.0
+    g = g.reshape(-1)
+    for isa in ISAS:
+        got = []
+        for fused in (False, True):
+            p = torch.zeros(g.numel(), requires_grad=True)
+            opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.0), fused=fused, state_dtype="int8")
+            p.grad = g.clone()
+            with native.use_isa(isa):
+                opt.step()
+            got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
+        assert same_bits(*got), isa
+

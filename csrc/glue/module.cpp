@@ -89,7 +89,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("m_scales"), py::arg("m_kind"), py::arg("vs"), py::arg("v_scales"), py::arg("v_kind"),
         py::arg("v_sqrt"), py::arg("steps"), py::arg("signed_codes"), py::arg("signed_mids"),
         py::arg("unsigned_codes"), py::arg("unsigned_mids"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"));
+        py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"),
+        py::arg("counters") = std::vector<std::optional<at::Tensor>>{}, py::arg("global_numels") = std::vector<int64_t>{},
+        py::arg("signed_tables") = py::none(), py::arg("unsigned_tables") = py::none());
+  m.def("adam_int8_tables", &adam_glue::adam_int8_tables, py::arg("codes"), py::arg("mids"));
   m.def("int8_quantize_rows", &int8_dynamic_glue::quantize_rows, py::arg("x"), py::arg("biased"));
   m.def("int8_rescale", &int8_dynamic_glue::rescale, py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("dtype"));
   m.def("quantize_mx_small", &mx_small_glue::quantize, py::arg("x2d"), py::arg("kind"), py::arg("rceil"),

@@ -3,15 +3,22 @@ them and writes the fp32 weight, bit for bit `Adam.reference_step`. Which states
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.ops import native
 from engine.optim import dynamic_map, weights
 from engine.optim.formats import StateFormat
+from engine.optim.sharded import GLOBAL_NUMEL
 
 
 def why_not(opt, group: dict, p: torch.Tensor, state: dict) -> str:  # noqa: ANN001
-    """'' when the native kernel runs this step, else why not."""
+    """'' when the native kernel runs this step of one parameter (`adam`), else why not."""
+    for name in opt.STATES:
+        if opt.format_of(group, name).stochastic:
+            return (f"{name}: the kernel rounds bf16 states stochastically in the call per parameter group, and "
+                    "a tensor learning rate takes the call per parameter")
     return why_not_group(opt, group) or why_not_param(p, state)
 
 
@@ -25,8 +32,6 @@ def why_not_group(opt, group: dict) -> str:  # noqa: ANN001
         fmt = opt.format_of(group, name)
         if fmt.kind == "fp8" and not fmt.scheme.startswith("block1d"):
             return f"{name}: the kernel takes fp8 states in 1x128 blocks, got {fmt.scheme}"
-        if fmt.stochastic:
-            return f"{name}: the kernel does not round bf16 states stochastically"
     return ""
 
 
@@ -45,10 +50,20 @@ def runs(opt, group: dict, p: torch.Tensor, state: dict) -> bool:  # noqa: ANN00
     return why_not(opt, group, p, state) == ""
 
 
+@functools.cache
+def int8_tables(signed: bool) -> torch.Tensor:
+    """The kernel's int8 code-search tables of a map (csrc/optim/adam.h: Int8Map; built and proven once)."""
+    if signed:
+        return native._ext().adam_int8_tables(dynamic_map.signed_codes(), dynamic_map.midpoints(True))
+    return native._ext().adam_int8_tables(dynamic_map.unsigned_codes(), dynamic_map.midpoints(False))
+
+
 def kind_code(fmt: StateFormat) -> int:
     """The kernel's StateKind (csrc/optim/adam.h) of a format it takes."""
     if fmt.kind == "fp8":
         return 2 if fmt.scheme == "block1d_e4m3" else 3
+    if fmt.stochastic:
+        return 5
     return {"fp32": 0, "bf16": 1, "int8": 4}[fmt.kind]
 
 
@@ -85,7 +100,10 @@ def adam_group(opt, group: dict, params: list[torch.Tensor]) -> list[torch.Tenso
         kind_code(fm), [s["exp_avg_sq"] for s in states], [s.get("exp_avg_sq_scale") for s in states], kind_code(fv),
         fv.stores_sqrt(True), [s["step"] for s in states], dynamic_map.signed_codes(), dynamic_map.midpoints(True),
         dynamic_map.unsigned_codes(), dynamic_map.midpoints(False), float(group["lr"]), float(beta1), float(beta2),
-        float(group["eps"]), float(group["weight_decay"]), bool(opt.DECOUPLED), bool(group["maximize"]))
+        float(group["eps"]), float(group["weight_decay"]), bool(opt.DECOUPLED), bool(group["maximize"]),
+        # stochastic bf16 states: the random bits' counters, advanced by the whole tensor's count per such state
+        [s.get("state_counter") for s in states], [int(s.get(GLOBAL_NUMEL, p.numel())) for p, s in zip(take, states)],
+        int8_tables(True) if fm.kind == "int8" else None, int8_tables(False) if fv.kind == "int8" else None)
     for p, w, s in zip(take, ws, states):
         if not weights.in_place(p):
             weights.write_back(p, w, s)
