@@ -152,6 +152,28 @@ uint32_t cast_transpose_region(Src x, int64_t M, int64_t K, int64_t r0, int64_t 
 // -------------------------------------------------------------------- block scaling
 float tile_scale(uint32_t key, const ScaleRule& rule) { return compute_scale(key_to_amax(key), rule); }
 
+// compute_scale(key_to_amax(key), rule) and its inverse for n amax keys, branch-free so that the loop vectorises
+// (one scalar compute_scale per 128 elements; at avx2, 1 thread, x in L2, ms per 4096^2: 1x128 rowwise 3.80 -> 3.69,
+// columnwise 5.06 -> 4.53).
+template <InType T>
+FP8_LANE void tile_scales(const raw_t<T>* __restrict key, int64_t n, const ScaleRule& rule, float* __restrict scale,
+                          float* __restrict inv) {
+  const float fp8_max = rule.fp8_max, eps = rule.epsilon;
+  const uint32_t eps_bits = bits_of(eps), vfi = bits_of(rule.value_for_inf);
+  const uint32_t keep = rule.pow2 ? 0xFF800000u : 0xFFFFFFFFu;  // a power of 2 keeps the sign and exponent
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t k = f32_key<T>(key[i]);
+    const uint32_t amax = pick(k > 0x7F800000u, 0x7FC00000u, k);
+    const uint32_t a = pick(float_of(amax) < eps, eps_bits, amax);
+    uint32_t sb = bits_of(fp8_max / float_of(a));
+    sb = pick((sb & 0x7FFFFFFFu) == 0x7F800000u, vfi, sb);
+    const uint32_t a_mag = a & 0x7FFFFFFFu;
+    sb = pick(a_mag == 0u || a_mag >= 0x7F800000u, 0x3F800000u, sb) & keep;  // 0, inf or NaN amax: 1
+    scale[i] = float_of(sb);
+    inv[i] = 1.0f / float_of(sb);
+  }
+}
+
 // Element offset from the current work unit to the next one the same thread takes (see fp8_glue.cpp): the
 // next unit along the row, or the first one of the next strip.
 inline int64_t next_unit_offset(int64_t c0, int64_t c1, int64_t c_end, int64_t rows, int64_t ld) {
@@ -190,11 +212,10 @@ void block_tiles(Src x, int64_t r0, int64_t r1, int64_t c0, int64_t c_end, int64
 // Up to 16 whole 1x128 tiles of one row from element i: their amaxes, then their casts from L1.
 template <InType T, Fp8Kind K>
 void block_1x128_group(const void* x, int64_t i, int ntiles, const ScaleRule& rule, uint8_t* out, float* scale_inv) {
+  raw_t<T> key[16];
+  for (int t = 0; t < ntiles; ++t) key[t] = max_key<T>(at<T>(x, i + 128 * t), 128);
   float scale[16];
-  for (int t = 0; t < ntiles; ++t) {
-    scale[t] = tile_scale(f32_key<T>(max_key<T>(at<T>(x, i + 128 * t), 128)), rule);
-    scale_inv[t] = 1.0f / scale[t];
-  }
+  tile_scales<T>(key, ntiles, rule, scale, scale_inv);
   prefetch<T>(at<T>(x, i + 128 * ntiles), 128 * ntiles);  // the next group, in a contiguous input
   for (int t = 0; t < ntiles; ++t) cast_run_g<T, K>(at<T>(x, i + 128 * t), 128, scale[t], out + 128 * t);
 }
@@ -249,7 +270,12 @@ void block_transposed_t(Src x, int64_t A, int64_t B, const BlockParams& p, int64
   alignas(64) float col_scale[kPanel];
   for (int64_t a = a0; a < a1; ++a) max_keys_into<T>(at<T>(x.data, a * x.ld + b0), width, col_key);
   float* tile_scale_inv = scale_inv + (b0 / p.tile_rows) * tiles_a + a_tile;  // b0 is a multiple of tile_rows
-  for (int64_t c = 0; c < width; c += p.tile_rows, tile_scale_inv += tiles_a) {  // (no division per tile)
+  if (p.tile_rows == 1) {  // a tile per column: the scales in one vectorised loop
+    alignas(64) float inv[kPanel];
+    tile_scales<T>(col_key, width, p.rule, col_scale, inv);
+    for (int64_t c = 0; c < width; ++c) tile_scale_inv[c * tiles_a] = inv[c];
+  }
+  for (int64_t c = 0; p.tile_rows > 1 && c < width; c += p.tile_rows, tile_scale_inv += tiles_a) {  // (no division per tile)
     const int64_t n = imin(p.tile_rows, width - c);
     raw_t<T> key = 0;
     for (int64_t l = 0; l < n; ++l) key = tmax(key, col_key[c + l]);
@@ -294,7 +320,7 @@ uint8_t mx_code(uint32_t key, bool rceil) {
 
 // mx_code and e8m0_element_scale of an amax key (fp32 |x| bits, a NaN above every number), branch-free so that
 // the loops over a group's keys vectorise (the scalar forms' branches kept them scalar: one code per 32 elements
-// for each usage, 25-30% of mx_both at avx2, 1 thread, x in L2).
+// for each usage; mx_both at avx2, 1 thread, x in L2: 9.25 -> 8.31 ms per 4096^2).
 template <Fp8Kind K, bool RCEIL>
 FP8_LANE uint32_t mx_code_lane(uint32_t key) {
   const uint32_t amax = pick(key > 0x7F800000u, 0x7FC00000u, key);  // key_to_amax
