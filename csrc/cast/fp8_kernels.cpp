@@ -485,14 +485,15 @@ void mx_both_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t br
         prefetch_group<T>(row + next + g);
         vec::f32n v[4];
         vec::u32n sg[4];
+        vec::u8n signs;
         keyv<T> unused[4] = {};
-        load_group<T>(row + g, 0, v, sg, unused);
+        load_group<T>(row + g, 0, v, sg, signs, unused);
         vec::u32n qr[4], qc[4];
         for (int j = 0; j < 4; ++j) {
           qr[j] = magnitude_codes<K>(v[j] * vec::splat<vec::f32n>(s[(g + lane_first<T>(j)) / kMx])) | sg[j];
           qc[j] = magnitude_codes<K>(v[j] * vec::load<vec::f32n>(arranged + g + j * kL)) | sg[j];
         }
-        const vec::u8n br_ = pack_group<T>(qr), bc = pack_group<T>(qc);
+        const vec::u8n br_ = pack_group<T>(qr) | signs, bc = pack_group<T>(qc) | signs;
         vec::store(orow + g, br_ ^ (vec::bits<vec::u8n>(br_ == 0xFF) & 0x80));
         vec::store(ocol + g, bc ^ (vec::bits<vec::u8n>(bc == 0xFF) & 0x80));
       }
