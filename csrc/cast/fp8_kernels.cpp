@@ -152,6 +152,28 @@ uint32_t cast_transpose_region(Src x, int64_t M, int64_t K, int64_t r0, int64_t 
 // -------------------------------------------------------------------- block scaling
 float tile_scale(uint32_t key, const ScaleRule& rule) { return compute_scale(key_to_amax(key), rule); }
 
+// compute_scale(key_to_amax(key), rule) and its inverse for n amax keys, branch-free so that the loop vectorises
+// (one scalar compute_scale per 128 elements; at avx2, 1 thread, x in L2, ms per 4096^2: 1x128 rowwise 3.80 -> 3.69,
+// columnwise 5.06 -> 4.53).
+template <InType T>
+FP8_LANE void tile_scales(const raw_t<T>* __restrict key, int64_t n, const ScaleRule& rule, float* __restrict scale,
+                          float* __restrict inv) {
+  const float fp8_max = rule.fp8_max, eps = rule.epsilon;
+  const uint32_t eps_bits = bits_of(eps), vfi = bits_of(rule.value_for_inf);
+  const uint32_t keep = rule.pow2 ? 0xFF800000u : 0xFFFFFFFFu;  // a power of 2 keeps the sign and exponent
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t k = f32_key<T>(key[i]);
+    const uint32_t amax = pick(k > 0x7F800000u, 0x7FC00000u, k);
+    const uint32_t a = pick(float_of(amax) < eps, eps_bits, amax);
+    uint32_t sb = bits_of(fp8_max / float_of(a));
+    sb = pick((sb & 0x7FFFFFFFu) == 0x7F800000u, vfi, sb);
+    const uint32_t a_mag = a & 0x7FFFFFFFu;
+    sb = pick(a_mag == 0u || a_mag >= 0x7F800000u, 0x3F800000u, sb) & keep;  // 0, inf or NaN amax: 1
+    scale[i] = float_of(sb);
+    inv[i] = 1.0f / float_of(sb);
+  }
+}
+
 // Element offset from the current work unit to the next one the same thread takes (see fp8_glue.cpp): the
 // next unit along the row, or the first one of the next strip.
 inline int64_t next_unit_offset(int64_t c0, int64_t c1, int64_t c_end, int64_t rows, int64_t ld) {
@@ -190,11 +212,10 @@ void block_tiles(Src x, int64_t r0, int64_t r1, int64_t c0, int64_t c_end, int64
 // Up to 16 whole 1x128 tiles of one row from element i: their amaxes, then their casts from L1.
 template <InType T, Fp8Kind K>
 void block_1x128_group(const void* x, int64_t i, int ntiles, const ScaleRule& rule, uint8_t* out, float* scale_inv) {
+  raw_t<T> key[16];
+  for (int t = 0; t < ntiles; ++t) key[t] = max_key<T>(at<T>(x, i + 128 * t), 128);
   float scale[16];
-  for (int t = 0; t < ntiles; ++t) {
-    scale[t] = tile_scale(f32_key<T>(max_key<T>(at<T>(x, i + 128 * t), 128)), rule);
-    scale_inv[t] = 1.0f / scale[t];
-  }
+  tile_scales<T>(key, ntiles, rule, scale, scale_inv);
   prefetch<T>(at<T>(x, i + 128 * ntiles), 128 * ntiles);  // the next group, in a contiguous input
   for (int t = 0; t < ntiles; ++t) cast_run_g<T, K>(at<T>(x, i + 128 * t), 128, scale[t], out + 128 * t);
 }
@@ -249,7 +270,12 @@ void block_transposed_t(Src x, int64_t A, int64_t B, const BlockParams& p, int64
   alignas(64) float col_scale[kPanel];
   for (int64_t a = a0; a < a1; ++a) max_keys_into<T>(at<T>(x.data, a * x.ld + b0), width, col_key);
   float* tile_scale_inv = scale_inv + (b0 / p.tile_rows) * tiles_a + a_tile;  // b0 is a multiple of tile_rows
-  for (int64_t c = 0; c < width; c += p.tile_rows, tile_scale_inv += tiles_a) {  // (no division per tile)
+  if (p.tile_rows == 1) {  // a tile per column: the scales in one vectorised loop
+    alignas(64) float inv[kPanel];
+    tile_scales<T>(col_key, width, p.rule, col_scale, inv);
+    for (int64_t c = 0; c < width; ++c) tile_scale_inv[c * tiles_a] = inv[c];
+  }
+  for (int64_t c = 0; p.tile_rows > 1 && c < width; c += p.tile_rows, tile_scale_inv += tiles_a) {  // (no division per tile)
     const int64_t n = imin(p.tile_rows, width - c);
     raw_t<T> key = 0;
     for (int64_t l = 0; l < n; ++l) key = tmax(key, col_key[c + l]);
@@ -292,6 +318,52 @@ uint8_t mx_code(uint32_t key, bool rceil) {
   return rceil ? e8m0_rceil(amax, static_cast<float>(1.0 / kMax)) : e8m0_floor(amax, kEmax);
 }
 
+// mx_code and e8m0_element_scale of an amax key (fp32 |x| bits, a NaN above every number), branch-free so that
+// the loops over a group's keys vectorise (the scalar forms' branches kept them scalar: one code per 32 elements
+// for each usage; mx_both at avx2, 1 thread, x in L2: 9.25 -> 8.31 ms per 4096^2).
+template <Fp8Kind K, bool RCEIL>
+FP8_LANE uint32_t mx_code_lane(uint32_t key) {
+  const uint32_t amax = pick(key > 0x7F800000u, 0x7FC00000u, key);  // key_to_amax
+  if constexpr (RCEIL) {  // e8m0_rceil(amax, 1 / max)
+    constexpr float kRcp = static_cast<float>(1.0 / (K == Fp8Kind::E4M3 ? 448.0 : 57344.0));
+    const uint32_t d = bits_of(float_of(amax) * kRcp) & 0x7FFFFFFFu;
+    const uint32_t e = d >> 23, m = d & 0x7FFFFFu;
+    const uint32_t up = static_cast<uint32_t>(m != 0u) & static_cast<uint32_t>(e != 0xFEu) &
+                        ~(static_cast<uint32_t>(e == 0u) & static_cast<uint32_t>(m <= 0x400000u));
+    return pick(d > 0x7F800000u, 0xFFu, pick(d == 0x7F800000u, 0xFEu, e + up));
+  } else {  // e8m0_floor(amax, emax): amax has no sign bit
+    constexpr int32_t kEmax = K == Fp8Kind::E4M3 ? 8 : 15;
+    int32_t shared = static_cast<int32_t>(amax >> 23) - 127 - kEmax;
+    shared = shared < -127 ? -127 : shared;
+    shared = shared > 127 ? 127 : shared;
+    return pick((amax & 0x7F800000u) == 0x7F800000u, 0xFFu, static_cast<uint32_t>(shared + 127));
+  }
+}
+
+// e8m0_element_scale's bits: 2^(127 - code), the subnormal 2^-127 for 254, NaN for 255.
+FP8_LANE uint32_t mx_scale_bits(uint32_t code) {
+  return pick(code == 0xFFu, 0x7FC00000u, pick(code == 254u, 0x00400000u, (254u - code) << 23));
+}
+
+// The codes (into `codes`) and multipliers (into `scale`) of n amax keys.
+template <InType T, Fp8Kind K, bool RCEIL>
+void mx_codes_of(const raw_t<T>* __restrict key, int64_t n, uint8_t* __restrict codes, float* __restrict scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t code = mx_code_lane<K, RCEIL>(f32_key<T>(key[j]));
+    codes[j] = static_cast<uint8_t>(code);
+    scale[j] = float_of(mx_scale_bits(code));
+  }
+}
+
+template <InType T, Fp8Kind K>
+void mx_codes(const raw_t<T>* key, int64_t n, bool rceil, uint8_t* codes, float* scale) {
+  if (rceil) {
+    mx_codes_of<T, K, true>(key, n, codes, scale);
+  } else {
+    mx_codes_of<T, K, false>(key, n, codes, scale);
+  }
+}
+
 // 1x32 blocks along rows, rows [r0, r1), in groups of up to 16 blocks (512 columns): the group's amaxes,
 // then its codes and multipliers 2^(127 - code) (NaN for code 255: every element then casts to the
 // canonical NaN 0x7F), then its casts from L1. Grouping keeps the scalar code work out of the vector loops
@@ -305,11 +377,7 @@ void mx_row_segment(const raw_t<T>* row, int64_t c0, int64_t c1, bool rceil, uin
     raw_t<T> key[16];
     for (int j = 0; j < n; ++j) key[j] = max_key<T>(row + (b0 + j) * kMx, kMx);
     float s[16];
-    for (int j = 0; j < n; ++j) {
-      const uint8_t code = mx_code<K>(f32_key<T>(key[j]), rceil);
-      code_row[b0 + j] = code;
-      s[j] = e8m0_element_scale(code);
-    }
+    mx_codes<T, K>(key, n, rceil, code_row + b0, s);
     // whole groups with each lane vector's block scale, then the blocks left one by one
     const int64_t len = n * kMx;
     const raw_t<T>* xb = row + b0 * kMx;
@@ -366,11 +434,7 @@ void mx_colwise_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t
     const int64_t r0 = br * kMx, r1 = imin(M, r0 + kMx);
     alignas(64) raw_t<T> col_key[kMxColumns] = {};
     for (int64_t r = r0; r < r1; ++r) max_keys_into<T>(at<T>(x.data, r * x.ld + c0), width, col_key);
-    for (int64_t c = 0; c < width; ++c) {
-      const uint8_t code = mx_code<K>(f32_key<T>(col_key[c]), rceil);
-      codes[br * Kc + c0 + c] = code;
-      col_scale[c] = e8m0_element_scale(code);
-    }
+    mx_codes<T, K>(col_key, width, rceil, codes + br * Kc + c0, col_scale);
     alignas(64) float arranged_buf[kMxColumns];
     const float* arranged = arrange_scales<T>(col_scale, width, arranged_buf) ? arranged_buf : nullptr;
     const int64_t next = next_unit_offset(c0, c1, Kc, kMx, x.ld);
@@ -387,16 +451,62 @@ void mx_colwise(Src x, int64_t M, int64_t K, Fp8Kind kind, bool rceil, int64_t b
   FP8_DISPATCH(x.type, kind, (mx_colwise_t<T, K>(x, M, Kc, rceil, br0, br1, c0, c1, out, codes)));
 }
 
-// Both usages of a unit: its columnwise pass (which reads the block-rows into L1/L2 and prefetches the next
-// unit), then its rows' segments from the cache: x is read from memory once instead of twice.
+// Both usages of a unit, x read from memory once instead of twice: its block-rows' column amaxes and codes (which
+// read them into L1/L2 and prefetch the next unit), then each row's block amaxes and codes and both usages' casts
+// in one walk over the row: each group of elements is loaded and split into magnitudes and signs once for the two
+// (at avx2, 1 thread, x in L2, 4096^2 E4M3 RCEIL: 9.25 ms with the casts apart, 7.35 with vectorised codes and the
+// shared walk).
 template <InType T, Fp8Kind K>
 void mx_both_t(Src x, int64_t M, int64_t Kc, bool rceil, int64_t br0, int64_t br1, int64_t c0, int64_t c1,
                uint8_t* out_row, uint8_t* codes_row, uint8_t* out_col, uint8_t* codes_col) {
   const int64_t nb = (Kc + kMx - 1) / kMx;
+  const int64_t width = c1 - c0, whole = width / kMx;  // c0 is a multiple of 32; whole blocks of the segment
+  alignas(64) float col_scale[kMxColumns];
+  alignas(64) float arranged_buf[kMxColumns];
   for (int64_t br = br0; br < br1; ++br) {
-    mx_colwise_t<T, K>(x, M, Kc, rceil, br, br + 1, c0, c1, out_col, codes_col);
-    for (int64_t r = br * kMx; r < imin(M, (br + 1) * kMx); ++r) {
-      mx_row_segment<T, K>(at<T>(x.data, r * x.ld), c0, c1, rceil, out_row + r * Kc, codes_row + r * nb);
+    const int64_t r0 = br * kMx, r1 = imin(M, r0 + kMx);
+    alignas(64) raw_t<T> col_key[kMxColumns] = {};
+    for (int64_t r = r0; r < r1; ++r) max_keys_into<T>(at<T>(x.data, r * x.ld + c0), width, col_key);
+    mx_codes<T, K>(col_key, width, rceil, codes_col + br * Kc + c0, col_scale);
+    const float* arranged = arrange_scales<T>(col_scale, width, arranged_buf) ? arranged_buf : nullptr;
+    const int64_t next = next_unit_offset(c0, c1, Kc, kMx, x.ld);
+    for (int64_t r = r0; r < r1; ++r) {
+      const raw_t<T>* row = at<T>(x.data, r * x.ld + c0);
+      uint8_t* orow = out_row + r * Kc + c0;
+      uint8_t* ocol = out_col + r * Kc + c0;
+      uint8_t* crow = codes_row + r * nb + c0 / kMx;
+      raw_t<T> key[kMxColumns / kMx];
+      for (int64_t b = 0; b < whole; ++b) key[b] = max_key<T>(row + b * kMx, kMx);
+      float s[kMxColumns / kMx];
+      mx_codes<T, K>(key, whole, rceil, crow, s);
+      // whole groups: both casts from one load (the multipliers are > 0 or NaN), the next unit prefetched
+      int64_t g = 0;
+      for (; arranged && g + kGroup <= whole * kMx; g += kGroup) {
+        prefetch_group<T>(row + next + g);
+        vec::f32n v[4];
+        vec::u32n sg[4];
+        vec::u8n signs;
+        keyv<T> unused[4] = {};
+        load_group<T>(row + g, 0, v, sg, signs, unused);
+        vec::u32n qr[4], qc[4];
+        for (int j = 0; j < 4; ++j) {
+          qr[j] = magnitude_codes<K>(v[j] * vec::splat<vec::f32n>(s[(g + lane_first<T>(j)) / kMx])) | sg[j];
+          qc[j] = magnitude_codes<K>(v[j] * vec::load<vec::f32n>(arranged + g + j * kL)) | sg[j];
+        }
+        const vec::u8n br_ = pack_group<T>(qr) | signs, bc = pack_group<T>(qc) | signs;
+        vec::store(orow + g, br_ ^ (vec::bits<vec::u8n>(br_ == 0xFF) & 0x80));
+        vec::store(ocol + g, bc ^ (vec::bits<vec::u8n>(bc == 0xFF) & 0x80));
+      }
+      // the rest: whole blocks one by one, then the last, partial block (c1 = K)
+      prefetch_tail<T>(row + next, g, width);
+      for (int64_t b = g / kMx; b < whole; ++b) cast_run<T, K>(row + b * kMx, kMx, s[b], orow + b * kMx);
+      if (whole * kMx < width) {
+        const int64_t b = whole * kMx;
+        const uint8_t code = mx_code<K>(f32_key<T>(max_key<T>(row + b, width - b)), rceil);
+        crow[whole] = code;
+        cast_run<T, K>(row + b, width - b, e8m0_element_scale(code), orow + b);
+      }
+      if (g < width) cast_scaled<T, K>(row + g, width - g, col_scale + g, ocol + g);
     }
   }
 }

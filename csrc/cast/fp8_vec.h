@@ -211,10 +211,14 @@ FP8_LANE vec::f32n f16_values(vec::u32n h) {
   return vec::bits<vec::f32n>(r | ((h & 0x8000u) << 16));
 }
 
-// The magnitudes |x| of the group at x into v, the sign of each as 0x80 / 0 into sg (v's lanes) flipped where
-// flip = 0x80, and max(k, their keys) into k.
+// The magnitudes |x| of the group at x into v, and max(k, their keys) into k; the sign of each, flipped where
+// flip = 0x80, as 0x80 / 0: for fp32 x into sg (v's lanes; `signs` zero), for 16-bit x into `signs` (bytes in
+// element order: the words' high bytes narrowed, 4 operations a group against 12 for the 32-bit lanes of sg and
+// their merge; sg zero). At avx2, 1 thread, bf16 in L2, ms per 4096^2: flat cast 3.05 -> 2.97, 1x128 rowwise
+// 3.66 -> 3.57, mx_both 7.40 -> 7.17.
 template <InType T>
-FP8_LANE void load_group(const raw_t<T>* x, uint32_t flip, vec::f32n v[4], vec::u32n sg[4], keyv<T> k[]) {
+FP8_LANE void load_group(const raw_t<T>* x, uint32_t flip, vec::f32n v[4], vec::u32n sg[4], vec::u8n& signs,
+                         keyv<T> k[]) {
   using vec::u32n;
   if constexpr (T == InType::F32) {
     for (int j = 0; j < 4; ++j) {
@@ -224,11 +228,12 @@ FP8_LANE void load_group(const raw_t<T>* x, uint32_t flip, vec::f32n v[4], vec::
       v[j] = vec::bits<vec::f32n>(mag);
       sg[j] = ((u ^ (flip << 24)) >> 24) & 0x80u;
     }
+    signs = vec::u8n{};
   } else {
-    u32n m[2];
+    u32n w[2], m[2];
     for (int h = 0; h < 2; ++h) {
-      const u32n w = vec::load<u32n>(x + h * 2 * kL) ^ (flip * 0x01000100u);  // the flip on both words' signs
-      m[h] = w & 0x7FFF7FFFu;
+      w[h] = vec::load<u32n>(x + h * 2 * kL) ^ (flip * 0x01000100u);  // the flip on both words' signs
+      m[h] = w[h] & 0x7FFF7FFFu;
       if constexpr (T == InType::BF16) {
         v[2 * h] = vec::bits<vec::f32n>(m[h] << 16);
         v[2 * h + 1] = vec::bits<vec::f32n>(m[h] & 0xFFFF0000u);
@@ -236,9 +241,10 @@ FP8_LANE void load_group(const raw_t<T>* x, uint32_t flip, vec::f32n v[4], vec::
         v[2 * h] = f16_values(m[h] & 0xFFFFu);
         v[2 * h + 1] = f16_values(m[h] >> 16);
       }
-      sg[2 * h] = (w >> 8) & 0x80u;
-      sg[2 * h + 1] = (w >> 24) & 0x80u;
+      sg[2 * h] = u32n{};
+      sg[2 * h + 1] = u32n{};
     }
+    signs = vec::narrow_lo(vec::bits<vec::u16n>(w[0]) >> 8, vec::bits<vec::u16n>(w[1]) >> 8) & 0x80;
     k[0] = vec::max(k[0], vec::bits<vec::u16n>(vec::max(vec::bits<vec::u16n>(m[0]), vec::bits<vec::u16n>(m[1]))));
   }
 }
@@ -278,10 +284,11 @@ template <InType T, Fp8Kind K>
 FP8_LANE void cast_group(const raw_t<T>* x, const vec::f32n s[4], uint32_t flip, uint8_t* out, keyv<T> k[]) {
   vec::f32n v[4];
   vec::u32n sg[4];
-  load_group<T>(x, flip, v, sg, k);
+  vec::u8n signs;
+  load_group<T>(x, flip, v, sg, signs, k);
   vec::u32n q[4];
   for (int j = 0; j < 4; ++j) q[j] = magnitude_codes<K>(v[j] * s[j]) | sg[j];
-  const vec::u8n b = pack_group<T>(q);
+  const vec::u8n b = pack_group<T>(q) | signs;
   vec::store(out, b ^ (vec::bits<vec::u8n>(b == 0xFF) & 0x80));
 }
 

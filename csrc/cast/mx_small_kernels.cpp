@@ -245,17 +245,39 @@ ENGINE_VEC_INLINE u32v pair_codes(u32v even, u32v odd) {
   return even | (odd << kPairShift<F>);
 }
 
-// One block's pair codes (kChunks vectors) -> dst, the bytes of its first n elements.
+// One block's pair codes (kChunks vectors) -> dst, the bytes of its first n elements. At AVX2 the bytes are
+// gathered with one two-input byte shuffle (GCC: two vpshufb, an or and a vpermq) and a whole block is one plain
+// store: narrow16's two narrowing conversions and store_first's copy through the stack took 40% of the E2M1 cast
+// pass (avx2, 1 thread, bf16 x in L2, ms per 4096^2: E2M1 rowwise 4.35 -> 3.84, both usages 6.28 -> 5.81).
 template <typename F>
 ENGINE_VEC_INLINE void store_block(uint8_t* dst, const u32v* q, int64_t n) {
   if constexpr (F::kBits == 4) {
 #if ENGINE_ISA_LEVEL >= 2
     store_first(dst, convert<u8x16>(q[0]), (n + 1) / 2);  // one narrowing, not two
+#elif ENGINE_ISA_LEVEL == 1
+    const u8x16 b = __builtin_shufflevector(bits<u8x32>(q[0]), bits<u8x32>(q[1]), 0, 4, 8, 12, 16, 20, 24, 28, 32,
+                                            36, 40, 44, 48, 52, 56, 60);  // byte 0 of each lane
+    if (n >= kBlock) {
+      store(dst, b);
+    } else {
+      store_first(dst, b, (n + 1) / 2);
+    }
 #else
     store_first(dst, convert<u8x16>(narrow16(q)), (n + 1) / 2);
 #endif
   } else {
+#if ENGINE_ISA_LEVEL == 1
+    const u8x32 b = __builtin_shufflevector(bits<u8x32>(q[0]), bits<u8x32>(q[1]), 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                            20, 21, 24, 25, 28, 29, 32, 33, 36, 37, 40, 41, 44, 45, 48, 49, 52, 53,
+                                            56, 57, 60, 61);  // bytes 0 and 1 of each lane
+    if (n >= kBlock) {
+      store(dst, b);
+    } else {
+      store_first(dst, b, n);
+    }
+#else
     store_first(dst, bits<u8x32>(narrow16(q)), n);
+#endif
   }
 }
 
