@@ -392,9 +392,35 @@ void amax_tiles(const Nvfp4Job& job, int64_t u0, int64_t u1, uint32_t* x_key, ui
 
 // n codes (n even, each below 16) -> n / 2 bytes, element 2i in the low nibble of byte i. A plain loop: GCC
 // vectorises it with the level's pack instructions (a narrowing vector conversion would be split lane by lane).
+#if ENGINE_VEC_NARROW_SAT_BY_HALVES
+// AVX2 (where GCC vectorises the plain loop with a vpermd per 4 codes): 64 codes at a time through two saturating
+// narrowings of 4 vectors each (vec::narrow_sat, by 128-bit halves: byte 16h + 4i + l holds code 8i + 4h + l of
+// its 32), a code pair (e, e + 1) then in adjacent bytes, read as one 16-bit lane e | (e + 1) << 8 whose low byte
+// after | >> 4 is the packed byte, and one byte shuffle from those low bytes to the packed order: the pair
+// 16s + 4i + 2h + l2 (s: which narrowing) sits in the 16-bit lane 8h + 2i + l2 of narrowing s.
+// (4096x4096 bf16, rowwise alone with the amax given, 1 thread CPU time, medians of 3 processes: 8.9 -> 7.4 ms.)
+template <int... P>
+ENGINE_VEC_INLINE vec::u8n pack_pairs(vec::u16n a, vec::u16n b, std::integer_sequence<int, P...>) {
+  return __builtin_shufflevector(vec::bits<vec::u8n>(a), vec::bits<vec::u8n>(b),
+                                 (2 * (16 * (P >> 4) + 8 * ((P >> 1) & 1) + 2 * ((P >> 2) & 3) + (P & 1)))...);
+}
+
+ENGINE_VEC_INLINE void pack_codes(const uint32_t* __restrict codes, uint8_t* __restrict out, int64_t n) {
+  static_assert(kN == 8, "the AVX2 form");
+  for (int64_t i = 0; i < n; i += 64) {
+    const uint32_t* c = codes + i;
+    const vec::u16n a = vec::bits<vec::u16n>(vec::narrow_sat(vec::load<u32n>(c), vec::load<u32n>(c + 8),
+                                                             vec::load<u32n>(c + 16), vec::load<u32n>(c + 24)));
+    const vec::u16n b = vec::bits<vec::u16n>(vec::narrow_sat(vec::load<u32n>(c + 32), vec::load<u32n>(c + 40),
+                                                             vec::load<u32n>(c + 48), vec::load<u32n>(c + 56)));
+    vec::store(out + i / 2, pack_pairs(a | (a >> 4), b | (b >> 4), std::make_integer_sequence<int, 32>{}));
+  }
+}
+#else
 ENGINE_VEC_INLINE void pack_codes(const uint32_t* __restrict codes, uint8_t* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n / 2; ++i) out[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
+#endif
 
 // One level of block_maxima's tree: a and b hold blocks of L lanes each (a's first); the result the maxima of
 // each block's two halves, L / 2 lanes per block, the blocks in order.
