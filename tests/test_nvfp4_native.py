@@ -372,6 +372,28 @@ def test_stochastic_rounding_of_every_binade_matches_the_reference(isa):
 
 
 @functools.lru_cache(maxsize=None)
+def _streamed_case() -> tuple[torch.Tensor, dict]:
+    """2048 x 4096 bf16 (4 MB of packed data per usage: the kernel writes both around the caches, in whole lines) and
+    the reference's outputs for both usages, the RHT'd columnwise one and stochastic rounding."""
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(2048, 4096, generator=g) * 3).bfloat16()
+    return x, reference(x, RHT_SCHEME, torch.tensor([5, 0]), rowwise=True, columnwise=True)
+
+
+def test_outputs_streamed_around_the_caches_match_the_reference_bitwise(isa):
+    """Outputs of at least 4 MB leave through stream stores (vec::store_stream), each tile's rows and each band's
+    columns as whole lines: the same bits, on two threads (each ending its stores with a fence)."""
+    x, want = _streamed_case()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernel(x, RHT_SCHEME, torch.tensor([5, 0]), rowwise=True, columnwise=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert not mismatches(got, want)
+
+
+@functools.lru_cache(maxsize=None)
 def _big_nvfp4_input() -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
     return (torch.randn(64, 512, generator=g) * 4).bfloat16()
