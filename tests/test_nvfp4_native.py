@@ -338,6 +338,61 @@ def test_stochastic_rounding_counter_carries_at_every_lane(isa):
     assert not bad, bad[:10]
 
 
+def _every_binade_with_scale_one() -> torch.Tensor:
+    """[16, n] fp32: values of every binade from 2^-149 to 6 (random mantissas, both signs), the E2M1 grid values,
+    their neighbours and midpoints, with 6 in row 0 and in every 16th column: with the tensor amax 2688 given,
+    every block scale (rowwise and columnwise) is 1 (S_enc = 1, E4M3(6 / 6)), so each element is rounded as it is."""
+    g = torch.Generator().manual_seed(11)
+    exps = torch.arange(-149, 2).repeat_interleave(8)
+    mant = torch.randint(0, 2**23, exps.shape, generator=g)
+    swept = torch.ldexp(1.0 + mant.double() / 2**23, exps.double()).float()  # (below 2^-126: subnormal, rounded)
+    swept = torch.cat([swept, 4.0 + 2.0 * torch.rand(16, generator=g)])  # and [4, 6)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    near = torch.cat([grid, torch.nextafter(grid, torch.zeros_like(grid)), torch.nextafter(grid, grid + 1)])
+    values = torch.cat([swept, near]).repeat(3)
+    values = values * torch.where(torch.rand(values.shape, generator=g) < 0.5, -1.0, 1.0)
+    x = torch.cat([values, torch.zeros((-values.numel()) % (16 * 16))]).view(16, -1)
+    x[0], x[:, ::16] = 6.0, 6.0
+    return x
+
+
+def test_stochastic_rounding_of_every_binade_matches_the_reference(isa):
+    """The kernel's fixed-point form of the stochastic rule (the carry of a's 8 bits below its grid step plus the
+    random byte) against the reference's on elements of every fp32 binade, the grid values, their neighbours and
+    midpoints, each rounded as it is (scale 1), with many random bytes each (both usages, several counters)."""
+    x = _every_binade_with_scale_one()
+    bad = []
+    for seed in (3, 4, 5, 6):
+        opts = dict(rowwise=True, columnwise=True, amax_rowwise=torch.tensor([2688.0]),
+                    amax_columnwise=torch.tensor([2688.0]))
+        got = kernel(x, PLAIN_SCHEME, torch.tensor([seed, 0]), **opts)
+        want = reference(x, PLAIN_SCHEME, torch.tensor([seed, 0]), **opts)
+        bad += [f"seed {seed}: {b}" for b in mismatches(got, want)]
+    assert not bad, bad[:10]
+
+
+@functools.lru_cache(maxsize=None)
+def _streamed_case() -> tuple[torch.Tensor, dict]:
+    """2048 x 4096 bf16 (4 MB of packed data per usage: the kernel writes both around the caches, in whole lines) and
+    the reference's outputs for both usages, the RHT'd columnwise one and stochastic rounding."""
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(2048, 4096, generator=g) * 3).bfloat16()
+    return x, reference(x, RHT_SCHEME, torch.tensor([5, 0]), rowwise=True, columnwise=True)
+
+
+def test_outputs_streamed_around_the_caches_match_the_reference_bitwise(isa):
+    """Outputs of at least 4 MB leave through stream stores (vec::store_stream), each tile's rows and each band's
+    columns as whole lines: the same bits, on two threads (each ending its stores with a fence)."""
+    x, want = _streamed_case()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernel(x, RHT_SCHEME, torch.tensor([5, 0]), rowwise=True, columnwise=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert not mismatches(got, want)
+
+
 @functools.lru_cache(maxsize=None)
 def _big_nvfp4_input() -> torch.Tensor:
     g = torch.Generator().manual_seed(5)

@@ -238,6 +238,27 @@ ENGINE_VEC_INLINE u8n narrow_sat(u32n a, u32n b, u32n c, u32n d) {
 #endif
 }
 
+// The kNativeLanes bytes at p, zero-extended to 32-bit lanes: one vpmovzxbd on x86 AVX2 / AVX-512 (GCC lowers the
+// generic widening of a byte vector lane by lane there when it can see where the bytes came from).
+ENGINE_VEC_INLINE u32n widen_bytes(const void* p) {
+#if defined(__x86_64__) && ENGINE_ISA_LEVEL >= 2 && defined(__GNUC__) && !defined(__clang__)
+  typedef char v16qi_ __attribute__((vector_size(16)));
+  typedef int v16si_ __attribute__((vector_size(64)));
+  v16qi_ b;
+  std::memcpy(&b, p, 16);
+  return bits<u32n>(__builtin_ia32_pmovzxbd512_mask(b, v16si_{}, static_cast<unsigned short>(0xFFFF)));
+#elif defined(__x86_64__) && ENGINE_ISA_LEVEL == 1 && defined(__GNUC__) && !defined(__clang__)
+  typedef char v16qi_ __attribute__((vector_size(16)));
+  typedef long long v2di_ __attribute__((vector_size(16)));
+  v2di_ q = {0, 0};
+  std::memcpy(&q, p, 8);
+  return bits<u32n>(__builtin_ia32_pmovzxbd256(bits<v16qi_>(q)));
+#else
+  typedef uint8_t u8q_ __attribute__((vector_size(kNativeLanes)));
+  return __builtin_convertvector(load<u8q_>(p), u32n);
+#endif
+}
+
 // Horizontal max / min / sum of the lanes (a tree of halvings; integer or float lanes).
 template <typename V>
 ENGINE_VEC_INLINE lane_t<V> reduce_max(V v) {
