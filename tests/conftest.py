@@ -227,3 +227,13 @@ def perturb_norms(module: torch.nn.Module) -> torch.nn.Module:
             if p is not None:
                 p.add_(0.3 * torch.randn(p.shape))
     return module
+
+
+@pytest.fixture(autouse=True)
+def _thread_count_kept():
+    """Every test ends with torch's thread count as it found it: the distributed tests compare one process with
+    ranks that start at the environment's count, and a sum's order (so its last bits) follows the thread count."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -185,13 +185,14 @@ def test_results_do_not_depend_on_threads_or_flush_denormal(isa):
     x[5, :] = 1e-39  # fp32 subnormals: flush-to-zero would change them
     x[6, :3] = 1e-45
     want = reference_per_tensor(x, E4M3, True, True, None, False, 0.0)
+    threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         torch.set_flush_denormal(True)
         got = native.quantize_per_tensor(x, E4M3)
     finally:
         torch.set_flush_denormal(False)
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
     for g, w in zip(got, want):
         assert_same(g, w, "one thread, flush_denormal")
 
