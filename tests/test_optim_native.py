@@ -137,19 +137,7 @@ def test_int8_codes_at_the_search_tables_bucket_edges():
     bits = torch.cat([edge_bits - 1, edge_bits, edge_bits + 1]).to(torch.int32)
     mags = bits.view(torch.float32).clamp(max=1.0)
     g = torch.cat([mags, -mags, torch.tensor([1e-30, -1e-30, 2.0**-27, 0.0, -0.0, float("nan")])])
-    g = torch.cat([g, torch.ones((-g.numel()) % 256)]).reshape(-1, 256)
-    g[:, 0] = 1.0  # every block's absmax is 1.0: the values are the map's inputs as they are
-    g = g.reshape(-1)
-    for isa in ISAS:
-        got = []
-        for fused in (False, True):
-            p = torch.zeros(g.numel(), requires_grad=True)
-            opt = optim.AdamW([p], lr=1e-2, betas=(0.0, 0.0), fused=fused, state_dtype="int8")
-            p.grad = g.clone()
-            with native.use_isa(isa):
-                opt.step()
-            got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
-        assert same_bits(*got), isa
+    int8_codes_are_the_references(g)
 
 
 def test_int8_codes_around_every_decision_point_and_binade_edge():
@@ -168,6 +156,13 @@ def test_int8_codes_around_every_decision_point_and_binade_edge():
     rand = 10.0 ** (-10 * torch.rand(20000, generator=gen))
     mags = torch.cat([mags, rand]).clamp(max=1.0)
     g = torch.cat([mags, -mags, torch.tensor([0.0, -0.0, float("nan")])])
+    int8_codes_are_the_references(g)
+
+
+def int8_codes_are_the_references(g: torch.Tensor) -> None:
+    """One int8 AdamW step on gradient values `g` (padded to whole 256-blocks, each block's absmax 1.0, so the values
+    are the map's inputs as they are; betas (0, 0): m = g and sqrt(v) = |g| exactly): the fused kernel's parameter and
+    states at every level are the reference's bits."""
     g = torch.cat([g, torch.ones((-g.numel()) % 256)]).reshape(-1, 256)
     g[:, 0] = 1.0
     g = g.reshape(-1)
@@ -181,4 +176,3 @@ def test_int8_codes_around_every_decision_point_and_binade_edge():
                 opt.step()
             got.append([p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p]) if k != "step"])
         assert same_bits(*got), isa
-
