@@ -163,19 +163,15 @@ def cpu_grouped_gemm(a: Sequence[QuantizedTensor | QuantizedTensorBase],
     if biases is not None and (any(x is None for x in biases)
                                or any(tuple(x.shape) != (op.rows,) for x, op in zip(biases, b_ops))):
         return None
-    kwargs = {}
+    kwargs = {"numerics": numerics}
     if numerics == "nvfp4":
         divisors = {(x.amax_divisor, y.amax_divisor) for x, y in zip(a_ops, b_ops)}
         if len(divisors) != 1:
             return None
-        kwargs = {"numerics": numerics, "amax_divisors": divisors.pop(),
-                  "amaxes": ([op.amax.float() for op in a_ops], [op.amax.float() for op in b_ops])}
-        a_scales, b_scales = [op.scale_inv for op in a_ops], [op.scale_inv for op in b_ops]
-    elif numerics == "fp32_tiles":
-        kwargs = {"numerics": numerics}
-        a_scales, b_scales = [op.tile_scales() for op in a_ops], [op.tile_scales() for op in b_ops]
-    else:
-        a_scales, b_scales = [op.scale_inv for op in a_ops], [op.scale_inv for op in b_ops]
+        kwargs.update(amax_divisors=divisors.pop(),
+                      amaxes=([op.amax.float() for op in a_ops], [op.amax.float() for op in b_ops]))
+    scales = (lambda op: op.tile_scales()) if numerics == "fp32_tiles" else (lambda op: op.scale_inv)
+    a_scales, b_scales = [scales(op) for op in a_ops], [scales(op) for op in b_ops]
     out = torch.empty(sum(op.rows for op in a_ops), n, dtype=out_dtype) if concat else None
     results = native.grouped_exact_gemm([op.data for op in a_ops], a_scales, [op.tile for op in a_ops],
                                         [op.data for op in b_ops], b_scales, [op.tile for op in b_ops],
