@@ -47,7 +47,9 @@ def made_by_engine(value):
         any(isinstance(m, FP8Module) for m in value.modules())
         or any(isinstance(p, (QuantizedWeight, QuantizedTensor)) for p in value.parameters()))
 
-print("docs-check: engine objects:", any(made_by_engine(v) for v in list(found.values())))
+# one write of the whole line: the ranks of a torchrun block share stdout, and print() writes its parts apart
+sys.stdout.write(f"docs-check: engine objects: {any(made_by_engine(v) for v in list(found.values()))}\\n")
+sys.stdout.flush()
 """
 
 
