@@ -297,3 +297,38 @@ def test_torch_compile_of_a_training_step(state_dtype):
     for e, c in zip(eager, compiled):
         assert torch.allclose(e, c, rtol=0, atol=1e-6)
     assert any(not torch.equal(e, torch.zeros_like(e)) for e in eager)
+
+
+def test_bench_floor_row_runs_the_whole_linear_int8_step(monkeypatch):
+    """bench optim --floor's kernel (a lower bound, benchmarks/optim_floor.c) does the whole step it claims: one
+    step from zero states equals AdamW with linear int8 block codes, computed here in float64."""
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from optim_floor import floor_row
+
+    gen = torch.Generator().manual_seed(0)
+    w, g = torch.randn(256, generator=gen), torch.randn(256, generator=gen) * 1e-3
+    row = floor_row([w], [g], "baseline")
+    row.step()
+    b1, b2, lr, eps, decay = (torch.tensor(x).item() for x in (0.9, 0.999, 1e-3, 1e-8, 1 - 1e-5))  # the fp32 values
+    expected, codes, scales = [], [], []
+    for wb, gb in zip(w.double().split(128), g.double().split(128)):
+        m, v = gb * (1 - b1), gb * gb * (1 - b2)
+        ma, va = m.abs().max(), v.abs().max()
+        cm, cv = torch.round(m * 127 / ma), torch.round(v * 127 / va)
+        expected.append(wb * decay - lr * (cm * ma / 127) / ((cv * va / 127).sqrt() + eps))
+        codes.append(torch.stack([cm, cv]))
+        scales.append(torch.stack([ma, va]) / 127)
+    stored = torch.stack([row.m[0], row.v[0]]).double()
+    assert (stored - torch.cat(codes, dim=1)).abs().max() <= 1 and (stored == torch.cat(codes, dim=1)).float().mean() > 0.95
+    torch.testing.assert_close(torch.stack([row.ms[0], row.vs[0]], dim=1).double().flatten(),
+                               torch.stack(scales).flatten(), rtol=1e-6, atol=0)
+    # the floor is compiled with -ffast-math: a code may land one off where m * 127 / amax is near a half (and a
+    # v code of 0 against 1 changes that update by orders of magnitude: the linear code is not a real format)
+    update, want = row.w[0].double() - w.double() * decay, torch.cat(expected) - w.double() * decay
+    assert torch.isclose(update, want, rtol=1e-4, atol=0).float().mean() > 0.95
+    assert row.state_bytes() == 2 * 256 + 2 * 2 * 4
