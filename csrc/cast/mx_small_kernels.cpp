@@ -341,44 +341,6 @@ ENGINE_VEC_INLINE void store_block(uint8_t* dst, const u32v* q, int64_t n) {
   }
 }
 
-// Both usages' codes of one whole block at AVX2 (GCC): each lane's code bytes masked, then two-input packs (in-lane
-// vpackusdw / vpackuswb) and one cross-lane permute give both blocks' bytes in one register, against the 16-byte
-// byte gathers of store_block (two vpshufb, a vpermq and an or per 16 bytes, twice per usage). Returns false
-// where it does not apply (then store_block, each usage).
-template <typename F>
-ENGINE_VEC_INLINE bool store_blocks_both(uint8_t* row_dst, uint8_t* col_dst, const u32v* row_q, const u32v* col_q,
-                                         int64_t n) {
-#if ENGINE_ISA_LEVEL == 1 && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  if (n < kBlock) return false;
-  typedef int i32x8_ __attribute__((vector_size(32)));
-  typedef short i16x16_ __attribute__((vector_size(32)));
-  typedef char i8x32_ __attribute__((vector_size(32)));
-  typedef long long i64x4_ __attribute__((vector_size(32)));
-  constexpr uint32_t kMask = F::kBits == 4 ? 0xFFu : 0xFFFFu;  // the lane's code bytes (E2M1: 1, FP6: 2)
-  const auto words = [&](const u32v* q) {  // lanes 0-3 of q[0], of q[1], then lanes 4-7 of each, as words
-    return __builtin_ia32_packusdw256(bits<i32x8_>(q[0] & kMask), bits<i32x8_>(q[1] & kMask));
-  };
-  const i16x16_ r = words(row_q), c = words(col_q);
-  if constexpr (F::kBits == 4) {
-    // bytes: per 128-bit half h, dwords r0[4h..4h+3], r1[4h..], c0[4h..], c1[4h..]; in order: dwords 0 4 1 5 2 6 3 7
-    const i8x32_ b = __builtin_ia32_packuswb256(r, c);
-    const u32v order = {0, 4, 1, 5, 2, 6, 3, 7};
-    const u8x32 both = bits<u8x32>(__builtin_shuffle(bits<u32v>(b), order));
-    store(row_dst, __builtin_shufflevector(both, both, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    store(col_dst, __builtin_shufflevector(both, both, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
-                                           31));
-  } else {
-    // words: per half h, q0[4h..4h+3], q1[4h..]: qwords 0 2 1 3 in order
-    store(row_dst, bits<u8x32>(__builtin_ia32_permdi256(bits<i64x4_>(r), 0xD8)));
-    store(col_dst, bits<u8x32>(__builtin_ia32_permdi256(bits<i64x4_>(c), 0xD8)));
-  }
-  return true;
-#else
-  (void)row_dst, (void)col_dst, (void)row_q, (void)col_q, (void)n;
-  return false;
-#endif
-}
-
 // ------------------------------------------------------------------------------------ a segment
 constexpr int64_t kSegCols = 16 * kTileCols;  // bf16: 256 KiB of x per segment (fp32 takes half as many columns)
 
@@ -548,10 +510,6 @@ void cast_pass(const MxSmallJob& job, const Segment& seg, int64_t r0, int64_t r1
         }
       }
       const int64_t n = w - kBlock * b;
-      if (ROW && COL && store_blocks_both<F>(job.row_data + out + kOut * b, job.col_data + out + kOut * b, row_q,
-                                             col_q, n)) {
-        continue;
-      }
       if constexpr (ROW) store_block<F>(job.row_data + out + kOut * b, row_q, n);
       if constexpr (COL) store_block<F>(job.col_data + out + kOut * b, col_q, n);
     }
