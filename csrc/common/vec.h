@@ -284,6 +284,26 @@ ENGINE_VEC_INLINE u16x16 f32_to_bf16(f32x16 v) {
   return convert<u16x16>(select(is_nan(v), nan, rounded));
 }
 
+// The kNativeLanes 16-bit words at p, zero-extended to 32-bit lanes: one vpmovzxwd on x86 AVX2 / AVX-512 (GCC 12
+// splits the generic widening of a 16-bit vector into halves there: 3 instructions on AVX-512, 5 on AVX2).
+ENGINE_VEC_INLINE u32n widen_u16(const void* p) {
+#if defined(__x86_64__) && ENGINE_ISA_LEVEL >= 2 && defined(__GNUC__) && !defined(__clang__)
+  typedef short v16hi_ __attribute__((vector_size(32)));
+  typedef int v16si_ __attribute__((vector_size(64)));
+  v16hi_ h;
+  std::memcpy(&h, p, 32);
+  return bits<u32n>(__builtin_ia32_pmovzxwd512_mask(h, v16si_{}, static_cast<unsigned short>(0xFFFF)));
+#elif defined(__x86_64__) && ENGINE_ISA_LEVEL == 1 && defined(__GNUC__) && !defined(__clang__)
+  typedef short v8hi_ __attribute__((vector_size(16)));
+  v8hi_ h;
+  std::memcpy(&h, p, 16);
+  return bits<u32n>(__builtin_ia32_pmovzxwd256(h));
+#else
+  typedef uint16_t u16q_ __attribute__((vector_size(2 * kNativeLanes)));
+  return __builtin_convertvector(load<u16q_>(p), u32n);
+#endif
+}
+
 }  // namespace vec
 }  // namespace ENGINE_ISA_NS
 }  // namespace engine_native

@@ -64,15 +64,23 @@ ENGINE_VEC_INLINE vec::f32n bf16_round(vec::f32n v) {
 }
 
 // y[k][c] = the RHT output of the 16 tokens t[0..15][c] of each column c < cols (cols a multiple of
-// vec::kNativeLanes), rows ld floats apart.
-inline void rht_rows(const float* __restrict t, float* __restrict y, int64_t ld, int64_t cols) {
+// vec::kNativeLanes), rows ld floats apart; keys[c] = the max |y[k][c]| bits over its 16 outputs (above 0x7F800000:
+// a NaN), taken while they are in registers (no second pass over y for the columnwise blocks' maxima).
+inline void rht_rows_keys(const float* __restrict t, float* __restrict y, int64_t ld, int64_t cols,
+                          uint32_t* __restrict keys) {
   for (int64_t c = 0; c < cols; c += vec::kNativeLanes) {
     vec::f32n v[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) v[i] = vec::load<vec::f32n>(t + i * ld + c);
     rht16(v);
+    vec::u32n m = {};
 #pragma GCC unroll 16
-    for (int k = 0; k < 16; ++k) vec::store(y + k * ld + c, bf16_round(v[k]));
+    for (int k = 0; k < 16; ++k) {
+      const vec::f32n r = bf16_round(v[k]);
+      vec::store(y + k * ld + c, r);
+      m = vec::max(m, vec::bits<vec::u32n>(r) & 0x7FFFFFFFu);
+    }
+    vec::store(keys + c, m);
   }
 }
 
