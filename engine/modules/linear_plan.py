@@ -42,8 +42,8 @@ from engine.schemes import ScaleEncoding, Scheme
 #: at most this many plans per LinearArgs (a layer that sees many token counts plans each; older ones are dropped)
 MAX_PLANS = 8
 
-#: the fields of one usage's buffers, rowwise and columnwise
-FIELDS = (("rowwise_data", "rowwise_scale_inv"), ("columnwise_data", "columnwise_scale_inv"))
+#: the quantize a plan stands for (as defined here, not as replaced later: a replaced one runs as it is)
+BUILT_IN_QUANTIZE, BUILT_IN_CHECKED_BUFFERS = Quantizer.quantize_storage, Quantizer._checked_buffers
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,8 @@ def tensor_plan(state: RecipeState, role: Role, gemm: int, shape: tuple[int, int
     if q_row is None or q_row is not q_col:
         return None
     kind = type(q_row)
-    if kind.quantize_storage is not Quantizer.quantize_storage or kind._checked_buffers is not Quantizer._checked_buffers:
-        return None  # a quantizer with its own quantize (custom recipes): its own path
+    if kind.quantize_storage is not BUILT_IN_QUANTIZE or kind._checked_buffers is not BUILT_IN_CHECKED_BUFFERS:
+        return None  # a quantizer with a quantize of its own (a custom recipe's, a wrapper's): its own path
     if q_row.rule.kernel_args() is None:
         return None
     scheme = q_row.scheme
