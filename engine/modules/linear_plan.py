@@ -39,6 +39,8 @@ from engine.recipes import RecipeState, Role
 from engine.recipes.debug_state import DebugState
 from engine.schemes import ScaleEncoding, Scheme
 
+PLAIN = (torch.nn.Parameter, torch.Tensor)  # a weight's exact types the plan takes (not FP8 primary weights)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: at most this many plans per LinearArgs (a layer that sees many token counts plans each; older ones are dropped)
 MAX_PLANS = 8
 
@@ -228,14 +230,14 @@ def plan_for(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """The cached plan of this call (built at its first step), or None where `LinearFunction` must run."""
     if not args.fp8 or args.is_first_microbatch is not None or args.fuse_wgrad_accumulation:
         return None
-    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or weight.dim() != 2 or not inp.is_cpu \
-            or weight.dtype != inp.dtype and weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if type(weight) not in PLAIN or weight.dim() != 2 or not (inp.is_cpu and weight.is_cpu) \
+            or weight.dtype not in FLOAT_DTYPES:
         return None
     need_dgrad = args.grad_enabled and inp.requires_grad
     need_wgrad = args.grad_enabled and weight.requires_grad
     forced = ops_backend.forced_backend()
-    key = (inp.shape, inp.dtype, weight.shape, weight.dtype, weight.device, None if bias is None else bias.dtype,
-           need_dgrad, need_wgrad, forced)
+    key = (inp.shape, inp.dtype, weight.shape, weight.dtype, None if bias is None else bias.dtype, need_dgrad,
+           need_wgrad, forced)
     plans = args.__dict__.setdefault("_plans", {})
     found = plans.get(key, False)
     if found is False:
@@ -256,13 +258,13 @@ class PlannedLinear(torch.autograd.Function):
         inp2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         x_row, x_col = plan.x.quantize(inp2d)
         w_row, w_col = plan.w.quantize(weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        if bias is not None and bias.dtype != inp.dtype:
+        bias_dtype = None if bias is None else bias.dtype
+        if bias is not None and bias_dtype != inp.dtype:
             bias = bias.to(inp.dtype)
         out = plan.run_gemm(x_row, plan.x.rowwise, w_row, plan.w.rowwise, bias, inp.dtype)
         if out.dtype != inp.dtype:
             out = out.to(inp.dtype)
-        ctx.plan, ctx.inp_shape, ctx.inp_dtype, ctx.weight_dtype = plan, inp.shape, inp.dtype, weight.dtype
+        ctx.meta = (plan, inp.shape, inp.dtype, weight.dtype, bias_dtype)
         ctx.save_for_backward(*(x_col or ()), *(w_col or ()))
         return unviewed(out, (*inp.shape[:-1], out.shape[-1]))
 
@@ -275,7 +277,7 @@ class PlannedLinear(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        plan: LinearPlan = ctx.plan
+        plan, inp_shape, inp_dtype, weight_dtype, bias_dtype = ctx.meta
         dy2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         dy = dy2d.contiguous()
         saved = ctx.saved_tensors
@@ -287,14 +289,14 @@ class PlannedLinear(torch.autograd.Function):
         if plan.dy is not None:
             dy_row, dy_col = plan.dy.quantize(dy)
             if need_dgrad:
-                dx = plan.run_gemm(dy_row, plan.dy.rowwise, w_col, plan.w.columnwise, None, ctx.inp_dtype)
-                if dx.dtype != ctx.inp_dtype:
-                    dx = dx.to(ctx.inp_dtype)
-                if dx.shape != ctx.inp_shape:
-                    dx = dx.view(ctx.inp_shape)
+                dx = plan.run_gemm(dy_row, plan.dy.rowwise, w_col, plan.w.columnwise, None, inp_dtype)
+                if dx.dtype != inp_dtype:
+                    dx = dx.to(inp_dtype)
+                if dx.shape != inp_shape:
+                    dx = dx.view(inp_shape)
             if need_wgrad:
-                dw = plan.run_gemm(dy_col, plan.dy.columnwise, x_col, plan.x.columnwise, None, ctx.inp_dtype)
-                if dw.dtype != ctx.weight_dtype:
-                    dw = dw.to(ctx.weight_dtype)
-        dbias = dy2d.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+                dw = plan.run_gemm(dy_col, plan.dy.columnwise, x_col, plan.x.columnwise, None, inp_dtype)
+                if dw.dtype != weight_dtype:
+                    dw = dw.to(weight_dtype)
+        dbias = dy2d.sum(0).to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
