@@ -33,13 +33,17 @@ def as_bits(t: torch.Tensor | None) -> torch.Tensor | None:
                            .get(t.dtype, t.dtype))
 
 
-def run_steps(recipe, inputs: list[torch.Tensor], dtype: torch.dtype, module_cls=engine.Linear, **kwargs) -> list:
-    """Outputs, gradients and the saved state of steps of a fresh layer (seeded weights) over `inputs`."""
+def run_steps(recipe, inputs: list[torch.Tensor], dtype: torch.dtype, module_cls=engine.Linear,
+              needs: list[tuple[bool, bool]] | None = None, **kwargs) -> list:
+    """Outputs, gradients and the saved state of steps of a fresh layer (seeded weights) over `inputs`;
+    `needs`: per step, whether x and the weight require gradients (default: both)."""
     torch.manual_seed(0)
     layer = module_cls(inputs[0].shape[-1], 48, params_dtype=dtype, **kwargs)
     results = []
-    for x in inputs:
-        x = x.clone().requires_grad_(True)
+    for i, x in enumerate(inputs):
+        x_grad, w_grad = (True, True) if needs is None else needs[i]
+        layer.weight.requires_grad_(w_grad)
+        x = x.clone().requires_grad_(x_grad)
         with engine.fp8_autocast(recipe=recipe):
             out = layer(x)
         out = out[0] if isinstance(out, tuple) else out
@@ -88,6 +92,17 @@ def test_nonfinite_and_subnormal_scale_products_keep_their_bits(recipe, monkeypa
     planned = run_steps(recipe, inputs, torch.float32)
     without_plans(monkeypatch)
     assert_same_bits(planned, run_steps(recipe, inputs, torch.float32))
+
+
+@pytest.mark.parametrize("recipe", PLANNED, ids=lambda r: type(r).__name__)
+def test_steps_that_need_fewer_gradients_keep_their_bits(recipe, monkeypatch):
+    """A first layer's input (no dx), a frozen weight (no dW), then both again, through one layer: each step's
+    plan makes what that step's backward reads."""
+    needs = [(False, True), (True, True), (True, False), (False, True), (True, True)]
+    inputs = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(len(needs))]
+    planned = run_steps(recipe, inputs, torch.float32, needs=needs)
+    without_plans(monkeypatch)
+    assert_same_bits(planned, run_steps(recipe, inputs, torch.float32, needs=needs))
 
 
 def plan_of(layer: torch.nn.Module, x: torch.Tensor, recipe, **forward_kwargs):
