@@ -64,19 +64,31 @@ def assert_same_bits(got: list, want: list) -> None:
 
 
 def step_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
-    """Three steps: random tokens (2D, then 3D), then edge values (a zero row, a huge and a tiny value, -0)."""
+    """Steps of random tokens (2D, then 3D, each twice: a plan is made at the second call alike), then edge values
+    (a zero row, a huge and a tiny value, -0)."""
     g = torch.Generator().manual_seed(1)
     edge = torch.randn(16, 64, generator=g).to(dtype)
     edge[0] = 0
     edge[1, 3], edge[2, 5], edge[3, 7] = 3e4, 1e-7, -0.0
-    return [torch.randn(16, 64, generator=g).to(dtype), torch.randn(2, 8, 64, generator=g).to(dtype), edge]
+    return [torch.randn(*shape, generator=g).to(dtype) for shape in ((16, 64), (16, 64), (2, 8, 64), (2, 8, 64))] + [edge]
+
+
+def planned_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The plans dispatch takes from here on (None: a call on the general path)."""
+    seen = []
+    real = dispatch.plan_for
+    monkeypatch.setattr(dispatch, "plan_for", lambda *args: seen.append(real(*args)) or seen[-1])
+    return seen
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_linear_steps_have_the_general_paths_bits(name, dtype, monkeypatch):
     recipe = checkpoint_specs.make_recipe(name)
+    seen = planned_calls(monkeypatch)
     planned = run_steps(recipe, step_inputs(dtype), dtype)
+    if name in {type(r).__name__ for r in PLANNED}:  # the 2D and 3D steps, edge values: planned after their first
+        assert [p is not None for p in seen] == [False, True, False, True, True]
     without_plans(monkeypatch)
     assert_same_bits(planned, run_steps(recipe, step_inputs(dtype), dtype))
 
@@ -98,7 +110,7 @@ def test_nonfinite_and_subnormal_scale_products_keep_their_bits(recipe, monkeypa
 def test_steps_that_need_fewer_gradients_keep_their_bits(recipe, monkeypatch):
     """A first layer's input (no dx), a frozen weight (no dW), then both again, through one layer: each step's
     plan makes what that step's backward reads."""
-    needs = [(False, True), (True, True), (True, False), (False, True), (True, True)]
+    needs = [(False, True), (False, True), (True, True), (True, True), (True, False), (True, False)]
     inputs = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(len(needs))]
     planned = run_steps(recipe, inputs, torch.float32, needs=needs)
     without_plans(monkeypatch)
@@ -127,24 +139,32 @@ def plan_of(layer: torch.nn.Module, x: torch.Tensor, recipe, **forward_kwargs):
 def test_the_bars_recipes_take_a_plan_made_once(recipe):
     layer = engine.Linear(64, 48)
     x = torch.randn(16, 64, requires_grad=True)
+    assert plan_of(layer, x, recipe) is None  # a first call runs the general path: a plan is for a steady state
     first = plan_of(layer, x, recipe)
     assert isinstance(first, linear_plan.LinearPlan)
     assert plan_of(layer, x, recipe) is first  # cached: resolved once per (args, shapes, dtypes, flags)
     with torch.no_grad():
+        plan_of(layer, x, recipe)
         inference = plan_of(layer, x, recipe)
     assert inference is not first and inference.dy is None
+    assert inference.x.columnwise is None and inference.w.columnwise is None  # nothing saved: no columnwise copies
 
 
 def test_unusual_calls_take_the_general_path():
     recipe = Float8CurrentScaling()
     x = torch.randn(16, 64, requires_grad=True)
-    assert plan_of(engine.Linear(64, 48), x, recipe, is_first_microbatch=True) is None
+
+    def steady_plan(layer, **forward_kwargs):  # the plan of a third call alike
+        return [plan_of(layer, x, recipe, **forward_kwargs) for _ in range(3)][-1]
+
+    assert steady_plan(engine.Linear(64, 48), is_first_microbatch=True) is None
     fused = engine.Linear(64, 48, fuse_wgrad_accumulation=True)
     fused.weight.main_grad = torch.zeros_like(fused.weight)
-    assert plan_of(fused, x, recipe) is None
+    assert steady_plan(fused) is None
     with engine.fp8_model_init(recipe=recipe):
         primary = engine.Linear(64, 48)
-    assert plan_of(primary, x, recipe) is None
+    assert steady_plan(primary) is None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_BACKEND", "reference")
-        assert plan_of(engine.Linear(64, 48), x, recipe) is None
+        assert steady_plan(engine.Linear(64, 48)) is None
+    assert steady_plan(engine.Linear(64, 48)) is not None  # the same calls, usual: planned

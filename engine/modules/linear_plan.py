@@ -41,6 +41,7 @@ from engine.schemes import ScaleEncoding, Scheme
 
 PLAIN = (torch.nn.Parameter, torch.Tensor)  # a weight's exact types the plan takes (not FP8 primary weights)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SEEN_ONCE = "seen once"  # a key's first call: the general path runs, the plan is built at its second
 #: at most this many plans per LinearArgs (a layer that sees many token counts plans each; older ones are dropped)
 MAX_PLANS = 8
 
@@ -230,7 +231,7 @@ def build_plan(args: LinearArgs, m: int, k: int, n: int, need_dgrad: bool, need_
 
 
 def plan_for(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: LinearArgs) -> LinearPlan | None:
-    """The cached plan of this call (built at its first step), or None where `LinearFunction` must run."""
+    """The cached plan of this call (built at the second call alike), or None where `LinearFunction` runs."""
     if not args.fp8 or args.is_first_microbatch is not None or args.fuse_wgrad_accumulation:
         return None
     if type(weight) not in PLAIN or weight.dim() != 2 or not (inp.is_cpu and weight.is_cpu) \
@@ -243,12 +244,15 @@ def plan_for(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            need_wgrad, forced)
     plans = args.__dict__.setdefault("_plans", {})
     found = plans.get(key, False)
-    if found is False:
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
+    if found is SEEN_ONCE:  # the second call alike: a steady state, worth the plan (~0.1 ms to build)
         k = inp.shape[-1]
         found = plans[key] = build_plan(args, inp.numel() // k if k else 0, k, weight.shape[0], need_dgrad,
                                         need_wgrad, forced) if inp.numel() else None
+    elif found is False:  # a first call (args made afresh per call, as a checkpointed delayed forward's, stay here)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = SEEN_ONCE
+        return None
     return found
 
 
