@@ -42,7 +42,9 @@ def run_steps(recipe, inputs: list[torch.Tensor], dtype: torch.dtype, module_cls
     results = []
     for i, x in enumerate(inputs):
         x_grad, w_grad = (True, True) if needs is None else needs[i]
-        layer.weight.requires_grad_(w_grad)
+        for name, param in layer.named_parameters():
+            if name.endswith("weight") and "norm" not in name:  # the GEMMs' weights
+                param.requires_grad_(w_grad)
         x = x.clone().requires_grad_(x_grad)
         with engine.fp8_autocast(recipe=recipe):
             out = layer(x)
@@ -115,6 +117,16 @@ def test_steps_that_need_fewer_gradients_keep_their_bits(recipe, monkeypatch):
     planned = run_steps(recipe, inputs, torch.float32, needs=needs)
     without_plans(monkeypatch)
     assert_same_bits(planned, run_steps(recipe, inputs, torch.float32, needs=needs))
+
+
+@pytest.mark.parametrize("module_cls", [engine.LayerNormLinear, engine.LayerNormMLP], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("recipe", PLANNED, ids=lambda r: type(r).__name__)
+def test_layernorm_layers_have_the_general_paths_bits(recipe, module_cls, monkeypatch):
+    seen = planned_calls(monkeypatch)
+    planned = run_steps(recipe, step_inputs(torch.bfloat16), torch.bfloat16, module_cls)
+    assert any(p is not None for p in seen)
+    without_plans(monkeypatch)
+    assert_same_bits(planned, run_steps(recipe, step_inputs(torch.bfloat16), torch.bfloat16, module_cls))
 
 
 def plan_of(layer: torch.nn.Module, x: torch.Tensor, recipe, **forward_kwargs):
