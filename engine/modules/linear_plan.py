@@ -3,14 +3,15 @@
 `LinearFunction` asks, for every operand of every step, which quantizer applies, which usages
 it makes, which GEMM pairs the two sides and how each side's buffers are read. For a layer
 whose recipe, shapes, dtypes and flags do not change, those answers do not change either: a
-`LinearPlan` holds them, resolved once per (args, shapes, dtypes, flags) and cached on the
-layer's `LinearArgs` (which the module keeps while nothing they hold changes). `PlannedLinear`
-then runs the same kernels with the same arguments as `LinearFunction` - one quantize call per
-tensor (both usages at once, scale state read and recorded in the kernel), one exact GEMM call per
-GEMM - so its results are bit-identical; only the Python between the kernels is gone.
+`LinearPlan` holds them, resolved at the second call alike per (args, shapes, dtypes, flags) and
+cached on the layer's `LinearArgs` (which the module keeps while nothing they hold changes).
+`PlannedLinear` then runs the same kernels on the same buffers as `LinearFunction` - one quantize
+call per tensor (both usages at once, scale state read and recorded in the kernel), one exact GEMM
+call per GEMM (a tile wider than K passed as K wide: the same scales) - so its results are
+bit-identical (tests/test_linear_plan.py); only the Python between the kernels is gone.
 
 A plan exists only for the common case: an eager CPU step on plain tensors, per-tensor FP8
-(delayed and current scaling) or power-of-2 tile scales (block scaling, MXFP8), each tensor's
+(delayed and current scaling) or power-of-2 tile scales (block scaling, MXFP8, rowwise), each tensor's
 two uses sharing one built-in quantizer that is one kernel call. Everything else - FP8 primary
 weights, weight caching across micro-batches, fused wgrad accumulation, FP32 tile scales,
 NVFP4 / MXFP4, Debug and custom quantizers, forced non-native backends - returns no plan and
@@ -26,11 +27,11 @@ from typing import Any, Callable
 
 import torch
 
+from engine import memory
 from engine.formats import FP8_DTYPES
 from engine.gemm.cpu import _per_tensor_rescaled
 from engine.gemm.operand import GemmOperand
 from engine.modules.linear_function import LinearArgs, torch_autocast_on, unviewed
-from engine import memory
 from engine.ops import backend as ops_backend
 from engine.ops import native, registry
 from engine.ops import reference as ref
