@@ -246,6 +246,10 @@ def plan_for(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     plans = args.__dict__.setdefault("_plans", {})
     found = plans.get(key, False)
     if found is SEEN_ONCE:  # the second call alike: a steady state, worth the plan (~0.1 ms to build)
+        if torch._C._current_graph_task_id() != -1:
+            # inside a backward: a recompute (torch.utils.checkpoint) of a forward that ran the general path must run
+            # it again, saving the same tensors
+            return None
         k = inp.shape[-1]
         found = plans[key] = build_plan(args, inp.numel() // k if k else 0, k, weight.shape[0], need_dgrad,
                                         need_wgrad, forced) if inp.numel() else None
