@@ -11,6 +11,7 @@ from engine import autocast
 from engine.dtensor import any_dtensor
 from engine.hooks import Hook
 from engine.modules.linear_function import LinearArgs, LinearFunction, torch_autocast_on
+from engine.modules.linear_plan import PlannedLinear, plan_for
 
 #: the exact types no DTensor has
 PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -49,4 +50,7 @@ def _linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     observer = autocast.inspector()
     if observer is not None:  # an engine.inspect step: the same function, watched (engine.numerics)
         return observer.linear(inp, weight, bias, args)
+    plan = plan_for(inp, weight, bias, args)
+    if plan is not None:  # the steady state: kernels resolved once (linear_plan.py), same bits
+        return PlannedLinear.apply(inp, weight, bias, plan)
     return LinearFunction.apply(inp, weight, bias, args)
