@@ -18,7 +18,9 @@ The default shape (docs/recommend.md's current table), each run on one thread, a
       PYTHONPATH=. python benchmarks/recommend_eval.py ROOT/sS/<run>   # each 4-bit run: its forward's share
     python benchmarks/recommend_gap.py ROOT docs/recommend_gap.png    # prints the table, writes the plot
 
-Seeds without both a bf16 and an nvfp4 run are left out; a run missing for a seed is left out of that row (the row
+ROOT/previous.json may hold earlier runs' final validation losses for runs this ROOT lacks (marked *; the runs
+repeat bit for bit: a seed's run gives the same loss every time). Seeds without both a bf16 and an nvfp4 run are
+left out; a run missing for a seed is left out of that row (the row
 says how many seeds it has). The last column (with recommend_eval.py's eval.json) is the run's gap with its
 final weights evaluated with the forward in bf16: what training in 4-bit did, without the 4-bit forward's own
 error at validation.
@@ -42,16 +44,25 @@ CONFIGS = [("nvfp4", "nvfp4"), ("hand", "nvfp4, last block bf16 (TE's hand rule)
            ("switch", "nvfp4, bf16 for the last 10% of steps"),
            ("switch80", "nvfp4, bf16 for the last 20% of steps"),
            ("map_switch", "nvfp4, recommended map + bf16 for the last 10%")]
+#: earlier runs of the same commands, where this ROOT has none: ROOT/previous.json, {"s<seed>": {run: {
+#: "final_val_loss": ..., "four_bit_flop_share": ...}}} (the table marks them with *)
+PREVIOUS = json.loads((ROOT / "previous.json").read_text()) if (ROOT / "previous.json").exists() else {}
 def load(s, c):
     p = ROOT / f"s{s}" / c / "results.json"
-    return json.loads(p.read_text())[0] if p.exists() else None
+    if p.exists():
+        return json.loads(p.read_text())[0]
+    earlier = PREVIOUS.get(f"s{s}", {}).get(c)
+    return None if earlier is None else {**earlier, "previous": True}
+def mark(s, c):
+    return "*" if load(s, c).get("previous") else ""
 def forward_free_gap(s, c):
     """The run's gap with its weights evaluated with a bf16 forward (recommend_eval.py), None without eval.json."""
     p = ROOT / f"s{s}" / c / "eval.json"
     if not p.exists():
         return None
     return 100 * (json.loads(p.read_text())["val_loss_bf16_forward"] - base[s]["final_val_loss"]) / base[s]["final_val_loss"]
-seeds = sorted(s for s in (int(p.name[1:]) for p in ROOT.glob("s*")) if load(s, "bf16") and load(s, "nvfp4"))
+found = {int(p.name[1:]) for p in ROOT.glob("s*") if p.is_dir()} | {int(k[1:]) for k in PREVIOUS}
+seeds = sorted(s for s in found if load(s, "bf16") and load(s, "nvfp4"))
 rows, per = [], {}
 base = {s: load(s, "bf16") for s in seeds}
 for key, label in CONFIGS:
@@ -74,13 +85,15 @@ for key, label in CONFIGS:
         seeds_txt = "" if len(gaps) == len(seeds) else f" ({len(gaps)} seeds)"
         free = [forward_free_gap(s, key) for s in seeds if load(s, key) is not None]
         free_txt = " / ".join("-" if f is None else f"{f:+.2f}%" for f in free) if any(f is not None for f in free) else "-"
-        rows.append(f"| {label}{seeds_txt} | {' / '.join(f'{g:+.2f}%' for g in gaps)} | {statistics.mean(gaps):+.2f}% ± {sd:.2f} | "
+        rows.append(f"| {label}{seeds_txt} | {' / '.join(f'{g:+.2f}%' + mark(s, key) for g, s in zip(gaps, [s for s in seeds if load(s, key) is not None]))} | {statistics.mean(gaps):+.2f}% ± {sd:.2f} | "
                     f"{statistics.mean(diffs):+.2f} ± {sdd:.2f} | {mean_closed:.0f}% | {statistics.mean(shares):.1f}% | {free_txt} |")
 print("| run | gap to bf16, seeds " + " / ".join(str(s) for s in seeds) + " | mean ± sd | minus nvfp4's gap, same seed (points, mean ± sd) | share of the mean gap closed | GEMM FLOPs in 4-bit over the run | gap with a bf16 forward at validation |")
 print("|---|---|---|---|---|---|---|")
-bl = [base[s]["final_val_loss"] for s in seeds if base[s]]
-print(f"| bf16 (val loss {' / '.join(f'{x:.4f}' for x in bl)}) | - | - | - | - | 0% | - |")
+bl = " / ".join(f"{base[s]['final_val_loss']:.4f}{mark(s, 'bf16')}" for s in seeds)
+print(f"| bf16 (val loss {bl}) | - | - | - | - | 0% | - |")
 for r in rows: print(r)
+if PREVIOUS:
+    print("\n(*: an earlier run of the same command, from ROOT/previous.json)")
 # plot: gap per config per seed, and seed 0's validation curves
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
 keys = [k for k, _ in CONFIGS if per.get(k, (0, [], []))[1]]
