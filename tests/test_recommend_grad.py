@@ -105,3 +105,11 @@ def test_the_grad_statistic_leaves_the_model_as_it_was():
     assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[1].weight.grad is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if not k.endswith("_extra_state"))
     assert all(m._recipe_choice is None for m in model)
+
+
+def test_a_late_switch_counts_the_gemms_a_debug_pick_keeps(capsys):
+    schedule = engine.recommend(model_with_a_bad_layer(), batches(1), candidates=[NVFP4], budget=0.25, threshold=0.3,
+                                statistic="grad", switch_at=0.9)
+    assert schedule.recipe_map.recipe_for("0") == Debug(NVFP4, high_precision=("fprop",))
+    # 11 of 12 equal GEMMs in 4-bit before the switch, none after: 0.9 x 11/12 over the run
+    assert "GEMM FLOPs in 4-bit: 91.7% before, 0.0% after, 82.5% over the run" in capsys.readouterr().out
