@@ -53,6 +53,8 @@ def load(s, c):
         return json.loads(p.read_text())[0]
     earlier = PREVIOUS.get(f"s{s}", {}).get(c)
     return None if earlier is None else {**earlier, "previous": True}
+def pm(sd):
+    return "" if sd != sd else f" ± {sd:.2f}"  # one seed: no sd
 def mark(s, c):
     return "*" if load(s, c).get("previous") else ""
 def forward_free_gap(s, c):
@@ -82,11 +84,11 @@ for key, label in CONFIGS:
         n_gaps = [100 * (load(s, "nvfp4")["final_val_loss"] - base[s]["final_val_loss"]) / base[s]["final_val_loss"]
                   for s in seeds if load(s, key) is not None]
         mean_closed = 100 * (statistics.mean(n_gaps) - statistics.mean(gaps)) / statistics.mean(n_gaps)
-        seeds_txt = "" if len(gaps) == len(seeds) else f" ({len(gaps)} seeds)"
+        seeds_txt = "" if len(gaps) == len(seeds) else f" ({len(gaps)} seed{'s' if len(gaps) > 1 else ''})"
         free = [forward_free_gap(s, key) for s in seeds if load(s, key) is not None]
         free_txt = " / ".join("-" if f is None else f"{f:+.2f}%" for f in free) if any(f is not None for f in free) else "-"
-        rows.append(f"| {label}{seeds_txt} | {' / '.join(f'{g:+.2f}%' + mark(s, key) for g, s in zip(gaps, [s for s in seeds if load(s, key) is not None]))} | {statistics.mean(gaps):+.2f}% ± {sd:.2f} | "
-                    f"{statistics.mean(diffs):+.2f} ± {sdd:.2f} | {mean_closed:.0f}% | {statistics.mean(shares):.1f}% | {free_txt} |")
+        rows.append(f"| {label}{seeds_txt} | {' / '.join(f'{g:+.2f}%' + mark(s, key) for g, s in zip(gaps, [s for s in seeds if load(s, key) is not None]))} | {statistics.mean(gaps):+.2f}%{pm(sd)} | "
+                    f"{statistics.mean(diffs):+.2f}{pm(sdd)} | {mean_closed:.0f}% | {statistics.mean(shares):.1f}% | {free_txt} |")
 print("| run | gap to bf16, seeds " + " / ".join(str(s) for s in seeds) + " | mean ± sd | minus nvfp4's gap, same seed (points, mean ± sd) | share of the mean gap closed | GEMM FLOPs in 4-bit over the run | gap with a bf16 forward at validation |")
 print("|---|---|---|---|---|---|---|")
 bl = " / ".join(f"{base[s]['final_val_loss']:.4f}{mark(s, 'bf16')}" for s in seeds)
