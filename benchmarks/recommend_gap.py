@@ -104,7 +104,7 @@ for i, k in enumerate(keys):
     a1.bar(i, statistics.mean(gaps), color="C%d" % i, alpha=0.5)
     a1.scatter([i] * len(gaps), gaps, color="k", s=12, zorder=3)
 a1.axhline(0, color="k", lw=0.8)
-a1.set_xticks(range(len(keys)), [per[k][0].replace("nvfp4, ", "").replace(" (TE's hand rule)", "\n(TE hand rule)").replace(" (", "\n(").replace(" + ", "\n+ ") for k in keys], fontsize=7, rotation=15)
+a1.set_xticks(range(len(keys)), [per[k][0].replace("nvfp4, ", "").replace(" (TE's hand rule)", "\n(TE hand rule)").replace(" (", "\n(").replace(" + ", "\n+ ") + ("" if len(per[k][1]) == len(seeds) else f"\n({len(per[k][1])} of {len(seeds)} seeds)") for k in keys], fontsize=7, rotation=15)
 a1.set_ylabel("final validation loss gap to bf16 (%)")
 a1.set_title(f"NVFP4 gap to bf16, {len(seeds)} seeds (bar: mean, dots: seeds)")
 for i, k in enumerate(keys):
