@@ -1,10 +1,11 @@
 """Per-GEMM gradient sensitivity: one GEMM (fprop, dgrad or wgrad) of one engine layer under a candidate recipe,
 every other GEMM of the model in high precision, and the error of the gradient training then follows.
 
-The loss sensitivity (sensitivity.py) runs forward only, so it cannot see the backward GEMMs, which are two
-thirds of the FLOPs and where 4-bit training loses most (NVFP4's gradients). Here each (layer, GEMM) runs a
-forward and a backward with that GEMM alone quantized (`Debug(candidate, high_precision=<the other two>)`),
-and its error is the relative error of the Adam-normalized gradient:
+The loss sensitivity (sensitivity.py) runs forward only, so it cannot see the backward GEMMs (two thirds of the
+FLOPs), and it weighs a forward's noise by the loss, not by what training follows: the gradient. Here each
+(layer, GEMM) runs a forward and a backward with that GEMM alone quantized (`Debug(candidate,
+high_precision=<the other two>)`; both GEMMs of a LayerNormMLP), and its error is the relative error of the
+Adam-normalized gradient:
 
     sqrt( sum_t numel_t * (||g_t - g_t,hp|| / ||g_t,hp||)^2 / sum_t numel_t )
 
