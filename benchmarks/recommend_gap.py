@@ -97,14 +97,14 @@ for r in rows: print(r)
 if PREVIOUS:
     print("\n(*: an earlier run of the same command, from ROOT/previous.json)")
 # plot: gap per config per seed, and seed 0's validation curves
-fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(18, 5.4))
 keys = [k for k, _ in CONFIGS if per.get(k, (0, [], []))[1]]
 for i, k in enumerate(keys):
     gaps = per[k][1]
     a1.bar(i, statistics.mean(gaps), color="C%d" % i, alpha=0.5)
     a1.scatter([i] * len(gaps), gaps, color="k", s=12, zorder=3)
 a1.axhline(0, color="k", lw=0.8)
-a1.set_xticks(range(len(keys)), [per[k][0].replace("nvfp4, ", "").replace(" (TE's hand rule)", "\n(TE hand rule)").replace(" (", "\n(").replace(" + ", "\n+ ") + ("" if len(per[k][1]) == len(seeds) else f"\n({len(per[k][1])} of {len(seeds)} seeds)") for k in keys], fontsize=7, rotation=15)
+a1.set_xticks(range(len(keys)), [per[k][0].replace("nvfp4, ", "").replace(" (TE's hand rule)", "\n(TE hand rule)").replace(" (", "\n(").replace(" + ", "\n+ ").replace(", per", ",\nper") + ("" if len(per[k][1]) == len(seeds) else f"\n({len(per[k][1])} of {len(seeds)} seeds)") for k in keys], fontsize=7, rotation=0)
 a1.set_ylabel("final validation loss gap to bf16 (%)")
 a1.set_title(f"NVFP4 gap to bf16, {len(seeds)} seeds (bar: mean, dots: seeds)")
 for i, k in enumerate(keys):
@@ -112,7 +112,7 @@ for i, k in enumerate(keys):
     a2.bar(i, statistics.mean(d), color="C%d" % i, alpha=0.5)
     a2.scatter(range(i, i + 1) if len(d) == 1 else [i] * len(d), d, color="k", s=12, zorder=3)
 a2.axhline(0, color="k", lw=0.8)
-a2.set_xticks(range(len(keys)), a1.get_xticklabels(), fontsize=7, rotation=15)
+a2.set_xticks(range(len(keys)), a1.get_xticklabels(), fontsize=7, rotation=0)
 a2.set_ylabel("gap minus nvfp4's gap, same seed (points)")
 a2.set_title("paired with the nvfp4 run of the same seed (below 0: closer to bf16)")
 fig.tight_layout()
