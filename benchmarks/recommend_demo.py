@@ -2,7 +2,7 @@
 
     python benchmarks/recommend_demo.py --d-model 64 --seq-len 64 --batch-size 8 --out map.json \
         [--checkpoint runs/x/bf16.pt] [--batches 2] [--budget 0.2] [--threshold 0.1] [--candidates nvfp4] \
-        [--statistic loss] [--switch-at 0.9 [--switch-to bf16]]
+        [--statistic loss|grad] [--switch-at 0.9 [--switch-to bf16]]
 
 The model is the one a run of the same shape and seed starts from (or a run's checkpoint); the batches are the
 run's first training batches. Prints the table recommend decided from and the share of GEMM FLOPs per pick.
@@ -37,8 +37,9 @@ def main() -> None:
     p.add_argument("--candidates", default="nvfp4", help="comma-separated recipe names, lowest precision first")
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--threshold", type=float, default=0.1)
-    p.add_argument("--statistic", default="gemm", choices=("gemm", "loss"),
-                   help="gemm: the largest relative GEMM error; loss: the loss change, one layer quantized at a time")
+    p.add_argument("--statistic", default="gemm", choices=("gemm", "loss", "grad"),
+                   help="gemm: the largest relative GEMM error; loss: the loss change, one layer quantized at a time; "
+                        "grad: the gradient error, one GEMM of one layer quantized at a time (picks per GEMM)")
     p.add_argument("--switch-at", type=float, default=None, help="a late switch at this fraction of the steps")
     p.add_argument("--switch-to", default="bf16", help="the recipe after the switch (bf16: high precision)")
     p.add_argument("--out", required=True, help="where to write the map (JSON)")

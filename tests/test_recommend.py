@@ -128,7 +128,7 @@ def test_the_model_and_its_gradients_are_left_as_they_were(statistic):
     ({"candidates": [NVFP4, NVFP4]}, ValueError, "listed twice"),
     ({"batches": []}, ValueError, "batches: expected at least one batch"),
     ({"batches": torch.zeros(2, WIDTH)}, TypeError, "batches: expected an iterable of batches"),
-    ({"statistic": "sqnr"}, ValueError, "statistic: expected one of 'gemm', 'loss' .*got 'sqnr'"),
+    ({"statistic": "sqnr"}, ValueError, "statistic: expected one of 'gemm', 'loss', 'grad' .*got 'sqnr'"),
     ({"statistic": ["loss"]}, ValueError, "statistic: expected one of"),
 ])
 def test_bad_arguments_are_refused_naming_them(kwargs, error, message):

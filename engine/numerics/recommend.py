@@ -18,6 +18,12 @@ goes back to the first candidate. The table it decided from is printed (`show=Fa
 relative change of the loss with that layer alone under the candidate, the others in high precision,
 averaged over the batches; `threshold` is then a relative loss change (e.g. 0.002).
 
+`statistic="grad"` decides per layer AND per GEMM (engine/numerics/grad_sensitivity.py): each (layer, GEMM)
+- fprop, dgrad, wgrad, a third of the layer's FLOPs each - is measured alone under the candidate by the
+relative error of the Adam-normalized gradient it causes, and goes to high precision if over `threshold`
+(within the budget, largest first); a layer with some GEMMs kept gets `Debug(candidate, high_precision=those)`.
+It takes one candidate (the choice per GEMM is that candidate or high precision).
+
 With `switch_at=F` it returns a `RecipeSchedule` instead: the map for the first F of the run's steps, then
 `switch_to` (default None, high precision) for every layer the map does not already keep in high precision,
 the late switch of the NVFP4 paper (arXiv 2509.25149, appendix D). The table then says which share of the
@@ -35,17 +41,20 @@ import torch
 
 from engine import autocast
 from engine.modules import FP8Module
+from engine.numerics.grad_sensitivity import GEMMS, gradient_sensitivity
 from engine.numerics.sensitivity import loss_sensitivity
 from engine.numerics.session import inspect
-from engine.recipes import Recipe, RecipeMap, RecipeSchedule
+from engine.recipes import Debug, Recipe, RecipeMap, RecipeSchedule
 from engine.recipes.schedule import four_bit_gemms
 
 
 @dataclass(frozen=True)
 class Row:
-    """One layer of the decision: its share of GEMM FLOPs, its error per candidate, its pick and why."""
+    """One layer (or one GEMM of a layer: `gemm`) of the decision: its share of GEMM FLOPs, its error per
+    candidate, its pick and why."""
 
     layer: str
+    gemm: str  # "all" (the statistic is per layer) or the GEMM the row decides for
     flop_share: float
     errors: tuple[float, ...]
     pick: Recipe | None
@@ -54,7 +63,9 @@ class Row:
 
 #: the statistics recommend can decide from, and what the table calls them
 STATISTICS = {"gemm": "max relative GEMM error (fprop, dgrad, wgrad)",
-              "loss": "relative loss change with the layer alone quantized (mean over the batches)"}
+              "loss": "relative loss change with the layer alone quantized (mean over the batches)",
+              "grad": "relative error of the Adam-normalized gradient with the GEMM alone quantized (mean over the "
+                      "batches)"}
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -147,17 +158,22 @@ def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[R
               threshold: float = 0.15, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
               show: bool = True, switch_at: float | None = None,
               switch_to: Recipe | None = None,
-              statistic: Literal["gemm", "loss"] = "gemm") -> RecipeMap | RecipeSchedule:
+              statistic: Literal["gemm", "loss", "grad"] = "gemm") -> RecipeMap | RecipeSchedule:
     """A RecipeMap with one rule per engine module of `model` (module docstring). `batches`: inputs for
     `model(batch)` (`model(*batch)` for a tuple); `loss_fn(model, batch)`: the scalar to backpropagate (default:
     the output if scalar, else its mean square). `show`: print the table. `switch_at`: a fraction in (0, 1] of
     the run's steps; the map then comes in a RecipeSchedule that switches to `switch_to` there. `statistic`:
-    "gemm" (the largest relative GEMM error) or "loss" (the relative loss change, one layer at a time)."""
+    "gemm" (the largest relative GEMM error), "loss" (the relative loss change, one layer at a time) or "grad"
+    (the gradient error, one GEMM of one layer at a time; picks per GEMM)."""
     modules, batches = _checked(model, batches, candidates, budget, threshold)
     _check_switch(switch_at, switch_to)
     if not isinstance(statistic, str) or statistic not in STATISTICS:
         raise ValueError(f"statistic: expected one of {', '.join(map(repr, STATISTICS))} (the largest relative GEMM "
-                         f"error, or the loss change with the layer alone quantized), got {statistic!r:.100}")
+                         f"error, the loss change with the layer alone quantized, or the gradient error with one "
+                         f"GEMM alone quantized), got {statistic!r:.100}")
+    if statistic == "grad" and len(candidates) > 1:
+        raise ValueError(f"candidates: statistic='grad' picks per GEMM between one candidate and high precision; "
+                         f"give one candidate, got {len(candidates)} ({', '.join(c.name for c in candidates)})")
     loss_fn = loss_fn or (lambda m, b: default_loss(_call(m, b)))
     if statistic == "gemm":
         measured = [_measure(model, batches, c, loss_fn) for c in candidates]
@@ -165,32 +181,51 @@ def recommend(model: torch.nn.Module, batches: Iterable[Any], candidates: list[R
         errors = {name: tuple(found[name] for found in per_candidate) for name, _ in modules}
     else:
         measured = [_measure(model, batches, candidates[0], loss_fn)]  # for the FLOPs
-        errors = loss_sensitivity(model, batches, candidates, loss_fn)
+        if statistic == "loss":
+            errors = loss_sensitivity(model, batches, candidates, loss_fn)
+        else:
+            errors = gradient_sensitivity(model, batches, candidates, loss_fn)
     flops = _gemm_flops(model, modules, measured[0])
     total = sum(flops.values()) or 1.0
-    picks: dict[str, Recipe | None] = {}
-    reasons: dict[str, str] = {}
-    for name, _ in modules:
-        under = [i for i, e in enumerate(errors[name]) if e < threshold]
-        picks[name] = candidates[under[0]] if under else None
-        reasons[name] = "under threshold" if under and under[0] == 0 else (
+    items = list(errors) if statistic == "grad" else [name for name, _ in modules]
+    share = {item: flops[item[0]] / total / len(GEMMS) if statistic == "grad" else flops[item] / total
+             for item in items}
+    picks: dict[Any, Recipe | None] = {}
+    reasons: dict[Any, str] = {}
+    for item in items:
+        under = [i for i, e in enumerate(errors[item]) if e < threshold]
+        picks[item] = candidates[under[0]] if under else None
+        reasons[item] = "under threshold" if under and under[0] == 0 else (
             f"{candidates[0].name} over threshold" if under else "every candidate over threshold")
     spent = 0.0  # the budget: the largest excesses keep their promotion while their FLOPs fit
-    for _, name in sorted(((-errors[n][0], n) for n in picks if picks[n] is not candidates[0])):
-        if spent + flops[name] / total <= budget * (1 + 1e-9):
-            spent += flops[name] / total
+    for item in sorted((i for i in items if picks[i] is not candidates[0]), key=lambda i: (-errors[i][0], str(i))):
+        if spent + share[item] <= budget * (1 + 1e-9):
+            spent += share[item]
         else:
-            picks[name], reasons[name] = candidates[0], "over threshold, over the FLOP budget"
+            picks[item], reasons[item] = candidates[0], "over threshold, over the FLOP budget"
 
-    rows = [Row(name, flops[name] / total, errors[name], picks[name], reasons[name]) for name, _ in modules]
-    recipe_map = RecipeMap(rules=[(row.layer, row.pick) for row in rows])
+    rows = [Row(*(item if statistic == "grad" else (item, "all")), share[item], errors[item], picks[item],
+                reasons[item]) for item in items]
+    layer_picks = {name: _layer_pick([r for r in rows if r.layer == name], candidates[0]) for name, _ in modules}
+    recipe_map = RecipeMap(rules=list(layer_picks.items()))
     schedule = None if switch_at is None else RecipeSchedule(recipe_map=recipe_map, switch_at=switch_at,
                                                               switch_to=switch_to)
     if show:
         print(format_table(rows, candidates, threshold, budget, spent, statistic))
         if schedule is not None:
-            print(describe_switch(rows, schedule))
+            print(describe_switch({name: flops[name] / total for name, _ in modules}, layer_picks, schedule))
     return recipe_map if schedule is None else schedule
+
+
+def _layer_pick(rows: list[Row], first: Recipe) -> Recipe | None:
+    """A layer's recipe from its rows: the one row's pick, or from per-GEMM rows `first` with the GEMMs kept in
+    high precision switched there by `Debug` (None: all three kept)."""
+    if len(rows) == 1 and rows[0].gemm == "all":
+        return rows[0].pick
+    kept = tuple(r.gemm for r in rows if r.pick is None)
+    if not kept:
+        return first
+    return None if len(kept) == len(GEMMS) else Debug(first, high_precision=kept)
 
 
 def _check_switch(switch_at: Any, switch_to: Any) -> None:
@@ -204,16 +239,16 @@ def _check_switch(switch_at: Any, switch_to: Any) -> None:
         raise ValueError("switch_to: given without switch_at; pass switch_at=F (a fraction of the run's steps)")
 
 
-def four_bit_share(rows: list[Row], picks: dict[str, Recipe | None]) -> float:
-    """The share of the rows' GEMM FLOPs (3 alike GEMMs a call) on 4-bit operands under `picks`."""
-    return sum(r.flop_share * sum(four_bit_gemms(picks[r.layer]).values()) / 3 for r in rows)
+def four_bit_share(flop_shares: dict[str, float], picks: dict[str, Recipe | None]) -> float:
+    """The share of the layers' GEMM FLOPs (3 alike GEMMs a call) on 4-bit operands under `picks`."""
+    return sum(share * sum(four_bit_gemms(picks[layer]).values()) / 3 for layer, share in flop_shares.items())
 
 
-def describe_switch(rows: list[Row], schedule: RecipeSchedule) -> str:
+def describe_switch(flop_shares: dict[str, float], picks: dict[str, Recipe | None], schedule: RecipeSchedule) -> str:
     """One line: the switch, and the share of the run's GEMM FLOPs in 4-bit before, after and over the run."""
-    before = four_bit_share(rows, {r.layer: r.pick for r in rows})
+    before = four_bit_share(flop_shares, picks)
     late = schedule.late_map()
-    after = four_bit_share(rows, {r.layer: late.recipe_for(r.layer) for r in rows})
+    after = four_bit_share(flop_shares, {layer: late.recipe_for(layer) for layer in flop_shares})
     to = "high precision" if schedule.switch_to is None else schedule.switch_to.name
     run = schedule.switch_at * before + (1 - schedule.switch_at) * after
     return (f"late switch: at {100 * schedule.switch_at:g}% of the steps to {to}; GEMM FLOPs in 4-bit: "
@@ -223,13 +258,15 @@ def describe_switch(rows: list[Row], schedule: RecipeSchedule) -> str:
 def format_table(rows: list[Row], candidates: list[Recipe], threshold: float, budget: float, spent: float,
                  statistic: str = "gemm") -> str:
     """The decision as text: one line per layer."""
-    heads = ["layer", "GEMM FLOPs %", *[f"err {c.name}" for c in candidates], "pick", "why"]
-    lines = [[r.layer, f"{100 * r.flop_share:.1f}", *[f"{e:.4f}" for e in r.errors],
+    per_gemm = any(r.gemm != "all" for r in rows)
+    heads = ["layer", *(["GEMM"] if per_gemm else []), "GEMM FLOPs %", *[f"err {c.name}" for c in candidates],
+             "pick", "why"]
+    lines = [[r.layer, *([r.gemm] if per_gemm else []), f"{100 * r.flop_share:.1f}", *[f"{e:.4f}" for e in r.errors],
               "high precision" if r.pick is None else r.pick.name, r.reason] for r in rows]
     widths = [max(len(x) for x in column) for column in zip(heads, *lines)]
     text = ["  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [heads, *lines]]
     text.insert(1, "  ".join("-" * w for w in widths))
     measured = STATISTICS[statistic]
-    return "\n".join([f"engine.recommend: {measured} per layer; threshold "
+    return "\n".join([f"engine.recommend: {measured} per layer{' and GEMM' if per_gemm else ''}; threshold "
                       f"{threshold}; {100 * spent:.1f}% of GEMM FLOPs above {candidates[0].name} (budget "
                       f"{100 * budget:.1f}%)", *text])
