@@ -29,9 +29,11 @@ class FloorStep:
         if cc is None:
             raise RuntimeError("bench optim --floor: no C compiler (cc / gcc) on PATH")
         flags = ARCH_FLAGS[isa] if platform.machine().lower() in ("x86_64", "amd64") else []
-        library = folder / f"optim_floor_{isa}.so"
-        subprocess.run([cc, "-O3", "-ffast-math", *flags, "-shared", "-fPIC", "-o", str(library), str(SOURCE)],
-                       check=True)
+        library, objects = folder / f"optim_floor_{isa}.so", folder / f"optim_floor_{isa}.o"
+        # compiled with -ffast-math but linked without it: linked with it, the library's start-up code would set
+        # flush-to-zero / denormals-are-zero for the whole process when it is loaded (GCC's crtfastmath.o)
+        subprocess.run([cc, "-O3", "-ffast-math", *flags, "-fPIC", "-c", "-o", str(objects), str(SOURCE)], check=True)
+        subprocess.run([cc, "-shared", "-o", str(library), str(objects)], check=True)
         self._fn = ctypes.CDLL(str(library)).floor_step
         blocks = [(t.numel() // 128) * 128 for t in base]
         self.w = [t[:k].clone() for t, k in zip(base, blocks)]

@@ -312,8 +312,10 @@ def test_bench_floor_row_runs_the_whole_linear_int8_step(monkeypatch):
 
     gen = torch.Generator().manual_seed(0)
     w, g = torch.randn(256, generator=gen), torch.randn(256, generator=gen) * 1e-3
+    tiny = torch.tensor([1e-40])  # a subnormal: loading the floor's library must not switch flush-to-zero on
     row = floor_row([w], [g], "baseline")
     row.step()
+    assert (tiny * 1.0).item() != 0.0
     b1, b2, lr, eps, decay = (torch.tensor(x).item() for x in (0.9, 0.999, 1e-3, 1e-8, 1 - 1e-5))  # the fp32 values
     expected, codes, scales = [], [], []
     for wb, gb in zip(w.double().split(128), g.double().split(128)):
