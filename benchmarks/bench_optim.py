@@ -39,7 +39,7 @@ FLOOR = "floor: two linear int8 block states"
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    if isinstance(opt, optim.AdamW) or hasattr(opt, "state_bytes"):
+    if hasattr(opt, "state_bytes"):  # engine.optim.AdamW, the floor row
         return opt.state_bytes()
     return sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
 

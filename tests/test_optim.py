@@ -306,7 +306,8 @@ def test_bench_floor_row_runs_the_whole_linear_int8_step(monkeypatch):
     from pathlib import Path
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler")
+        pytest.skip("no C compiler (cc or gcc) on PATH: the floor row compiles benchmarks/optim_floor.c "
+                    "(engine's developer build needs one too)")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from optim_floor import floor_row
 
